@@ -1,0 +1,13 @@
+"""minipar: 3D-parallel LLM training (DP, TP, PP, ZeRO/AMSP) in small, readable, tested code.
+
+Modules, one per paradigm, on shared foundations:
+  dist   start-up (torchrun, Slurm, local launch) and the (dp, pp, tp) process grid
+  comm   collectives that record their bytes and time
+  model  the GPT;  data  corpus, tokenizer, deterministic batches
+  dp     data parallelism: naive, bucketed, overlapped
+  tp     tensor parallelism (Megatron): f/g, column/row parallel, vocab-parallel, SP
+  pp     pipeline parallelism: schedules as data, one executor
+  zero   ZeRO-1/2/3 as presets of AMSP's (P, G, OS) sharding
+  train  the trainer;  plan  the planner;  bench  benchmarks against torch's own versions
+"""
+__version__ = "0.1.0"

@@ -1,0 +1,29 @@
+"""Benchmarks: minipar against PyTorch's own implementation, measured in the same run.
+
+    python -m minipar.bench dp      naive / bucketed / overlapped DP vs DistributedDataParallel
+    python -m minipar.bench tp      minipar TP vs DTensor ColwiseParallel/RowwiseParallel
+    python -m minipar.bench pp      bubble fraction vs (p-1)/(m+p-1); minipar vs torch pipelining
+    python -m minipar.bench zero    ZeRO presets vs ZeroRedundancyOptimizer and FSDP2
+
+Each prints median step times, ratios to the native twin, and measured bytes next to the
+formula. Timings depend on the machine and on what else runs on it: each bench names the
+machine it ran on, and every ratio compares runs made in the same process tree.
+"""
+import platform
+import statistics
+
+import torch
+
+BENCHES = ("dp", "tp", "pp", "zero")
+
+
+def machine() -> str:
+    """One line naming the machine, for every printed figure."""
+    import os
+    return (f"{platform.node() or 'host'}: {os.cpu_count()} CPU cores, {platform.machine()}, "
+            f"torch {torch.__version__}, "
+            f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+
+
+def median(xs):
+    return statistics.median(xs)

@@ -1,0 +1,289 @@
+"""The collectives minipar uses, with their bytes and time recorded.
+
+Every paradigm calls these thin wrappers instead of ``torch.distributed`` so that the
+trainer's metrics and the notebooks can show, per op and per group, how many bytes each
+rank sent and how long it waited.
+
+Convention: ``group=None`` means *a group of one rank* (the grid hands out ``None`` for an
+axis of size 1), so every op is then a no-op that records nothing. Pass ``WORLD`` for the
+whole world.
+
+What "bytes sent" means. gloo and NCCL do not report wire traffic, so each call records the
+bytes this rank sends under the bandwidth-optimal ring algorithm for the tensor it was
+given; N is that tensor's size in bytes and n the group size:
+
+=================  ==========================  ==================================
+op                 this rank sends             note
+=================  ==========================  ==================================
+all_reduce         2 (n-1)/n * N               reduce-scatter + all-gather
+reduce_scatter     (n-1)/n * N                 N = full input, each rank keeps N/n
+all_gather         (n-1)/n * N                 N = full output
+broadcast          N on the source, 0 else     a tree/ring may spread it, same total
+send               N                           point-to-point, exact payload
+recv               0                           (received bytes are in ``received``)
+=================  ==========================  ==================================
+
+So a measured total equals a closed-form volume exactly when the code hands each
+collective exactly the tensors the formula assumes: that is what the tests check.
+
+gloo has no AVG for every collective, so ``op="avg"`` is a sum followed by a division.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+
+class _World:
+    """Sentinel for the whole world (``dist.group.WORLD`` is None until init)."""
+
+    def __repr__(self):
+        return "WORLD"
+
+
+WORLD = _World()
+
+
+def _pg(group):
+    return None if group is WORLD else group  # torch's own spelling of "the world"
+
+# name of each group we created, for per-group accounting
+_GROUP_NAMES: dict[int, str] = {}
+_GROUP_RANKS: dict[int, list[int]] = {}
+
+
+def name_group(group, name: str, ranks=None) -> None:
+    _GROUP_NAMES[id(group)] = name
+    if ranks is not None:
+        _GROUP_RANKS[id(group)] = list(ranks)
+
+
+def group_name(group) -> str:
+    if group is None:
+        return "solo"
+    if group is WORLD:
+        return "world"
+    return _GROUP_NAMES.get(id(group), "group")
+
+
+def size(group) -> int:
+    """Ranks in ``group``; 1 for ``None`` (a group of one) or without a process group."""
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(_pg(group))
+
+
+def rank(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(_pg(group))
+
+
+def global_ranks(group) -> list[int]:
+    if group is None or not dist.is_initialized():
+        return [dist.get_rank() if dist.is_initialized() else 0]
+    if group is WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+# --------------------------------------------------------------------------------------
+# Accounting
+# --------------------------------------------------------------------------------------
+class Stats:
+    """Bytes sent, bytes received, calls and seconds, keyed by (op, group name)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.sent = defaultdict(int)
+        self.received = defaultdict(int)
+        self.calls = defaultdict(int)
+        self.seconds = defaultdict(float)
+
+    def add(self, op, group, sent, received, seconds):
+        key = (op, group_name(group))
+        self.sent[key] += int(sent)
+        self.received[key] += int(received)
+        self.calls[key] += 1
+        self.seconds[key] += seconds
+
+    def bytes_by_op(self) -> dict[str, int]:
+        out = defaultdict(int)
+        for (op, _), b in self.sent.items():
+            out[op] += b
+        return dict(out)
+
+    def bytes_by_group(self) -> dict[str, int]:
+        out = defaultdict(int)
+        for (_, g), b in self.sent.items():
+            out[g] += b
+        return dict(out)
+
+    def table(self) -> list[dict]:
+        return [dict(op=op, group=g, calls=self.calls[(op, g)], bytes_sent=self.sent[(op, g)],
+                     bytes_received=self.received[(op, g)], seconds=self.seconds[(op, g)])
+                for (op, g) in sorted(self.calls)]
+
+
+stats = Stats()
+_tracking = [True]
+
+
+def reset() -> None:
+    stats.reset()
+
+
+@contextlib.contextmanager
+def untracked():
+    """Run collectives that are bookkeeping (e.g. gathering metrics), not training traffic."""
+    _tracking.append(False)
+    try:
+        yield
+    finally:
+        _tracking.pop()
+
+
+def _record(op, group, sent, received, seconds):
+    if _tracking[-1]:
+        stats.add(op, group, sent, received, seconds)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Handle:
+    """An asynchronous op in flight; ``wait()`` finishes it and records its waiting time."""
+
+    def __init__(self, work, op, group, sent, received, after=None):
+        self.work, self.op, self.group = work, op, group
+        self.sent, self.received, self.after = sent, received, after
+        self.t0 = time.perf_counter()
+        self.done = False
+
+    def wait(self):
+        if self.done:
+            return
+        t = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()
+        if self.after is not None:
+            self.after()
+        _record(self.op, self.group, self.sent, self.received, time.perf_counter() - t)
+        self.done = True
+
+
+def _run(op, group, sent, received, call, async_op, after=None):
+    """Issue ``call(async_op)``; return a Handle (async) or finish and record (sync)."""
+    if async_op:
+        return Handle(call(True), op, group, sent, received, after)
+    t = time.perf_counter()
+    call(False)
+    if after is not None:
+        after()
+    _record(op, group, sent, received, time.perf_counter() - t)
+    return None
+
+
+_DONE = Handle(None, "noop", None, 0, 0)
+_DONE.done = True
+
+
+# --------------------------------------------------------------------------------------
+# Collectives
+# --------------------------------------------------------------------------------------
+def _reduce_op(op: str):
+    return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN}[op]
+
+
+def all_reduce(t: torch.Tensor, group=None, op: str = "sum", async_op: bool = False):
+    """In place: every rank ends with the reduction of all ranks' ``t``. Sends 2(n-1)/n N."""
+    n = size(group)
+    if n == 1:
+        return _DONE if async_op else None
+    volume = 2 * (n - 1) * _nbytes(t) // n
+    after = (lambda: t.div_(n)) if op == "avg" else None
+    return _run("all_reduce", group, volume, volume,
+                lambda a: dist.all_reduce(t, op=_reduce_op(op), group=_pg(group), async_op=a),
+                async_op, after)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, op: str = "sum",
+                   async_op: bool = False):
+    """Rank i gets shard i of the reduction of every rank's flat ``inp``. Sends (n-1)/n N."""
+    n = size(group)
+    if n == 1:
+        out.copy_(inp.view_as(out))
+        return _DONE if async_op else None
+    assert inp.numel() == out.numel() * n, "reduce_scatter: input must be n x output"
+    volume = (n - 1) * _nbytes(inp) // n
+    after = (lambda: out.div_(n)) if op == "avg" else None
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _run("reduce_scatter", group, volume, volume,
+                lambda a: fn(out, inp, op=_reduce_op(op), group=_pg(group), async_op=a),
+                async_op, after)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Flat ``out`` (n x inp) gets every rank's ``inp`` in rank order. Sends (n-1)/n N."""
+    n = size(group)
+    if n == 1:
+        out.copy_(inp.view_as(out))
+        return _DONE if async_op else None
+    assert out.numel() == inp.numel() * n, "all_gather: output must be n x input"
+    volume = (n - 1) * _nbytes(out) // n
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return _run("all_gather", group, volume, volume,
+                lambda a: fn(out, inp, group=_pg(group), async_op=a), async_op)
+
+
+def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
+    """Every rank gets the global rank ``src``'s ``t``. The source sends N."""
+    if size(group) == 1:
+        return _DONE if async_op else None
+    me = dist.get_rank()
+    sent = _nbytes(t) if me == src else 0
+    return _run("broadcast", group, sent, _nbytes(t) - sent,
+                lambda a: dist.broadcast(t, src=src, group=_pg(group), async_op=a), async_op)
+
+
+def send(t: torch.Tensor, dst: int) -> None:
+    """Blocking point-to-point send to global rank ``dst``. Sends N."""
+    _run("send", None, _nbytes(t), 0, lambda a: dist.send(t.contiguous(), dst), False)
+
+
+def recv(t: torch.Tensor, src: int) -> None:
+    """Blocking point-to-point receive from global rank ``src`` into ``t``."""
+    _run("recv", None, 0, _nbytes(t), lambda a: dist.recv(t, src), False)
+
+
+def isend(t: torch.Tensor, dst: int) -> Handle:
+    return _run("send", None, _nbytes(t), 0, lambda a: dist.isend(t, dst), True)
+
+
+def irecv(t: torch.Tensor, src: int) -> Handle:
+    return _run("recv", None, 0, _nbytes(t), lambda a: dist.irecv(t, src), True)
+
+
+def barrier(group=None) -> None:
+    if size(group) > 1:
+        dist.barrier(group=_pg(group))
+
+
+def all_reduce_scalars(values: list[float], group=None, op: str = "sum") -> list[float]:
+    """Reduce a few Python floats (metrics, not training traffic: not recorded)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if size(group) > 1:
+        with untracked():
+            dist.all_reduce(t, op=_reduce_op(op), group=_pg(group))
+        if op == "avg":
+            t /= size(group)
+    return t.tolist()

@@ -1,0 +1,51 @@
+"""Shared test helpers: tiny models, gloo processes with timeouts, serial references."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+os.environ.setdefault("MINIPAR_TIMEOUT", "60")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The model every equivalence test trains: the `nano` preset, 20 steps, fp32.
+NANO = ["--model", "nano", "--batch-size", "8", "--steps", "20", "--quiet", "--lr", "3e-3"]
+
+_SERIAL_CACHE = {}
+
+
+def serial_state(extra=()):
+    """The single-process run that every layout is compared with (cached per argument list)."""
+    from minipar.train import run_state
+    key = tuple(NANO) + tuple(extra)
+    if key not in _SERIAL_CACHE:
+        _SERIAL_CACHE[key] = run_state(list(key), nproc=1)
+    return _SERIAL_CACHE[key]
+
+
+def assert_same_training(got, ref, loss_tol=1e-5, tol=1e-4, check_grads=True):
+    """Same losses at every step, same final parameters and last-step gradients."""
+    assert len(got["losses"]) == len(ref["losses"])
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
+        assert abs(a - b) <= loss_tol, f"step {step}: loss {a} != serial {b}"
+    assert set(got["params"]) == set(ref["params"]), (
+        f"parameter names differ: {sorted(set(got['params']) ^ set(ref['params']))}")
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], p, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+    if check_grads:
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, atol=tol, rtol=tol, msg=lambda m: f"grad {name}: {m}")
+
+
+def cli(*args, timeout=120):
+    """Run `python -m ...` as a user would; returns CompletedProcess (text)."""
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture
+def nano_serial():
+    return serial_state()
