@@ -69,6 +69,8 @@ class Bucket:
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
     """Group parameters into buckets in reverse order, roughly the order backward finishes them."""
+    # EXERCISE ex02 begin
+    # walk the parameters last to first, closing a bucket when the next one would overflow it
     buckets, current, size = [], [], 0
     for p in reversed(params):
         if current and (size + p.numel() * p.element_size() > bucket_bytes
@@ -79,7 +81,23 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
         size += p.numel() * p.element_size()
     if current:
         buckets.append(Bucket(current))
+    # EXERCISE ex02 end
     return buckets
+
+
+def sync_buckets(buckets: list[Bucket], group) -> None:
+    """Average every bucket's flat gradient buffer over ``group``: one all-reduce per bucket.
+
+    Because each ``param.grad`` is a view into its bucket, the parameters see the averaged
+    gradients without any copy back.
+    """
+    # EXERCISE ex02 begin
+    # one all-reduce per bucket (sum), then divide by the group size: the average
+    n = comm.size(group)
+    for b in buckets:
+        comm.all_reduce(b.buffer, group, op="sum")
+        b.buffer.div_(n)
+    # EXERCISE ex02 end
 
 
 class DataParallel:
@@ -137,8 +155,7 @@ class DataParallel:
                     p.grad = torch.zeros_like(p)
                 comm.all_reduce(p.grad, self.group, op="avg")
         elif self.mode == "bucketed":
-            for b in self.buckets:
-                comm.all_reduce(b.buffer, self.group, op="avg")
+            sync_buckets(self.buckets, self.group)
         else:
             for b in self.buckets:
                 if b.handle is None:   # a parameter unused this step: reduce it now
@@ -161,11 +178,3 @@ class DataParallel:
         optimizer = optimizer_state_bytes(self.optimizer)
         return dict(params=params, grads=grads, optimizer=optimizer,
                     total=params + grads + optimizer)
-
-    def allreduce_bytes_formula(self) -> int:
-        """What one step should send: 2 (d-1)/d x gradient bytes (exact for our accounting)."""
-        if self.d == 1:
-            return 0
-        if self.buckets:
-            return sum(2 * (self.d - 1) * tensor_bytes([b.buffer]) // self.d for b in self.buckets)
-        return sum(2 * (self.d - 1) * tensor_bytes([p]) // self.d for p in self.params)

@@ -1,0 +1,206 @@
+"""Workshop exercises, made from the package's own source so they never drift from it.
+
+An exercise ``exNN`` is one small module here (``minipar/exercises/exNN.py``) declaring:
+
+* ``TITLE``, ``INTRO``: what the student writes, in plain words;
+* ``MODULE``, ``NAMES``: the package module holding the solution and the top-level functions or
+  classes copied into the student file. Inside them, every region between
+  ``# EXERCISE exNN begin`` and ``# EXERCISE exNN end`` is blanked: the first comment line after
+  the begin marker (the hint) stays, the code becomes ``raise NotImplementedError``;
+* ``check(student) -> list[str]``: real tests of the student's objects (multi-process ones
+  through ``launch_student``); an empty list means every check passed.
+
+The student file ``exercises/exNN_<slug>.py`` starts with ``from MODULE import *`` and then
+redefines NAMES, so everything else comes from the package. Commands::
+
+    python -m minipar.exercises list
+    python -m minipar.exercises check ex01              # checks exercises/ex01_*.py
+    python -m minipar.exercises check ex01 --solution   # checks the package's own code
+    python -m minipar.exercises make [exNN ...]         # regenerate the student files
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import pkgutil
+import re
+import sys
+import traceback
+from pathlib import Path
+
+from .. import dist
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def exercises_dir() -> Path:
+    """The repository's ``exercises/`` folder (next to the package in a checkout)."""
+    here = PACKAGE_DIR.parent.parent / "exercises"
+    return here if here.is_dir() else Path.cwd() / "exercises"
+
+
+def registry() -> dict[str, object]:
+    """Every exercise module, by id, in order."""
+    found = {}
+    for info in pkgutil.iter_modules([str(PACKAGE_DIR)]):
+        if re.fullmatch(r"ex\d\d", info.name):
+            found[info.name] = importlib.import_module(f"{__name__}.{info.name}")
+    return dict(sorted(found.items()))
+
+
+def get(ex_id: str):
+    reg = registry()
+    if ex_id not in reg:
+        raise dist.UsageError(f"unknown exercise {ex_id!r}; available: {', '.join(reg) or 'none'}")
+    return reg[ex_id]
+
+
+def slug(ex) -> str:
+    words = re.findall(r"[a-z0-9]+", ex.TITLE.lower())
+    return "_".join(words[:4])
+
+
+def student_path(ex_id: str, folder: Path | None = None) -> Path:
+    ex = get(ex_id)
+    return (folder or exercises_dir()) / f"{ex_id}_{slug(ex)}.py"
+
+
+# --------------------------------------------------------------------------------------
+# Making the student file
+# --------------------------------------------------------------------------------------
+def blank(source: str, ex_id: str) -> str:
+    """Replace each ``# EXERCISE ex_id begin ... end`` region by its hint and a raise.
+
+    Markers of other exercises are dropped and their code kept.
+    """
+    out, inside = [], False
+    begin = re.compile(r"^(\s*)# EXERCISE (ex\d\d) begin")
+    end = re.compile(r"^\s*# EXERCISE (ex\d\d) end")
+    hint_pending = False
+    for line in source.splitlines():
+        b, e = begin.match(line), end.match(line)
+        if b:
+            if b.group(2) == ex_id:
+                inside, indent, hint_pending = True, b.group(1), True
+                out.append(f"{indent}# TODO {ex_id}: write this part")
+            continue
+        if e:
+            if e.group(1) == ex_id and inside:
+                out.append(f'{indent}raise NotImplementedError("{ex_id}: this part is yours to write")')
+                inside = False
+            continue
+        if inside:
+            if hint_pending and line.strip().startswith("#"):
+                out.append(line)
+            else:
+                hint_pending = False
+            continue
+        out.append(line)
+    if inside:
+        raise ValueError(f"{ex_id}: begin marker without an end marker")
+    return "\n".join(out) + "\n"
+
+
+def student_source(ex_id: str) -> str:
+    ex = get(ex_id)
+    module = importlib.import_module(ex.MODULE)
+    parts = []
+    for name in ex.NAMES:
+        src = inspect.getsource(getattr(module, name))
+        if f"# EXERCISE {ex_id} begin" not in src and not parts and name == ex.NAMES[-1]:
+            raise ValueError(f"{ex_id}: no '# EXERCISE {ex_id} begin' marker in {ex.MODULE}.{name}")
+        parts.append(blank(src, ex_id))
+    intro = inspect.cleandoc(ex.INTRO)
+    header = (f'"""Exercise {ex_id}: {ex.TITLE}\n\n{intro}\n\n'
+              f"Fill in every block marked `# TODO {ex_id}`, then run:\n\n"
+              f"    python -m minipar.exercises check {ex_id}\n\n"
+              f"Generated from {ex.MODULE} by `python -m minipar.exercises make {ex_id}`; the\n"
+              f"solution is the package's own code, so peek only when stuck.\n"
+              f'"""\n')
+    imports = f"from {ex.MODULE} import *  # noqa: F401,F403  everything else, as the package has it\n"
+    extra = getattr(ex, "EXTRA_IMPORTS", "")
+    return header + imports + (extra.strip() + "\n" if extra else "") + "\n\n" + "\n\n".join(parts)
+
+
+def make(ex_ids=None, folder: Path | None = None) -> list[Path]:
+    folder = folder or exercises_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for ex_id in ex_ids or registry():
+        path = student_path(ex_id, folder)
+        path.write_text(student_source(ex_id))
+        written.append(path)
+    return written
+
+
+# --------------------------------------------------------------------------------------
+# Loading and checking
+# --------------------------------------------------------------------------------------
+def load(path: str | os.PathLike):
+    """Import a student file by path, as a fresh module."""
+    path = Path(path).resolve()
+    name = f"minipar_student_{path.stem}_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ref(student) -> tuple[str, str]:
+    """How a child process finds the student's code again: a file or a package module."""
+    f = getattr(student, "__file__", None)
+    if getattr(student, "__name__", "").startswith("minipar.") and not \
+            getattr(student, "__name__", "").startswith("minipar_student"):
+        return ("module", student.__name__)
+    return ("path", str(f))
+
+
+def _resolve(ref):
+    kind, value = ref
+    return importlib.import_module(value) if kind == "module" else load(value)
+
+
+def _trampoline(fn, ref, *args):
+    return fn(_resolve(ref), *args)
+
+
+def launch_student(fn, nprocs: int, student, *args, timeout: float = 60.0) -> list:
+    """Run ``fn(student_module, *args)`` on ``nprocs`` gloo ranks; results by rank."""
+    return dist.launch(_trampoline, nprocs, fn, _ref(student), *args, timeout=timeout)
+
+
+def run_check(ex_id: str, student) -> list[str]:
+    """The exercise's checks on ``student``; plain-word failures (empty: all passed)."""
+    ex = get(ex_id)
+    try:
+        return list(ex.check(student))
+    except NotImplementedError as e:
+        return [f"not written yet: {e}"]
+    except dist.RankFailed as e:
+        text = str(e)
+        if "NotImplementedError" in text:
+            return ["not written yet: a rank hit a `# TODO` block (NotImplementedError)"]
+        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
+        return [f"a rank crashed: {last}", text]
+    except TimeoutError as e:
+        return [f"timed out: {e} (a send without its matching receive hangs; check the order)"]
+    except Exception:  # noqa: BLE001 - any error in student code is a finding, not a crash
+        tb = traceback.format_exc()
+        last = [ln for ln in tb.strip().splitlines() if ln.strip()][-1]
+        return [f"your code raised {last}", tb]
+
+
+def check(ex_id: str, path=None, solution: bool = False) -> list[str]:
+    ex = get(ex_id)
+    if solution:
+        student = importlib.import_module(ex.MODULE)
+    else:
+        path = Path(path) if path else student_path(ex_id)
+        if not path.exists():
+            raise dist.UsageError(f"{path}: no such file; run `python -m minipar.exercises make "
+                                  f"{ex_id}` to create it")
+        student = load(path)
+    return run_check(ex_id, student)

@@ -1,0 +1,46 @@
+"""ex01: a ring all-reduce from point-to-point send and receive."""
+import torch
+
+TITLE = "Ring all-reduce from send and recv"
+MODULE = "minipar.comm"
+NAMES = ["ring_all_reduce"]
+INTRO = """
+All-reduce sums a tensor over every rank. The bandwidth-optimal way does it on a ring:
+cut the tensor into n chunks; in n-1 reduce-scatter steps each rank passes a chunk to its
+right neighbour and adds the one arriving from its left, so that each rank ends up owning one
+fully summed chunk; in n-1 all-gather steps the finished chunks travel once more around the
+ring. Use `isend(tensor, dst)` (returns a handle: call `.wait()`), `recv(tensor, src)` and the
+`chunks`, `incoming`, `left`, `right`, `r`, `n` already prepared for you.
+"""
+
+
+def _run(student, numel):
+    from minipar import comm
+    import torch.distributed as dist
+    r, n = dist.get_rank(), dist.get_world_size()
+    x = torch.arange(numel, dtype=torch.float64) * (r + 1) + r
+    expected = sum(torch.arange(numel, dtype=torch.float64) * (k + 1) + k for k in range(n))
+    comm.reset()
+    out = student.ring_all_reduce(x, comm.WORLD)
+    return dict(ok=torch.allclose(out, expected) and torch.allclose(x, expected),
+                sent=comm.stats.bytes_by_op().get("send", 0), other=sorted(
+                    op for op in comm.stats.bytes_by_op() if op not in ("send", "recv")),
+                expected_sent=2 * (n - 1) * numel * 8 // n)
+
+
+def check(student) -> list[str]:
+    from minipar.exercises import launch_student
+    failures = []
+    for n in (2, 3, 4):
+        numel = 12 * n
+        for rank, res in enumerate(launch_student(_run, n, student, numel)):
+            if not res["ok"]:
+                failures.append(f"on {n} ranks, rank {rank} does not hold the sum of every rank's tensor")
+            if res["other"]:
+                failures.append(f"on {n} ranks you called {res['other']}: build it from isend/recv only")
+            if res["sent"] != res["expected_sent"]:
+                failures.append(f"on {n} ranks, rank {rank} sent {res['sent']} bytes; a ring sends "
+                                f"2(n-1)/n x N = {res['expected_sent']}")
+            if failures:
+                return failures
+    return failures

@@ -1,0 +1,56 @@
+"""Every exercise: its student file is generated from the package, its checker passes the
+package's solution, fails the blank file, and catches typical wrong answers."""
+import pytest
+
+from minipar import exercises
+
+IDS = list(exercises.registry())
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_student_file_is_generated_from_the_package(ex_id):
+    path = exercises.student_path(ex_id)
+    assert path.exists(), f"run `python -m minipar.exercises make {ex_id}`"
+    assert path.read_text() == exercises.student_source(ex_id), (
+        f"{path.name} drifted from the package source: run `python -m minipar.exercises make {ex_id}`")
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_checker_passes_the_solution(ex_id):
+    assert exercises.check(ex_id, solution=True) == []
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_checker_fails_the_blank_exercise(ex_id):
+    failures = exercises.check(ex_id)
+    assert failures and "not written yet" in failures[0]
+
+
+def _mutant(tmp_path, ex_id, old, new):
+    """The solution with one deliberate mistake, written as a student file."""
+    src = exercises.student_source(ex_id)
+    import importlib
+    import inspect
+    ex = exercises.get(ex_id)
+    module = importlib.import_module(ex.MODULE)
+    solution = "\n\n".join(inspect.getsource(getattr(module, n)) for n in ex.NAMES)
+    assert old in solution, "mutation target not found"
+    header = src[:src.index("\n\n\n") + 3]
+    path = tmp_path / f"{ex_id}_mutant.py"
+    path.write_text(header + solution.replace(old, new, 1))
+    return path
+
+
+@pytest.mark.parametrize("ex_id,old,new,expected", [
+    ("ex01", "chunks[(r - k - 1) % n] += incoming", "chunks[(r - k - 1) % n].copy_(incoming)",
+     "sum"),
+    ("ex01", "    for k in range(n - 1):\n        handle = isend(chunks[(r + 1 - k) % n].clone(), right)",
+     "    all_reduce(t, WORLD); return t\n    for k in range(n - 1):\n        handle = isend(chunks[(r + 1 - k) % n].clone(), right)",
+     "isend/recv only"),
+    ("ex02", "b.buffer.div_(n)", "pass", "average"),
+    ("ex02", "size + p.numel() * p.element_size() > bucket_bytes", "False", "several"),
+])
+def test_checker_catches_wrong_answers(tmp_path, ex_id, old, new, expected):
+    failures = exercises.check(ex_id, path=_mutant(tmp_path, ex_id, old, new))
+    assert failures, "the checker accepted a wrong answer"
+    assert any(expected in f for f in failures), failures
