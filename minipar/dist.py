@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -136,11 +137,11 @@ def init(backend: str = "auto") -> tuple[str, torch.device]:
     if env is None:
         raise UsageError("no launcher environment found: use --nproc N, torchrun or srun")
     backend = resolve_backend(backend, env.local_world_size)
+    # env:// also lets torchrun hand over its own rendezvous store (TORCHELASTIC_USE_AGENT_STORE).
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     device = device_for(backend, env.local_rank)
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, init_method="env://",
                             timeout=datetime.timedelta(seconds=_timeout_s()),
                             device_id=device if backend == "nccl" else None)
     return backend, device
@@ -236,7 +237,9 @@ def _worker(fn, args, rank, world, port, backend, queue, threads):
     try:
         init(backend)
         result = fn(*args)
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensors into the message; torch's default queue pickling would
+        # pass them as shared-memory file descriptors that die with this process.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, "error", traceback.format_exc()))
         queue.close()
@@ -310,7 +313,7 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
                 else:
                     continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failure = RankFailed(f"rank {rank} failed:\n{payload}")
     finally:

@@ -265,6 +265,7 @@ def worker(argv: list[str], return_state: bool = False):
             engine.zero_grad()
             engine.begin_step(args.microbatches)
             local_loss = runner.forward_backward(x, y)
+            _maybe_crash(grid.rank, step)
             engine.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -298,6 +299,13 @@ def worker(argv: list[str], return_state: bool = False):
     if return_state:
         return dict(history=history, **collect_state(grid, runner, engine))
     return history if is_rank0 else None
+
+
+def _maybe_crash(rank: int, step: int) -> None:
+    """Fault injection for the tests: MINIPAR_CRASH_AT="rank:step" makes that rank raise."""
+    at = os.environ.get("MINIPAR_CRASH_AT")
+    if at and at == f"{rank}:{step}":
+        raise RuntimeError(f"injected crash on rank {rank} at step {step} (MINIPAR_CRASH_AT)")
 
 
 def engine_name(args) -> str:

@@ -1,0 +1,91 @@
+"""Data parallelism: every variant, with and without accumulation, equals the serial run,
+equals torch DDP, and sends exactly 2(d-1)/d x gradient bytes per step."""
+import pytest
+import torch
+import torch.distributed as tdist
+
+from minipar import comm, data, dist, dp
+from minipar.model import build, config, num_params
+from minipar.train import run_state
+
+from conftest import NANO, assert_same_training, serial_state
+
+
+CASES = [(n, mode, 1) for n in (2, 4) for mode in dp.MODES] + [(2, mode, 2) for mode in dp.MODES]
+
+
+@pytest.mark.parametrize("nproc,mode,micro", CASES)
+def test_dp_equals_serial(nproc, mode, micro):
+    got = run_state(NANO + ["--dp-mode", mode, "--microbatches", str(micro), "--bucket-mb", "0.01"],
+                    nproc=nproc)
+    assert_same_training(got, serial_state(), loss_tol=1e-5, tol=1e-5)
+
+
+@pytest.mark.parametrize("mode", dp.MODES)
+@pytest.mark.parametrize("micro", [1, 4])
+def test_allreduce_bytes_equal_formula_every_step(mode, micro):
+    """One all-reduce of every gradient per step, whatever the micro-batch count."""
+    d = 2
+    got = run_state(NANO + ["--steps", "3", "--dp-mode", mode, "--microbatches", str(micro),
+                            "--bucket-mb", "0.01"], nproc=d)
+    grad_bytes = num_params(build("nano")) * 4
+    for h in got["history"]:
+        assert h["comm_bytes"] == {"all_reduce": 2 * (d - 1) * grad_bytes // d}
+
+
+def test_model_state_bytes_are_replicated_full_copies():
+    got = run_state(NANO + ["--steps", "2"], nproc=2)
+    phi = num_params(build("nano"))
+    ms = got["history"][-1]["model_state_bytes"]
+    assert ms["params"] == 4 * phi and ms["grads"] == 4 * phi
+    # AdamW: exp_avg and exp_avg_sq (8 bytes/param) plus one scalar step per tensor
+    n_tensors = len(list(build("nano").parameters()))
+    assert 8 * phi <= ms["optimizer"] <= 8 * phi + 8 * n_tensors
+
+
+def _versus_ddp(mode, steps):
+    cfg = config("nano")
+    tokens = data.ByteTokenizer().encode(data.default_corpus())
+    batches = data.Batches(tokens, cfg.seq_len, 8, seed=0)
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    ours, theirs = build(cfg, seed=0), build(cfg, seed=0)
+    engine = dp.DataParallel(ours, comm.WORLD, mode=mode, bucket_mb=0.01,
+                             optimizer=torch.optim.AdamW(ours.parameters(), lr=3e-3))
+    ddp = torch.nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=0.01)
+    opt = torch.optim.AdamW(theirs.parameters(), lr=3e-3)
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = batches.local_batch(step, r, d)
+        engine.zero_grad(); engine.begin_step(1)
+        a = ours(x, y); a.backward(); engine.step()
+        opt.zero_grad()
+        b = ddp(x, y); b.backward(); opt.step()
+        losses.append((a.item(), b.item()))
+    diffs = [(p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters())]
+    return losses, max(diffs)
+
+
+@pytest.mark.parametrize("mode", dp.MODES)
+def test_dp_equals_torch_ddp(mode):
+    for losses, max_param_diff in dist.launch(_versus_ddp, 2, mode, 10):
+        for a, b in losses:
+            assert abs(a - b) < 1e-6
+        assert max_param_diff < 1e-6
+
+
+def _overlap_launches_before_step():
+    """The overlapped variant starts bucket all-reduces during backward, not after it."""
+    model = build("nano", seed=0)
+    engine = dp.DataParallel(model, comm.WORLD, mode="overlapped", bucket_mb=0.001,
+                             optimizer=torch.optim.AdamW(model.parameters()))
+    x = torch.randint(0, 256, (2, 16))
+    engine.zero_grad(); engine.begin_step(1)
+    model(x, x).backward()
+    in_flight = sum(b.handle is not None for b in engine.buckets)
+    engine.step()
+    return in_flight, len(engine.buckets)
+
+
+def test_overlapped_launches_during_backward():
+    in_flight, n = dist.launch(_overlap_launches_before_step, 2)[0]
+    assert n > 3 and in_flight == n
