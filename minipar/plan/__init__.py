@@ -1,0 +1,91 @@
+"""minipar.plan: analytical models of LLM training at scale, and a strategy search.
+
+Read top to bottom, one module per question:
+
+    shapes     how many parameters, how many FLOPs      (Narayanan et al. 2021)
+    sharding   ZeRO stages as AMSP specs, AMSP's rules  (Rajbhandari et al. 2020; Chen et al. 2023)
+    memory     what fills a device                      (ZeRO; Korthikanti et al. 2022)
+    hardware   what a device computes, holds, sends     (presets: minipar/hardware/*.json)
+    network    bytes and alpha-beta time of collectives (ring algorithms; Hockney)
+    layout     one tp x pp x dp layout and its legality
+    estimate   step time, tokens/s, MFU of one layout; weak and strong scaling
+    search     every layout that fits, ranked; why the winner wins
+    measure    ``calibrate``: this machine as a hardware file (the only part needing torch)
+
+Python API (sizes in bytes, times in seconds)::
+
+    model_preset(name) -> ModelShape      # gpt-22b, gpt-175b, gpt-1t, llama-7b/13b/30b, tiny
+    ModelShape(...).params                # the exact parameter count
+    megatron_params(layers, hidden, vocab, seq_len) -> int
+    gpt_params(layers, hidden, vocab, seq_len, ffn_hidden=0, tied_head=True, bias=True) -> int
+    llama_params(layers, hidden, vocab, ffn_hidden=0) -> int
+    megatron_flops(batch, seq_len, layers, hidden, vocab, recompute=True) -> float
+    training_flops(shape, batch, recompute="none" | "selective" | "full") -> float
+
+    zero_shard(stage, dp) -> (s_p, s_g, s_os)
+    check_shard((s_p, s_g, s_os), dp, per_node=None)     # PlanError if AMSP's rules break
+    shard_specs(dp, per_node=None) -> [(s_p, s_g, s_os), ...]
+
+    model_state_bytes(n_params, dp=1, shard=(s_p, s_g, s_os) or zero=Z, tp=1, pp=1,
+                      dtype="mixed" | "fp32") -> {"params", "grads", "optimizer", "total"}
+    layer_activation_bytes(shape, micro_batch, tp=1, sp=False, recompute="none", flash=False)
+    device_memory(shape, layout)
+        -> {"params", "grads", "optimizer", "activations", "temporary", "total"}
+
+    zero_comm_bytes(n_params, dp, shard=(s_p, s_g, s_os) or zero=Z, dtype="mixed",
+                    microbatches=1, recompute=False)
+        -> {"all_reduce", "reduce_scatter", "all_gather", "total"}
+    tp_comm_bytes(micro_batch, seq_len, hidden, tp, layers, microbatches=1,
+                  recompute=False, sp=False) -> same keys
+    collective_time(op, nbytes, size, stride, hardware) -> float
+
+    load_hardware(name_or_path) -> Hardware
+    Layout(tp, pp, dp, micro_batch, microbatches, shard, recompute, v, sp, schedule)
+    estimate(shape, hardware, layout, order="tp,pp,dp", overlap=0.5) -> Estimate
+    scaling(shape, hardware, layout, gpus=[...], weak=True) -> [{"gpus", "efficiency", ...}]
+    search(model, gpus, hardware, tp=None, pp=None, global_batch_tokens=None, ...)
+        -> [Estimate, ...] best first
+    explain(winner, runner_up=None) -> str
+    calibrate(nprocs=2, quick=False, path=None) -> dict
+
+Bytes "sent" follow ``minipar.comm``: what one rank sends under the ring algorithm. So a
+trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
+``zero_comm_bytes`` and ``model_state_bytes`` directly.
+
+The command line, ``python -m minipar.plan memory|params|flops|search|estimate|calibrate``,
+prints tables, or JSON with ``--json``; bad input exits with status 2 and one line.
+
+These are predictions from first-order models: they count matmul FLOPs, ring traffic and
+stored activations, and leave out kernel-launch and memory-bound element-wise time, load
+imbalance between pipeline stages, and everything else a real run knows and a formula does
+not.
+"""
+from .errors import PlanError
+from .estimate import Estimate, estimate, scaled_layout, scaling
+from .hardware import Hardware, hardware_presets, load_hardware
+from .layout import Layout, check_layout
+from .memory import (activation_bytes, device_memory, layer_activation_bytes,
+                     model_state_bytes, stage_params)
+from .network import (collective_time, ring_bytes, tp_comm_bytes, zero_collectives,
+                      zero_comm_bytes)
+from .search import explain, search
+from .shapes import (PRESETS, ModelShape, forward_flops, gpt_params, llama_ffn, llama_params,
+                     megatron_flops, megatron_params, model_preset, training_flops)
+from .sharding import check_shard, parse_shard, shard_specs, zero_shard
+
+
+def calibrate(nprocs: int = 2, quick: bool = False, path=None, name: str = "calibrated"):
+    """Measure this machine and write a hardware file (see ``minipar.plan.measure``)."""
+    from .measure import calibrate as _calibrate
+    return _calibrate(nprocs=nprocs, quick=quick, path=path, name=name)
+
+
+__all__ = [
+    "PlanError", "Estimate", "estimate", "scaled_layout", "scaling", "Hardware",
+    "hardware_presets", "load_hardware", "Layout", "check_layout", "activation_bytes",
+    "device_memory", "layer_activation_bytes", "model_state_bytes", "stage_params",
+    "collective_time", "ring_bytes", "tp_comm_bytes", "zero_collectives", "zero_comm_bytes",
+    "explain", "search", "PRESETS", "ModelShape", "forward_flops", "gpt_params", "llama_ffn",
+    "llama_params", "megatron_flops", "megatron_params", "model_preset", "training_flops",
+    "check_shard", "parse_shard", "shard_specs", "zero_shard", "calibrate",
+]

@@ -1,0 +1,373 @@
+"""The planner's command line: python -m minipar.plan memory|params|flops|search|estimate|calibrate.
+
+Every sub-command prints a readable table, or with ``--json`` one JSON document on stdout.
+Bad input ends with exit status 2 and one line on stderr saying what is wrong and how to fix it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from .errors import PlanError
+from .estimate import DEFAULT_OVERLAP, estimate
+from .hardware import load_hardware
+from .layout import ORDERS, Layout, check_layout
+from .memory import model_state_bytes
+from .search import explain, search
+from .shapes import (RECOMPUTE_MODES, ModelShape, megatron_flops, megatron_params,
+                     model_preset, training_flops)
+from .sharding import parse_shard, zero_shard
+
+_SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def count(text: str) -> int:
+    """'175e9', '175B', '6.7b', '1T', '350M' -> an integer."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMbBgGtT]?)\s*", str(text))
+    try:
+        value = float(match.group(1)) * _SUFFIX[match.group(2).upper()]
+    except (AttributeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 175e9 or 175B)") from None
+    return int(round(value))
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:,.2f} GiB"
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text!r}")
+    return value
+
+
+def _human(x: float) -> str:
+    return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
+
+
+def _table(rows: list[list], headers: list[str]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _emit(args, data, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+# --------------------------------------------------------------------------------------
+# Sub-commands
+# --------------------------------------------------------------------------------------
+def _shape_from_args(args) -> ModelShape:
+    """A preset (--model) or an explicit shape (--layers --hidden --vocab --seq-len)."""
+    if args.model:
+        return model_preset(args.model, args.seq_len)
+    missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "vocab", "seq_len")
+               if getattr(args, n) is None]
+    if missing:
+        raise PlanError(f"give --model NAME or all of --layers --hidden --vocab --seq-len "
+                        f"(missing {' '.join(missing)})")
+    llama = args.arch == "llama"
+    return ModelShape("custom", args.arch, args.layers, args.hidden, args.heads or 1,
+                      args.vocab, args.seq_len, args.ffn_hidden or 0,
+                      tied_head=not (llama or args.untied_head),
+                      bias=not (llama or args.no_bias))
+
+
+def cmd_params(args) -> None:
+    shape = _shape_from_args(args)
+    data = {"params": shape.params, "arch": shape.arch, "layers": shape.layers,
+            "hidden": shape.hidden, "vocab": shape.vocab, "seq_len": shape.seq_len,
+            "ffn_hidden": shape.ffn, "layer_params": shape.layer_params}
+    rows = [["parameters (exact count)", f"{shape.params:,}"],
+            ["per layer", f"{shape.layer_params:,}"], ["MLP width F", f"{shape.ffn:,}"]]
+    if shape.arch == "gpt":
+        data["megatron_formula"] = megatron_params(shape.layers, shape.hidden, shape.vocab,
+                                                   shape.seq_len)
+        rows.append(["12lh^2(1+13/(12h)+(V+s)/(12lh))", f"{data['megatron_formula']:,}"])
+    _emit(args, data, _table(rows, ["quantity", "value"]))
+
+
+def cmd_flops(args) -> None:
+    shape = _shape_from_args(args)
+    if args.batch and args.global_batch_tokens:
+        raise PlanError("give --batch (sequences) or --global-batch-tokens, not both")
+    if args.global_batch_tokens:
+        if args.global_batch_tokens % shape.seq_len:
+            raise PlanError(f"--global-batch-tokens {args.global_batch_tokens} is not a "
+                            f"multiple of the sequence length {shape.seq_len}")
+        batch = args.global_batch_tokens // shape.seq_len
+    else:
+        batch = args.batch or (shape.global_batch_tokens // shape.seq_len) or 1
+    model_f = training_flops(shape, batch, "none")
+    hardware_f = training_flops(shape, batch, args.recompute)
+    data = {"batch": batch, "seq_len": shape.seq_len, "recompute": args.recompute,
+            "model_flops": model_f, "hardware_flops": hardware_f}
+    rows = [["global batch (sequences)", batch],
+            ["model FLOPs (no recomputation)", f"{model_f:.4g}"],
+            [f"hardware FLOPs (recompute={args.recompute})", f"{hardware_f:.4g}"]]
+    if shape.arch == "gpt":
+        data["megatron_flops"] = megatron_flops(batch, shape.seq_len, shape.layers,
+                                                shape.hidden, shape.vocab,
+                                                recompute=args.recompute == "full")
+        data["flops"] = data["megatron_flops"]
+        rows.insert(1, ["Megatron-LM formula", f"{data['flops']:.4g}"])
+    else:
+        data["flops"] = hardware_f
+    if args.step_time:
+        if not (args.gpus and args.hardware):
+            raise PlanError("--step-time needs --gpus and --hardware to compute utilisation")
+        hw = load_hardware(args.hardware)
+        per_gpu = data["flops"] / args.step_time / args.gpus
+        data.update(flops_per_gpu=per_gpu, percent_of_peak=100 * per_gpu / hw.peak_flops,
+                    mfu=model_f / args.step_time / args.gpus / hw.peak_flops)
+        rows += [["achieved TFLOP/s per GPU", f"{per_gpu / 1e12:.2f}"],
+                 ["percent of peak", f"{data['percent_of_peak']:.2f}%"],
+                 ["MFU", f"{data['mfu']:.2%}"]]
+    _emit(args, data, _table(rows, ["quantity", "value"]))
+
+
+def _spec(args, dp: int):
+    if args.zero is not None and args.shard is not None:
+        raise PlanError("give either --zero or --shard, not both (a ZeRO stage is a preset "
+                        "of the shard spec)")
+    if args.shard is not None:
+        return parse_shard(args.shard)
+    return zero_shard(args.zero or 0, dp)
+
+
+def cmd_memory(args) -> None:
+    if args.params is None and not args.model:
+        raise PlanError("give --params N (e.g. 175B) or --model NAME")
+    n = args.params if args.params is not None else model_preset(args.model).params
+    if args.gpus % (args.tp * args.pp):
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp = {args.tp * args.pp}")
+    dp = args.gpus // (args.tp * args.pp)
+    spec = _spec(args, dp)
+    out = model_state_bytes(n, dp, shard=spec, tp=args.tp, pp=args.pp, dtype=args.dtype)
+    data = {"params_bytes": out["params"], "grads_bytes": out["grads"],
+            "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
+            "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
+            "shard": {"p": spec[0], "g": spec[1], "os": spec[2]}}
+    rows = [[k, f"{out[k]:,}", _gib(out[k])] for k in ("params", "grads", "optimizer", "total")]
+    text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp} dp={dp}, "
+            f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
+            + _table(rows, ["part", "bytes", ""]))
+    _emit(args, data, text)
+
+
+def _results_table(results) -> str:
+    rows = []
+    for i, e in enumerate(results, 1):
+        lay = e.layout
+        rows.append([i, lay.tp, lay.pp, lay.v, lay.dp, lay.micro_batch, lay.microbatches,
+                     "{},{},{}".format(*lay.shard), lay.recompute,
+                     _human(e.memory["total"]), f"{e.step_time:.4g}",
+                     f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
+    return _table(rows, ["#", "tp", "pp", "v", "dp", "b", "m", "shard", "recompute",
+                         "memory", "step s", "tokens/s", "MFU"])
+
+
+def cmd_search(args) -> None:
+    results = search(args.model, args.gpus, args.hardware, tp=args.tp, pp=args.pp,
+                     global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
+                     micro_batch=args.micro_batch, shard=args.shard, zero=args.zero,
+                     recompute=args.recompute, top=args.top, max_tp=args.max_tp,
+                     order=args.order, overlap=args.overlap, flash=args.flash_attention,
+                     dtype=args.dtype)
+    why = explain(results[0], results[1] if len(results) > 1 else None)
+    data = [e.to_json() for e in results]
+    data[0]["explain"] = why
+    first = results[0].layout
+    header = (f"{args.model} on {args.gpus} x {args.hardware}, global batch "
+              f"{first.global_batch} sequences; predicted, best first\n")
+    _emit(args, data, header + _results_table(results) + "\n\n" + why)
+
+
+def cmd_estimate(args) -> None:
+    shape = model_preset(args.model, args.seq_len)
+    hw = load_hardware(args.hardware)
+    dp = args.dp or args.gpus // (args.tp * args.pp) if (args.dp or args.gpus) else None
+    if not dp:
+        raise PlanError("give --dp or --gpus")
+    spec = _spec(args, dp)
+    layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
+                    microbatches=args.microbatches, shard=spec, recompute=args.recompute,
+                    v=args.v, sp=args.sp, schedule=args.schedule)
+    check_layout(shape, layout, gpus=args.gpus, order=args.order,
+                 gpus_per_node=hw.gpus_per_node)
+    e = estimate(shape, hw, layout, order=args.order, overlap=args.overlap,
+                 flash=args.flash_attention, dtype=args.dtype)
+    data = e.to_json()
+    data["explain"] = explain(e)
+    _emit(args, data, _results_table([e]) + "\n\n" + data["explain"]
+          + ("" if e.fits else "\n  DOES NOT FIT in device memory"))
+
+
+def cmd_calibrate(args) -> None:
+    from .measure import calibrate
+    hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out)
+    rows = [["matmul FLOP/s (one thread)", f"{hw['peak_flops']:.3g}"],
+            ["all-reduce bandwidth (bytes/s)", f"{hw['intra_node_bandwidth']:.3g}"],
+            ["latency per ring step (s)", f"{hw['intra_node_latency']:.3g}"],
+            ["devices (cores)", hw["gpus_per_node"]],
+            ["memory per device", _gib(hw["memory_bytes"])]]
+    sizes = [[f"{m['bytes']:,}", f"{m['seconds'] * 1e3:.3f}"]
+             for m in hw["sources"]["measurements"]]
+    _emit(args, hw, _table(rows, ["measured", "value"]) + "\n\n"
+          + _table(sizes, ["all-reduce bytes", "ms"]) + f"\n\nwrote {args.out}: use it as "
+          f"--hardware {args.out}")
+
+
+# --------------------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):            # one line, exit 2 (argparse prints the usage too)
+        raise PlanError(f"{self.prog}: {message} (see --help)")
+
+
+def _add_shape(p) -> None:
+    p.add_argument("--model", help="a preset: gpt-22b, gpt-175b, gpt-1t, llama-7b, ...")
+    p.add_argument("--layers", type=positive)
+    p.add_argument("--hidden", type=positive)
+    p.add_argument("--heads", type=positive)
+    p.add_argument("--vocab", type=positive)
+    p.add_argument("--seq-len", type=positive)
+    p.add_argument("--ffn-hidden", type=positive,
+                   help="MLP width (default 4h; LLaMA: 2/3 of 4h rounded up to 256)")
+    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--untied-head", action="store_true", help="GPT with its own output matrix")
+    p.add_argument("--no-bias", action="store_true", help="GPT without biases")
+
+
+def _add_spec(p, searching: bool = False) -> None:
+    fixed = "fix the spec to this; default: search all AMSP specs" if searching else "default 0"
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help=f"ZeRO stage ({fixed})")
+    p.add_argument("--shard", metavar="P,G,OS",
+                   help="AMSP shard-group sizes s_p,s_g,s_os, e.g. 1,8,8")
+
+
+def _add_costs(p) -> None:
+    p.add_argument("--order", choices=ORDERS, default="tp,pp,dp", metavar="ORDER",
+                   help="how the grid maps onto devices, innermost axis first: tp,pp,dp "
+                        "(minipar's Grid, the default) or tp,dp,pp (Megatron-LM's)")
+    p.add_argument("--overlap", type=fraction, default=DEFAULT_OVERLAP,
+                   help="fraction of data-parallel traffic hidden behind compute")
+    p.add_argument("--flash-attention", action="store_true",
+                   help="attention scores are never stored")
+    p.add_argument("--dtype", choices=["mixed", "fp32"], default=None,
+                   help="default: the hardware's")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m minipar.plan", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("memory", help="model-state bytes per device")
+    p.add_argument("--params", type=count, help="parameter count, e.g. 175e9 or 175B")
+    p.add_argument("--model", help="take the parameter count of a preset")
+    p.add_argument("--gpus", type=positive, required=True)
+    p.add_argument("--tp", type=positive, default=1)
+    p.add_argument("--pp", type=positive, default=1)
+    _add_spec(p)
+    p.add_argument("--dtype", choices=["mixed", "fp32"], default="mixed")
+    p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("params", help="parameter count of a shape")
+    _add_shape(p)
+    p.set_defaults(func=cmd_params)
+
+    p = sub.add_parser("flops", help="training FLOPs per iteration")
+    _add_shape(p)
+    p.add_argument("--batch", type=positive, help="global batch in sequences")
+    p.add_argument("--global-batch-tokens", type=count)
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="full",
+                   help="default full, as Megatron-LM's formula assumes")
+    p.add_argument("--step-time", type=float, help="measured seconds per iteration")
+    p.add_argument("--gpus", type=positive)
+    p.add_argument("--hardware")
+    p.set_defaults(func=cmd_flops)
+
+    p = sub.add_parser("search", help="rank the layouts that fit")
+    p.add_argument("--model", required=True)
+    p.add_argument("--gpus", type=positive, required=True)
+    p.add_argument("--hardware", required=True, help="a preset name or a JSON file")
+    p.add_argument("--tp", type=positive, help="fix the tensor-parallel degree")
+    p.add_argument("--pp", type=positive, help="fix the pipeline-parallel degree")
+    p.add_argument("--global-batch-tokens", type=count,
+                   help="default: the preset's (GPT-3's 3.1M tokens, LLaMA's 4.2M)")
+    p.add_argument("--seq-len", type=positive, help="default: the preset's")
+    p.add_argument("--micro-batch", type=positive, help="fix the micro-batch size")
+    p.add_argument("--top", type=positive, default=5, help="how many layouts to list")
+    p.add_argument("--max-tp", type=positive,
+                   help="largest TP degree to try (default: one node)")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="fix the recomputation")
+    _add_spec(p, searching=True)
+    _add_costs(p)
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("estimate", help="predict one given layout")
+    p.add_argument("--model", required=True)
+    p.add_argument("--hardware", required=True)
+    p.add_argument("--gpus", type=positive)
+    p.add_argument("--tp", type=positive, default=1)
+    p.add_argument("--pp", type=positive, default=1)
+    p.add_argument("--dp", type=positive)
+    p.add_argument("--v", type=positive, default=1, help="model chunks per stage (interleaving)")
+    p.add_argument("--micro-batch", type=positive, default=1)
+    p.add_argument("--microbatches", type=positive, default=1)
+    p.add_argument("--seq-len", type=positive)
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    _add_spec(p)
+    _add_costs(p)
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("calibrate", help="measure this machine into a hardware file")
+    p.add_argument("--nproc", type=positive, default=2)
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
+    p.add_argument("--out", default="calibrated-hardware.json")
+    p.set_defaults(func=cmd_calibrate)
+
+    for action in sub.choices.values():
+        action.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        args.func(args)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:              # the reader left early (| head): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""The one exception the planner raises for bad input."""
+
+
+class PlanError(ValueError):
+    """Bad input: the CLI prints the message as one line and exits with status 2.
+
+    Messages say what is wrong and what would fix it.
+    """

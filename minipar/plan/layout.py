@@ -1,0 +1,96 @@
+"""One training layout: how a model is cut over devices, and whether the cut is legal.
+
+The world is a grid of tp x pp x dp devices. ``order`` says how the grid is laid over
+consecutive device numbers (and so over nodes), innermost axis first:
+
+* ``tp,pp,dp``: minipar's ``Grid`` (``torch.arange(world).view(dp, pp, tp)``);
+* ``tp,dp,pp``: Megatron-LM's and DeepSpeed's default, which puts data-parallel neighbours
+  in one node when tp is less than a node.
+
+Either way tensor parallelism is innermost: its all-reduces run every layer and want the
+fastest links (the Frontier study's first rule).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PlanError
+from .shapes import RECOMPUTE_MODES, ModelShape
+from .sharding import Shard, check_shard
+
+ORDERS = ("tp,pp,dp", "tp,dp,pp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1       # sequences per micro-batch
+    microbatches: int = 1      # per pipeline per step (gradient accumulation when pp = 1)
+    shard: Shard = (1, 1, 1)   # (s_p, s_g, s_os) over the dp ranks
+    recompute: str = "none"    # none | selective | full
+    v: int = 1                 # model chunks per stage (interleaved 1F1B when > 1)
+    sp: bool = False           # sequence parallelism inside the TP group
+    schedule: str = "1f1b"     # gpipe | 1f1b  (v > 1 makes 1f1b interleaved)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.dp * self.micro_batch * self.microbatches
+
+    def strides(self, order: str = "tp,pp,dp") -> dict[str, int]:
+        """Distance, in device numbers, between neighbours along each axis."""
+        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        out, stride = {}, 1
+        for axis in order.split(","):
+            out[axis] = stride
+            stride *= sizes[axis]
+        return out
+
+    def describe(self, shard: bool = True) -> str:
+        v = f" v={self.v}" if self.v > 1 else ""
+        spec = " shard=({},{},{})".format(*self.shard) if shard else ""
+        return (f"tp={self.tp} pp={self.pp}{v} dp={self.dp} b={self.micro_batch} "
+                f"m={self.microbatches}{spec} recompute={self.recompute}")
+
+
+def dp_per_node(layout: Layout, gpus_per_node: int, order: str = "tp,pp,dp") -> int:
+    """How many ranks of one data-parallel group share a node."""
+    stride = layout.strides(order)["dp"]
+    return max(1, min(layout.dp, gpus_per_node // stride)) if stride < gpus_per_node else 1
+
+
+def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
+                 order: str = "tp,pp,dp", gpus_per_node: int | None = None) -> Layout:
+    """Raise PlanError (what is wrong, what would fix it) unless ``layout`` can run ``shape``."""
+    t, p, v = layout.tp, layout.pp, layout.v
+    if order not in ORDERS:
+        raise PlanError(f"unknown order {order!r}; use {' or '.join(ORDERS)}")
+    if min(t, p, layout.dp, v, layout.micro_batch, layout.microbatches) < 1:
+        raise PlanError(f"every degree and batch count must be >= 1: {layout.describe()}")
+    if gpus is not None and layout.gpus != gpus:
+        raise PlanError(f"tp*pp*dp = {t}*{p}*{layout.dp} = {layout.gpus} but there are "
+                        f"{gpus} GPUs; choose degrees whose product is {gpus}")
+    if shape.heads % t:
+        raise PlanError(f"tp={t} does not divide {shape.heads} attention heads; "
+                        f"use a divisor of {shape.heads}")
+    if shape.layers % (p * v):
+        raise PlanError(f"pp*v = {p}*{v} does not divide {shape.layers} layers; "
+                        f"use a divisor of {shape.layers}")
+    if layout.recompute not in RECOMPUTE_MODES:
+        raise PlanError(f"unknown recomputation {layout.recompute!r}; "
+                        f"use one of {', '.join(RECOMPUTE_MODES)}")
+    if layout.schedule not in ("gpipe", "1f1b"):
+        raise PlanError(f"unknown schedule {layout.schedule!r}; use gpipe or 1f1b "
+                        f"(v > 1 makes 1f1b interleaved)")
+    if v > 1 and (p == 1 or layout.microbatches % p or layout.schedule != "1f1b"):
+        raise PlanError(f"interleaving (v={v}) needs pp > 1, the 1f1b schedule and a "
+                        f"micro-batch count divisible by pp={p} (Megatron-LM's rule)")
+    per_node = dp_per_node(layout, gpus_per_node, order) if gpus_per_node else None
+    check_shard(layout.shard, layout.dp, per_node)
+    return layout

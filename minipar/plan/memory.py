@@ -1,0 +1,183 @@
+"""What fills a device: model states, activations and temporary buffers.
+
+Model states (Rajbhandari et al. 2020, ZeRO, section 3; AMSP's generalisation)
+------------------------------------------------------------------------------
+Adam with mixed precision keeps per parameter 2 bytes of 16-bit weight, 2 bytes of 16-bit
+gradient and 12 bytes of optimizer state (fp32 master weight, momentum, variance); in fp32,
+4 + 4 + 8. With (s_p, s_g, s_os) shard groups, for the Phi parameters of one TP x PP shard
+(the whole model's parameters divided by tp * pp):
+
+    mixed:  2 Phi / s_p + 2 Phi / s_g + 12 Phi / s_os
+    fp32:   4 Phi / s_p + 4 Phi / s_g +  8 Phi / s_os
+
+so plain DP holds 16 Phi, ZeRO-1 4 Phi + 12 Phi/d, ZeRO-2 2 Phi + 14 Phi/d, ZeRO-3 16 Phi/d.
+Shards are rounded up (a flat buffer padded to a multiple of the group size), so the numbers
+are the storage a rank allocates.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4)
+------------------------------------------------------------------------------------
+Bytes one layer keeps for the backward pass, per micro-batch of b sequences, 16-bit
+activations and 1-byte dropout masks:
+
+    no parallelism            s b h (34 + 5 a s / h)
+    tensor parallel t         s b h (10 + 24/t + 5 a s / (h t))
+    tensor + sequence par.    s b h (34 + 5 a s / h) / t
+    selective recomputation   drop the 5 a s / h term (attention scores are recomputed)
+    flash attention           drop it too (the scores are never stored)
+    full recomputation        2 s b h per layer (its input), / t with sequence parallelism
+
+The 34 is 10 s b h that TP alone cannot split (LayerNorm inputs, the inputs of the first
+matmuls, dropout masks) plus 24 that it can (Q, K, V, the attention output, the MLP's two
+4h-wide activations). We generalise the MLP part to any width F (GELU: 4F/h in place of 16)
+and to LLaMA's SwiGLU without dropout (8 replicated, 8 + 8F/h split, 2 a s / h for the
+scores); the GPT case is exactly the paper's. fp32 activations double every term.
+
+The pipeline's first stage keeps the most (the paper's pipeline-parallel case): with layers/pp
+layers per stage it holds m micro-batches (GPipe), min(m, p) (1F1B), or, interleaved with v
+chunks, up to p(v+1) - 1 chunk-micro-batches of layers/(p v) layers each, which is
+L (1 + (p-1)/(p v)) layers' worth.
+
+Temporary buffers (our assumptions, said here once)
+---------------------------------------------------
+* the logits of one micro-batch on the last stage: 16-bit logits plus an fp32 copy for the
+  softmax and the loss, b s V / t x (2 + 4) bytes (x (4 + 4) in fp32);
+* with full recomputation, one layer's complete activations while it is being recomputed;
+* with sharded parameters (s_p > 1), two gathered layers (the one computing and the next,
+  prefetched) and one layer's full gradient before its reduce-scatter;
+* gradient buckets in flight: two of PyTorch DDP's default 25 MiB (or of the whole
+  gradient, if smaller).
+We add the stash of the first stage and the logits of the last as if one device held both,
+which is exact for pp = 1 and a little pessimistic otherwise. A device counts as full at
+``1 - reserve`` of its memory (default reserve 10% for allocator fragmentation, workspaces
+and the runtime's context).
+"""
+from __future__ import annotations
+
+import math
+
+from .layout import Layout
+from .shapes import ModelShape
+from .sharding import Shard, resolve_shard
+
+BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}   # weight, gradient, optimizer
+ACTIVATION_BYTES = {"mixed": 2, "fp32": 4}
+BUCKET_BYTES = 25 * 2**20
+DEFAULT_RESERVE = 0.10
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in BYTES_PER_PARAM:
+        from .errors import PlanError
+        raise PlanError(f"unknown dtype {dtype!r}; use mixed (bf16 + fp32 Adam) or fp32")
+
+
+def model_state_bytes(n_params: int, dp: int = 1, shard: Shard | str | None = None,
+                      zero: int | None = None, tp: int = 1, pp: int = 1,
+                      dtype: str = "mixed") -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer states one device holds.
+
+    ``n_params`` is the whole model; it is split evenly over ``tp * pp`` (use
+    ``stage_params`` for the exact split of a given shape). ``shard`` (s_p, s_g, s_os) or
+    ``zero`` (0-3) says how the dp ranks shard each part.
+    """
+    _check_dtype(dtype)
+    s_p, s_g, s_os = resolve_shard(dp, shard, zero)
+    phi = math.ceil(n_params / (tp * pp))
+    w, g, o = BYTES_PER_PARAM[dtype]
+    out = {"params": w * math.ceil(phi / s_p), "grads": g * math.ceil(phi / s_g),
+           "optimizer": o * math.ceil(phi / s_os)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1) -> int:
+    """Parameters one device holds before data-parallel sharding: its share of the
+    heaviest pipeline stage (first: embeddings; last: final norm, head, and with a tied head
+    and pp > 1 a copy of the embedding, as Megatron-LM keeps)."""
+    layers = shape.layers // pp * shape.layer_params
+    if pp == 1:
+        extra = shape.embedding_params + shape.head_params
+    else:
+        tied_copy = shape.vocab * shape.hidden if shape.tied_head else 0
+        extra = max(shape.embedding_params, shape.head_params + tied_copy)
+    return math.ceil((layers + extra) / tp)
+
+
+def activation_coefficients(shape: ModelShape) -> tuple[float, float, float]:
+    """(replicated, tp-split, scores) so one layer keeps s b h (rep + split + scores a s / h)."""
+    ratio = shape.ffn / shape.hidden
+    if shape.arch == "llama":
+        return 8.0, 8.0 + 8.0 * ratio, 2.0
+    return 10.0, 8.0 + 4.0 * ratio, 5.0
+
+
+def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", flash: bool = False,
+                           dtype: str = "mixed") -> float:
+    """Bytes one layer keeps for backward, for one micro-batch (Korthikanti et al. 2022)."""
+    _check_dtype(dtype)
+    s, b, h, a = shape.seq_len, micro_batch, shape.hidden, shape.heads
+    scale = ACTIVATION_BYTES[dtype] / 2          # the paper counts 16-bit activations
+    sbh = s * b * h * scale
+    if recompute == "full":
+        return 2 * sbh / (tp if sp else 1)
+    replicated, split, scores = activation_coefficients(shape)
+    if recompute == "selective" or flash:
+        scores = 0.0
+    if sp:
+        return sbh * (replicated + split + scores * a * s / h) / tp
+    return sbh * (replicated + split / tp + scores * a * s / (h * tp))
+
+
+def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
+                 schedule: str = "1f1b") -> float:
+    """Layer-micro-batches of activations the first pipeline stage holds at its peak."""
+    if schedule == "gpipe":
+        return layers_per_stage * microbatches
+    if v == 1:
+        return layers_per_stage * min(microbatches, pp)
+    chunks_in_flight = min(microbatches * v, pp * (v + 1) - 1)
+    return layers_per_stage / v * chunks_in_flight
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
+                     dtype: str = "mixed") -> float:
+    per_layer = layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp,
+                                       layout.recompute, flash, dtype)
+    held = stash_layers(shape.layers // layout.pp, layout.pp, layout.microbatches,
+                        layout.v, layout.schedule)
+    return per_layer * held
+
+
+def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
+                    dtype: str = "mixed") -> float:
+    """The transient buffers listed in the module docstring."""
+    t, b, s = layout.tp, layout.micro_batch, shape.seq_len
+    act = ACTIVATION_BYTES[dtype]
+    total = b * s * shape.vocab / t * (act + 4)                   # logits + fp32 softmax
+    if layout.recompute == "full":
+        total += layer_activation_bytes(shape, b, t, layout.sp, "none", flash, dtype)
+    total += gather_bytes(shape, t, layout.shard, dtype)
+    if layout.dp > 1:
+        gradient = stage_params(shape, t, layout.pp) * BYTES_PER_PARAM[dtype][1]
+        total += 2 * min(BUCKET_BYTES, gradient)
+    return total
+
+
+def gather_bytes(shape: ModelShape, tp: int, shard, dtype: str = "mixed") -> float:
+    """With sharded parameters: two gathered layers and one layer's full gradient."""
+    return 3 * shape.layer_params / tp * ACTIVATION_BYTES[dtype] if shard[0] > 1 else 0.0
+
+
+def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
+                  dtype: str = "mixed") -> dict[str, float]:
+    """Everything one device holds at its peak: params, grads, optimizer, activations,
+    temporary, total (bytes)."""
+    states = model_state_bytes(stage_params(shape, layout.tp, layout.pp), layout.dp,
+                               shard=layout.shard, dtype=dtype)
+    out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
+    out["activations"] = activation_bytes(shape, layout, flash, dtype)
+    out["temporary"] = temporary_bytes(shape, layout, flash, dtype)
+    out["total"] = sum(out.values())
+    return out

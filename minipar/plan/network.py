@@ -1,0 +1,172 @@
+"""Communication: how many bytes each collective sends, and how long it takes.
+
+Bytes (the convention of ``minipar.comm``: what one rank sends under the bandwidth-optimal
+ring, for a buffer of N bytes over n ranks; Patarasuk & Yuan 2009, Thakur et al. 2005):
+
+    all_reduce       2 (n-1)/n N        (a reduce-scatter, then an all-gather)
+    reduce_scatter     (n-1)/n N        (N the full input)
+    all_gather         (n-1)/n N        (N the full output)
+    send               N
+
+Time, alpha-beta (Hockney): steps x alpha + bytes sent / beta, where beta is the slowest
+link the ring crosses. Inside one node that is ``intra_node_bandwidth``. A group that spans
+nodes shares each node's NICs with every device of the node (all groups run at once in
+lockstep), so each device gets ``inter_node_bandwidth / gpus_per_node``; a ring visiting k
+of its members in a node crosses that node's boundary once, carrying their k shares, so its
+slowest link runs at k x that (capped by the intra-node link). Steps: a hop per member
+inside a node plus a hop per node (a two-level ring).
+
+Traffic per training step, per rank:
+
+* Tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022): every layer, per
+  micro-batch, 2 all-reduces of b s h activations forward and 2 backward (+2 for the
+  recomputed forward under full recomputation); with sequence parallelism each all-reduce
+  becomes an all-gather plus a reduce-scatter, the same volume. Ring volume 2 (t-1)/t each.
+  (The vocab-parallel embedding and loss add a little; we leave it out.)
+* Pipeline parallelism: per micro-batch and model chunk, one b s h activation forward and
+  its gradient back, split over the t tensor-parallel ranks (Narayanan et al. 2021's
+  scatter/gather optimisation).
+* Data parallelism and ZeRO/AMSP over d ranks, Psi parameters per rank before sharding,
+  16-bit weights and gradients (fp32 in fp32 training), ``zero_collectives``:
+
+    parameters sharded (s_p > 1): all-gather over s_p before forward and before backward
+        (+1 for the recomputed forward), every micro-batch;
+    gradients sharded (s_g > 1): reduce-scatter over s_g every micro-batch, then an
+        all-reduce of the Psi/s_g shard across the d/s_g replica groups once per step;
+    gradients whole (s_g = 1): accumulate locally, then once per step a reduce-scatter over
+        s_os and an all-reduce of the Psi/s_os shard across the d/s_os replicas (for s_os = 1
+        simply an all-reduce over d);
+    after the optimizer step (s_os > s_p): all-gather the updated weights over the s_os/s_p
+        ranks that hold pieces of one parameter shard.
+
+  With one micro-batch this gives the ZeRO paper's volumes: 2 Psi for DP, ZeRO-1 and ZeRO-2,
+  3 Psi for ZeRO-3, each x (n-1)/n.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .hardware import Hardware
+from .memory import ACTIVATION_BYTES, BYTES_PER_PARAM
+from .sharding import Shard, resolve_shard
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def ring_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends for ``op`` on an ``nbytes`` buffer over ``n`` ranks."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) * nbytes // n
+    if op == "send":
+        return nbytes
+    raise ValueError(f"unknown op {op!r}")
+
+
+def placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
+    """(members per node, nodes) of a group of ``size`` ranks ``stride`` devices apart."""
+    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return per_node, math.ceil(size / per_node)
+
+
+def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+    """Seconds for one ring collective (alpha-beta, two-level ring)."""
+    if size <= 1:
+        return 0.0
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+    if nodes == 1:
+        beta = hw.intra_node_bandwidth
+        steps = (size - 1) * hw.intra_node_latency
+    else:
+        beta = min(hw.intra_node_bandwidth,
+                   hw.inter_node_bandwidth * per_node / hw.gpus_per_node)
+        steps = (per_node - 1) * hw.intra_node_latency + (nodes - 1) * hw.inter_node_latency
+    phases = 2 if op == "all_reduce" else 1
+    return phases * steps + ring_bytes(op, int(nbytes), size) / beta
+
+
+def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware) -> float:
+    """One point-to-point send; across nodes every device of the node sends at once."""
+    if across_nodes:
+        return hw.inter_node_latency + nbytes / (hw.inter_node_bandwidth / hw.gpus_per_node)
+    return hw.intra_node_latency + nbytes / hw.intra_node_bandwidth
+
+
+# --------------------------------------------------------------------------------------
+# Data parallelism, ZeRO and AMSP
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a step: ``count`` calls on ``nbytes`` buffers."""
+
+    op: str
+    what: str
+    nbytes: int            # N: the full buffer (input of a reduce-scatter, output of a gather)
+    size: int              # ranks in the group
+    stride: int            # distance between members, in data-parallel ranks
+    count: int             # calls per optimizer step
+
+
+def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
+                     microbatches: int = 1, recompute: bool = False) -> list[Collective]:
+    """The data-parallel collectives of one step (see the module docstring)."""
+    s_p, s_g, s_os = shard
+    w, g, _ = BYTES_PER_PARAM[dtype]
+    m = microbatches
+    psi = s_os * math.ceil(n_params / s_os)      # one flat buffer, padded for every group
+    out = []
+    if s_p > 1:
+        out.append(Collective("all_gather", "parameters for forward and backward", psi * w,
+                              s_p, 1, m * (3 if recompute else 2)))
+    if s_g > 1:
+        out.append(Collective("reduce_scatter", "gradients, every micro-batch", psi * g,
+                              s_g, 1, m))
+        grad_shard, replicas = psi // s_g, dp // s_g
+    else:
+        if s_os > 1:
+            out.append(Collective("reduce_scatter", "gradients, once per step", psi * g,
+                                  s_os, 1, 1))
+        grad_shard, replicas = psi // s_os, dp // s_os
+    if replicas > 1:
+        out.append(Collective("all_reduce", "gradient shard across replica groups",
+                              grad_shard * g, replicas, dp // replicas, 1))
+    if s_os > s_p:
+        out.append(Collective("all_gather", "updated weights after the optimizer step",
+                              psi // s_p * w, s_os // s_p, s_p, 1))
+    return out
+
+
+def zero_comm_bytes(n_params: int, dp: int, shard: Shard | str | None = None,
+                    zero: int | None = None, dtype: str = "mixed", microbatches: int = 1,
+                    recompute: bool = False) -> dict[str, int]:
+    """Bytes one rank sends per optimizer step for data parallelism / ZeRO / AMSP, by op.
+
+    ``n_params``: the parameters this rank's data-parallel group replicates (the whole
+    model without TP/PP). Keys: all_reduce, reduce_scatter, all_gather, total.
+    """
+    spec = resolve_shard(dp, shard, zero)
+    out = dict.fromkeys(OPS, 0)
+    for c in zero_collectives(n_params, dp, spec, dtype, microbatches, recompute):
+        out[c.op] += c.count * ring_bytes(c.op, c.nbytes, c.size)
+    out["total"] = sum(out[op] for op in OPS)
+    return out
+
+
+def tp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, tp: int, layers: int,
+                  microbatches: int = 1, recompute: bool = False, sp: bool = False,
+                  dtype: str = "mixed") -> dict[str, int]:
+    """Bytes one rank sends per step for the tensor-parallel collectives of ``layers`` layers."""
+    msg = micro_batch * seq_len * hidden * ACTIVATION_BYTES[dtype]
+    calls = layers * microbatches * (6 if recompute else 4)
+    out = dict.fromkeys(OPS, 0)
+    if sp:   # each all-reduce becomes an all-gather and a reduce-scatter
+        out["all_gather"] = calls * ring_bytes("all_gather", msg, tp)
+        out["reduce_scatter"] = calls * ring_bytes("reduce_scatter", msg, tp)
+    else:
+        out["all_reduce"] = calls * ring_bytes("all_reduce", msg, tp)
+    out["total"] = sum(out[op] for op in OPS)
+    return out

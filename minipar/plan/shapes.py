@@ -1,0 +1,234 @@
+"""Model shapes: parameter counts and training FLOPs.
+
+Notation (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", SC'21): l layers, h hidden size, a attention heads, V vocabulary,
+s sequence length, B global batch in sequences, F the MLP's hidden size.
+
+Parameters
+----------
+GPT (Megatron's closed form, section 5.1 of the paper), learned positions, tied head, biases:
+
+    P = 12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h))  =  12 l h^2 + 13 l h + (V + s) h
+
+One layer is 12 h^2 + 13 h: attention 4h^2 + 4h (QKV and output projection with biases),
+MLP 8h^2 + 5h (F = 4h with biases), two LayerNorms 4h. ``gpt_params`` counts the same
+pieces for any F, an untied head and the final LayerNorm (2h, which the closed form leaves
+out), so it also reproduces ``minipar.model`` exactly.
+
+LLaMA (Touvron et al. 2023): SwiGLU MLP with three F x h matrices, RMSNorm (h weights, no
+bias), no biases anywhere, rotary positions (no position table), untied head:
+
+    P = l (4 h^2 + 3 h F + 2 h) + 2 V h + h,     F default: 2/3 * 4h rounded up to 256
+
+Training FLOPs per iteration
+----------------------------
+Megatron-LM (Narayanan et al. 2021, section 5.1), counting matmuls only, with full activation
+recomputation (one extra forward pass):
+
+    F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))
+
+and 72 B s l h^2 (...) without recomputation (forward 1x, backward 2x). Megatron-DeepSpeed's
+throughput log uses the same bracket for both (24 * factor * ... with factor 4 or 3); that is
+``megatron_flops``. Counted exactly, the logits (2BshV forward) are never recomputed, so the
+no-recomputation bracket is V/(12 l h); ``training_flops`` sums the pieces exactly:
+
+    forward per layer   2 B s (4h^2 + 2hF)   [GPT]   or 2 B s (4h^2 + 3hF)   [LLaMA]
+                      + 4 B s^2 h            (Q K^T and attention x V, no causal saving)
+    logits              2 B s h V
+    training            3 x forward  (+ 1 x the layers' forward with full recomputation,
+                                      + 1 x the attention core with selective recomputation,
+                                        Korthikanti et al. 2022)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .errors import PlanError
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def llama_ffn(hidden: int, multiple_of: int = 256) -> int:
+    """LLaMA's MLP width: int(2/3 * 4h) rounded up to a multiple of 256 (4096 -> 11008)."""
+    f = int(2 * 4 * hidden / 3)
+    return multiple_of * math.ceil(f / multiple_of)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A transformer's shape, enough to count parameters, FLOPs, memory and traffic."""
+
+    name: str
+    arch: str                  # "gpt" (GELU MLP, LayerNorm, learned positions) or "llama"
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    ffn_hidden: int = 0        # 0: the architecture's default (4h for GPT, llama_ffn for LLaMA)
+    tied_head: bool = True     # GPT-3/Megatron tie the head to the embedding; LLaMA, minipar do not
+    bias: bool = True          # GPT: biases in every Linear and LayerNorm; LLaMA: none
+    global_batch_tokens: int = 0   # the preset's usual batch (search's default), 0: unknown
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 4 * self.hidden if self.arch == "gpt" else llama_ffn(self.hidden)
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer."""
+        h, f = self.hidden, self.ffn
+        if self.arch == "llama":
+            return 4 * h * h + 3 * h * f + 2 * h
+        b = 1 if self.bias else 0
+        attention = 4 * h * h + b * 4 * h
+        mlp = 2 * h * f + b * (f + h)
+        norms = 2 * (2 * h if self.bias else h)
+        return attention + mlp + norms
+
+    @property
+    def embedding_params(self) -> int:
+        """Token table (+ learned positions for GPT): the first pipeline stage holds these."""
+        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.arch == "gpt" else 0)
+
+    @property
+    def head_params(self) -> int:
+        """Final norm (+ the untied output projection): the last pipeline stage holds these."""
+        h = self.hidden
+        norm = 2 * h if (self.arch == "gpt" and self.bias) else h
+        return norm + (0 if self.tied_head else self.vocab * h)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params + self.head_params
+
+
+def megatron_params(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
+    """Narayanan et al. 2021, section 5.1: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)).
+
+    Written as the integer it expands to, 12 l h^2 + 13 l h + (V + s) h.
+    """
+    l, h = layers, hidden
+    return 12 * l * h * h + 13 * l * h + (vocab + seq_len) * h
+
+
+def gpt_params(layers: int, hidden: int, vocab: int, seq_len: int, ffn_hidden: int = 0,
+               tied_head: bool = True, bias: bool = True) -> int:
+    """Exact GPT count: ``megatron_params`` plus the final LayerNorm (2h) for F = 4h, tied."""
+    return ModelShape("gpt", "gpt", layers, hidden, 1, vocab, seq_len, ffn_hidden,
+                      tied_head, bias).params
+
+
+def llama_params(layers: int, hidden: int, vocab: int, ffn_hidden: int = 0) -> int:
+    """LLaMA: l (4h^2 + 3hF + 2h) + 2Vh + h (SwiGLU, RMSNorm, no biases, untied head)."""
+    return ModelShape("llama", "llama", layers, hidden, 1, vocab, 0, ffn_hidden,
+                      tied_head=False, bias=False).params
+
+
+# --------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------
+def megatron_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
+                   recompute: bool = True) -> float:
+    """Narayanan et al. 2021, section 5.1: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+
+    With ``recompute=False`` the factor 4 (forward, backward x2, recomputed forward) becomes
+    3: 72 B s l h^2 (same bracket), exactly as Megatron-DeepSpeed reports TFLOP/s (and so, we
+    take it, the Frontier study's percent of peak).
+    """
+    b, s, l, h, v = batch, seq_len, layers, hidden, vocab
+    factor = 4 if recompute else 3
+    return 24 * factor * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def forward_flops(shape: ModelShape, batch: int, seq_len: int | None = None) -> dict:
+    """Forward matmul FLOPs of ``batch`` sequences: per layer (dense + attention core), logits."""
+    s = seq_len or shape.seq_len
+    h, f = shape.hidden, shape.ffn
+    mlp = 2 * h * f if shape.arch == "gpt" else 3 * h * f
+    dense = 2 * batch * s * (4 * h * h + mlp)      # QKV, output projection, MLP
+    attention = 4 * batch * s * s * h              # Q K^T and scores x V
+    logits = 2 * batch * s * h * shape.vocab
+    return {"dense": dense, "attention": attention, "logits": logits}
+
+
+def training_flops(shape: ModelShape, batch: int, recompute: str = "none",
+                   seq_len: int | None = None) -> float:
+    """Matmul FLOPs of one training iteration on ``batch`` sequences, counted exactly.
+
+    ``recompute="none"`` is the *model* FLOPs that MFU divides by (Chowdhery et al. 2022);
+    the other modes add what the hardware recomputes (hardware FLOPs, HFU).
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise PlanError(f"unknown recomputation {recompute!r}; "
+                        f"use one of {', '.join(RECOMPUTE_MODES)}")
+    f = forward_flops(shape, batch, seq_len)
+    per_layer = f["dense"] + f["attention"]
+    total = 3 * (shape.layers * per_layer + f["logits"])
+    if recompute == "full":
+        total += shape.layers * per_layer
+    elif recompute == "selective":
+        total += shape.layers * f["attention"]
+    return float(total)
+
+
+# --------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------
+_GPT3_BATCH = 1536 * 2048      # GPT-3 175B's 3.2M-token batch (Brown et al. 2020, Table 2.1)
+_LLAMA_BATCH = 2048 * 2048     # LLaMA's 4M-token batch (Touvron et al. 2023, Table 2)
+
+PRESETS: dict[str, ModelShape] = {
+    # The Frontier study's shapes (Dash et al. 2023). Vocabulary 51200 is our choice: GPT-2's
+    # 50257 padded, as Megatron pads it for TP=8, to a multiple of 128 x 8; sequence 2048.
+    "gpt-22b": ModelShape("gpt-22b", "gpt", 48, 6144, 48, 51200, 2048,
+                          global_batch_tokens=_GPT3_BATCH),
+    "gpt-175b": ModelShape("gpt-175b", "gpt", 96, 12288, 96, 51200, 2048,
+                           global_batch_tokens=_GPT3_BATCH),
+    "gpt-1t": ModelShape("gpt-1t", "gpt", 128, 25600, 160, 51200, 2048,
+                         global_batch_tokens=_GPT3_BATCH),
+    # LLaMA (Touvron et al. 2023, Table 2), the models AMSP trains (Chen et al. 2023)
+    "llama-7b": ModelShape("llama-7b", "llama", 32, 4096, 32, 32000, 2048, 11008,
+                           tied_head=False, bias=False, global_batch_tokens=_LLAMA_BATCH),
+    "llama-13b": ModelShape("llama-13b", "llama", 40, 5120, 40, 32000, 2048, 13824,
+                            tied_head=False, bias=False, global_batch_tokens=_LLAMA_BATCH),
+    "llama-30b": ModelShape("llama-30b", "llama", 60, 6656, 52, 32000, 2048, 17920,
+                            tied_head=False, bias=False, global_batch_tokens=_LLAMA_BATCH),
+}
+
+
+def trainer_presets() -> dict[str, ModelShape]:
+    """``minipar.model``'s presets (tiny, nano, ...) as shapes.
+
+    Imported lazily: ``minipar.model`` imports torch, and the planner should not need it.
+    The trainer's GPT has an untied head; its default global batch is 16 sequences.
+    """
+    from minipar.model import PRESETS as MODEL_PRESETS
+    return {name: ModelShape(name, "gpt", c.n_layer, c.d_model, c.n_head, c.vocab_size,
+                             c.seq_len, c.ffn, tied_head=False, bias=c.bias,
+                             global_batch_tokens=16 * c.seq_len)
+            for name, c in MODEL_PRESETS.items()}
+
+
+def model_preset(name: str, seq_len: int | None = None) -> ModelShape:
+    """A shape by preset name (planner presets first, then the trainer's)."""
+    shape = PRESETS.get(name)
+    if shape is None:
+        try:
+            shape = trainer_presets().get(name)
+            known = [*PRESETS, *trainer_presets()]
+        except ImportError:
+            known = list(PRESETS)
+        if shape is None:
+            raise PlanError(f"unknown model {name!r}; use one of: {', '.join(known)}")
+    return with_seq_len(shape, seq_len) if seq_len else shape
+
+
+def with_seq_len(shape: ModelShape, seq_len: int) -> ModelShape:
+    """The same model on sequences of ``seq_len`` tokens; the default batch keeps its
+    number of sequences."""
+    sequences = shape.global_batch_tokens // shape.seq_len
+    return replace(shape, seq_len=seq_len, global_batch_tokens=sequences * seq_len)

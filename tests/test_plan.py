@@ -1,0 +1,408 @@
+"""Tests of the planner against hand-derived numbers and published figures.
+
+Every expected value here is computed independently of minipar.plan (written out by hand
+from the papers' formulas, or a published count), so a wrong formula fails.
+"""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minipar.plan import (Layout, PlanError, check_shard, device_memory, estimate,
+                          layer_activation_bytes, load_hardware, megatron_flops,
+                          megatron_params, model_preset, model_state_bytes, search,
+                          shard_specs, training_flops, zero_comm_bytes, zero_shard)
+from minipar.plan.hardware import PRESET_DIR, hardware_presets
+from minipar.plan.memory import stash_layers
+from minipar.plan.network import collective_time
+
+GIB = 2**30
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "minipar.plan", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------
+# Model states (ZeRO paper, section 3: 16 Phi for mixed-precision Adam)
+# --------------------------------------------------------------------------------------
+PHI, N = 7_500_000_000, 64          # the ZeRO paper's 7.5B example on 64 GPUs
+
+
+def test_plain_dp_holds_16_bytes_per_parameter():
+    out = model_state_bytes(PHI, N, zero=0)
+    assert out["total"] == 16 * PHI == 120e9            # the paper's 120 GB
+    assert (out["params"], out["grads"], out["optimizer"]) == (2 * PHI, 2 * PHI, 12 * PHI)
+
+
+def test_zero_stages_match_the_paper():
+    assert model_state_bytes(PHI, N, zero=1)["total"] == 4 * PHI + 12 * PHI // N
+    assert model_state_bytes(PHI, N, zero=2)["total"] == 2 * PHI + 14 * PHI // N
+    assert model_state_bytes(PHI, N, zero=3)["total"] == 16 * PHI // N
+    # the paper's figure 1 numbers: 31.4 GB, 16.6 GB, 1.9 GB
+    assert model_state_bytes(PHI, N, zero=1)["total"] / 1e9 == pytest.approx(31.4, abs=0.05)
+    assert model_state_bytes(PHI, N, zero=2)["total"] / 1e9 == pytest.approx(16.6, abs=0.05)
+    assert model_state_bytes(PHI, N, zero=3)["total"] / 1e9 == pytest.approx(1.875)
+
+
+def test_fp32_and_amsp_specs_and_tp_pp_split():
+    assert model_state_bytes(PHI, N, zero=0, dtype="fp32")["total"] == 16 * PHI
+    assert model_state_bytes(PHI, N, shard=(1, 8, 8), dtype="fp32") == {
+        "params": 4 * PHI, "grads": 4 * PHI // 8, "optimizer": 8 * PHI // 8,
+        "total": 4 * PHI + 12 * PHI // 8}
+    assert model_state_bytes(PHI, 8, shard=(2, 2, 8))["total"] == PHI + PHI + 12 * PHI // 8
+    assert model_state_bytes(PHI, 1, tp=8, pp=5)["total"] == 16 * PHI // 40
+    # shards round up: 10 parameters over 4 ranks keep 3 each
+    assert model_state_bytes(10, 4, zero=3, dtype="fp32")["params"] == 12
+
+
+# --------------------------------------------------------------------------------------
+# AMSP's constraints
+# --------------------------------------------------------------------------------------
+def amsp_ok(spec, d):
+    """AMSP's rules, written out independently of minipar.plan.sharding."""
+    p, g, o = spec
+    return (1 <= p <= g <= o <= d and d % p == 0 and d % g == 0 and d % o == 0
+            and g in (p, o))
+
+
+@pytest.mark.parametrize("spec, dp", [((1, 2, 4), 8), ((2, 1, 4), 8), ((3, 3, 3), 8),
+                                      ((1, 1, 16), 8), ((0, 1, 1), 8)])
+def test_bad_specs_are_rejected(spec, dp):
+    with pytest.raises(PlanError):
+        check_shard(spec, dp)
+
+
+def test_groups_must_be_contiguous():
+    check_shard((4, 4, 16), 48, per_node=8)            # within a node, then whole nodes
+    with pytest.raises(PlanError, match="contiguous"):
+        check_shard((1, 12, 12), 48, per_node=8)       # 12 ranks: one node and a half
+
+
+def test_shard_space_over_8_ranks():
+    specs = shard_specs(8)
+    # by hand: pairs s_p | s_os from {1,2,4,8}: 4 equal pairs (1 spec each) and 6 unequal
+    # pairs (s_g = s_p or s_os: 2 specs each) -> 16
+    assert len(specs) == len(set(specs)) == 16
+    assert all(amsp_ok(s, 8) for s in specs)
+    assert {zero_shard(z, 8) for z in range(4)} <= set(specs)
+
+
+# --------------------------------------------------------------------------------------
+# Parameters and FLOPs
+# --------------------------------------------------------------------------------------
+def test_gpt3_175b_has_175b_parameters():
+    shape = model_preset("gpt-175b")
+    assert (shape.layers, shape.hidden, shape.vocab, shape.seq_len) == (96, 12288, 51200, 2048)
+    assert shape.params == pytest.approx(175e9, rel=0.01)
+    assert megatron_params(96, 12288, 51200, 2048) == pytest.approx(175e9, rel=0.01)
+    # the closed form leaves out only the final LayerNorm (2h)
+    assert shape.params - megatron_params(96, 12288, 51200, 2048) == 2 * 12288
+
+
+def test_frontier_and_llama_sizes_match_published_counts():
+    assert model_preset("gpt-22b").params == pytest.approx(22e9, rel=0.02)
+    assert model_preset("gpt-1t").params == pytest.approx(1e12, rel=0.02)
+    # exact counts of Meta's released checkpoints
+    assert model_preset("llama-7b").params == 6_738_415_616
+    assert model_preset("llama-13b").params == 13_015_864_320
+    assert model_preset("llama-30b").params == pytest.approx(32.5e9, rel=0.005)
+
+
+def test_trainer_presets_count_like_minipar_model():
+    model = pytest.importorskip("minipar.model")
+    for name in ("tiny", "nano"):
+        assert model_preset(name).params == model.num_params(model.build(name))
+
+
+def test_megatron_flops_hand_computed():
+    # B=2, s=8, l=2, h=16, V=32: 96*2*8*2*16^2 = 786432; bracket 1 + 8/96 + 32/512
+    assert megatron_flops(2, 8, 2, 16, 32) == pytest.approx(786432 * (1 + 1 / 12 + 1 / 16))
+    assert megatron_flops(2, 8, 2, 16, 32) == pytest.approx(901120)
+    shape = model_preset("gpt-175b").__class__("x", "gpt", 2, 16, 2, 32, 8)
+    # counted exactly, full recomputation is the paper's formula ...
+    assert training_flops(shape, 2, "full") == pytest.approx(901120)
+    # ... and without it the logits are not recomputed: 72 B s l h^2 (1 + s/6h + V/(12 l h))
+    assert training_flops(shape, 2, "none") == pytest.approx(589824 * (1 + 1 / 12 + 1 / 12))
+
+
+def test_gpt3_training_compute_matches_brown_et_al():
+    # GPT-3 175B: 3.14e23 FLOPs for 300B tokens (Brown et al. 2020, table D.1)
+    shape = model_preset("gpt-175b")
+    per_token = training_flops(shape, 1, "none") / shape.seq_len
+    assert per_token * 300e9 == pytest.approx(3.14e23, rel=0.05)
+
+
+# --------------------------------------------------------------------------------------
+# Activations (Korthikanti et al. 2022) and the pipeline's stash
+# --------------------------------------------------------------------------------------
+def test_activation_memory_per_layer_gpt3():
+    shape = model_preset("gpt-175b")
+    s, b, h, a = 2048, 1, 12288, 96
+    sbh = s * b * h
+    assert layer_activation_bytes(shape, b) == sbh * (34 + 5 * a * s / h)
+    assert layer_activation_bytes(shape, b, tp=8) == sbh * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert layer_activation_bytes(shape, b, tp=8, sp=True) == sbh * (34 + 5 * a * s / h) / 8
+    assert layer_activation_bytes(shape, b, tp=8, sp=True, recompute="selective") == sbh * 34 / 8
+    assert layer_activation_bytes(shape, b, flash=True) == sbh * 34
+    assert layer_activation_bytes(shape, b, recompute="full") == 2 * sbh
+
+
+def test_pipeline_stash():
+    # first stage of 1F1B holds p micro-batches of L/p layers = L layers' worth
+    assert stash_layers(96 // 8, 8, microbatches=64) == 96
+    assert stash_layers(96 // 8, 8, microbatches=64, schedule="gpipe") == 12 * 64
+    assert stash_layers(96 // 8, 8, microbatches=4) == 48
+    # interleaved: L (1 + (p-1)/(p v))  (Korthikanti et al. 2022, pipeline parallelism)
+    assert stash_layers(96 // 8, 8, microbatches=64, v=4) == pytest.approx(96 * (1 + 7 / 32))
+
+
+# --------------------------------------------------------------------------------------
+# Communication
+# --------------------------------------------------------------------------------------
+def test_zero_comm_volumes():
+    psi, d, two = 1 << 20, 16, 2                        # 16-bit weights and gradients
+    ring = (d - 1) / d
+    assert zero_comm_bytes(psi, d, zero=0)["total"] == 2 * ring * psi * two
+    assert zero_comm_bytes(psi, d, zero=1)["total"] == 2 * ring * psi * two
+    assert zero_comm_bytes(psi, d, zero=2)["total"] == 2 * ring * psi * two
+    assert zero_comm_bytes(psi, d, zero=3)["total"] == 3 * ring * psi * two
+    # gradient accumulation: ZeRO-2 reduce-scatters every micro-batch, ZeRO-1 once
+    z1 = zero_comm_bytes(psi, d, zero=1, microbatches=4)
+    z2 = zero_comm_bytes(psi, d, zero=2, microbatches=4)
+    z3 = zero_comm_bytes(psi, d, zero=3, microbatches=4)
+    assert z1["reduce_scatter"] == ring * psi * two
+    assert z2["reduce_scatter"] == 4 * z1["reduce_scatter"]
+    assert z3["all_gather"] == 8 * ring * psi * two
+    # AMSP (1, 4, 4) over 16: reduce-scatter over 4, all-reduce the quarter across 4
+    # replica groups, all-gather the weights over 4
+    amsp = zero_comm_bytes(psi, d, shard=(1, 4, 4))
+    assert amsp == {"reduce_scatter": 3 / 4 * psi * two, "all_reduce": 2 * 3 / 4 * psi / 4 * two,
+                    "all_gather": 3 / 4 * psi * two,
+                    "total": (3 / 4 + 3 / 8 + 3 / 4) * psi * two}
+
+
+def test_collective_time_inside_and_across_nodes():
+    hw = load_hardware("a800-ib")
+    n = 1 << 30
+    # 8 GPUs of one node: 2 * 7/8 N over NVLink (200 GB/s), 14 steps of latency
+    inside = collective_time("all_reduce", n, 8, 1, hw)
+    assert inside == pytest.approx(14 * 3e-6 + 2 * 7 / 8 * n / 200e9)
+    # 16 GPUs, one per node: every GPU of a node shares its 100 GB/s of NICs
+    across = collective_time("all_reduce", n, 16, 8, hw)
+    assert across == pytest.approx(2 * 15 * 8e-6 + 2 * 15 / 16 * n / (100e9 / 8))
+
+
+def test_hardware_presets_carry_the_contract_numbers():
+    assert {"frontier-mi250x", "dgx-a100", "dgx-h100", "a800-ib", "laptop-cpu"} <= set(
+        hardware_presets())
+    frontier = load_hardware("frontier-mi250x")
+    assert (frontier.gpus_per_node, frontier.peak_flops) == (8, 191.5e12)
+    assert frontier.memory_bytes == 64 * GIB
+    assert frontier.inter_node_bandwidth == 4 * 25e9          # four 25 GB/s Slingshot NICs
+    assert load_hardware("dgx-a100").intra_node_bandwidth == 300e9
+    assert load_hardware("dgx-a100").inter_node_bandwidth == 8 * 200e9 / 8
+    assert load_hardware("dgx-h100").peak_flops == 989e12
+    assert load_hardware("a800-ib").intra_node_bandwidth == 200e9
+    assert load_hardware("a800-ib").inter_node_bandwidth == 4 * 200e9 / 8
+
+
+# --------------------------------------------------------------------------------------
+# Step time
+# --------------------------------------------------------------------------------------
+def test_bubble_is_p_minus_1_over_m_v():
+    shape = model_preset("gpt-22b")
+    for v in (1, 2):
+        e = estimate(shape, "frontier-mi250x",
+                     Layout(tp=2, pp=4, dp=4, micro_batch=1, microbatches=16, v=v, sp=True))
+        t = e.times
+        assert t["bubble"] == pytest.approx(3 / (16 * v) * (t["compute"] + t["tp_comm"]))
+        assert t["step"] == pytest.approx(t["compute"] + t["tp_comm"] + t["bubble"]
+                                          + t["pp_comm"] + t["dp_exposed"])
+        # MFU from first principles: model FLOPs over (step x devices x peak)
+        flops = training_flops(shape, 16 * 4, "none")
+        assert e.mfu == pytest.approx(flops / (t["step"] * 32 * 191.5e12))
+
+
+def test_scaling_weak_flat_strong_falls_with_the_bubble():
+    shape = model_preset("gpt-175b")
+    layout = Layout(tp=8, pp=8, dp=4, micro_batch=1, microbatches=64, shard=(1, 1, 4),
+                    recompute="full", sp=True)
+    counts = [64 * k for k in (4, 8, 16)]
+    weak = plan_scaling(shape, layout, counts, weak=True)
+    strong = plan_scaling(shape, layout, counts, weak=False)
+    assert all(r["efficiency"] == pytest.approx(1, abs=0.02) for r in weak)
+    # strong: m = 256 / dp micro-batches, bubble (p-1)/m grows: 7/64, 7/32, 7/16
+    bubble = [r["estimate"].times["bubble"] / r["estimate"].times["compute"] for r in strong]
+    assert [r["estimate"].layout.microbatches for r in strong] == [64, 32, 16]
+    assert bubble[0] > 7 / 64 and bubble[2] > 7 / 16
+    effs = [r["efficiency"] for r in strong]
+    assert effs[0] == 1 and effs[1] < 1 and effs[2] < effs[1]
+
+
+def plan_scaling(shape, layout, counts, weak):
+    from minipar.plan import scaling
+    return scaling(shape, "frontier-mi250x", layout, counts, weak=weak)
+
+
+# --------------------------------------------------------------------------------------
+# Search
+# --------------------------------------------------------------------------------------
+def check_result(item, model, gpus, tokens, hw, max_tp=None):
+    shape = model_preset(model)
+    tp, pp, dp, b, m = (item[k] for k in ("tp", "pp", "dp", "micro_batch", "microbatches"))
+    spec = (item["shard"]["p"], item["shard"]["g"], item["shard"]["os"])
+    assert tp * pp * dp == gpus
+    assert shape.heads % tp == 0 and shape.layers % pp == 0
+    assert dp * b * m * shape.seq_len == tokens
+    assert amsp_ok(spec, dp), spec
+    assert tp <= (max_tp or hw.gpus_per_node)
+    assert item["memory_bytes"] <= 0.9 * hw.memory_bytes
+
+
+@pytest.mark.parametrize("model, gpus, hw, kw", [
+    ("gpt-175b", 1024, "frontier-mi250x", {}),
+    ("gpt-22b", 64, "dgx-a100", {}),
+    ("llama-13b", 1024, "a800-ib", {"tp": 1, "pp": 1}),
+])
+def test_search_results_fit_and_obey_the_rules(model, gpus, hw, kw):
+    results = search(model, gpus, hw, top=10, **kw)
+    hardware = load_hardware(hw)
+    tokens = model_preset(model).global_batch_tokens
+    assert results
+    for e in results:
+        item = e.to_json()
+        check_result(item, model, gpus, tokens, hardware)
+        # memory recounted from the layout agrees with what the search reported
+        assert device_memory(model_preset(model), e.layout)["total"] == pytest.approx(
+            item["memory_bytes"], abs=1)
+    times = [e.step_time for e in results]
+    assert times == sorted(times)
+
+
+def test_tp_stays_in_a_node_unless_asked():
+    assert all(e.layout.tp <= 8 for e in search("gpt-1t", 3072, "frontier-mi250x", top=20))
+    asked = search("gpt-1t", 3072, "frontier-mi250x", tp=16, top=3)
+    assert asked and all(e.layout.tp == 16 for e in asked)
+
+
+def test_search_is_amsp_partitioner_with_tp_pp_1():
+    # plenty of memory (7B on 80 GB): parameters stay whole (s_p = 1)
+    best = search("llama-7b", 1024, "a800-ib", tp=1, pp=1)[0]
+    assert best.layout.shard[0] == 1
+    # 30B does not fit without sharding the parameters too
+    best = search("llama-30b", 1024, "a800-ib", tp=1, pp=1)[0]
+    assert best.layout.shard[0] > 1 and best.fits
+
+
+def test_nothing_fits_is_a_plan_error():
+    with pytest.raises(PlanError, match="nothing fits"):
+        search("gpt-175b", 32, "dgx-a100")    # 16 x 175B / 32 = 87.5 GB of states alone
+    with pytest.raises(PlanError, match="nothing fits"):
+        search("gpt-175b", 1024, "frontier-mi250x", shard=(1, 1, 1), tp=1, pp=1,
+               global_batch_tokens=1024 * 2048)
+    with pytest.raises(PlanError, match="divides a batch"):
+        search("gpt-175b", 1024, "frontier-mi250x", tp=1, pp=1)     # 1536 over 1024
+
+
+def test_search_is_fast_at_scale():
+    t0 = time.perf_counter()
+    search("gpt-175b", 3072, "frontier-mi250x")
+    assert time.perf_counter() - t0 < 5
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+def test_cli_memory_json():
+    r = run_cli("memory", "--params", "7.5B", "--gpus", 64, "--zero", 2, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["total_bytes"] == 2 * PHI + 14 * PHI // N
+    assert out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"] == out["total_bytes"]
+
+
+def test_cli_params_and_flops_json():
+    r = run_cli("params", "--layers", 96, "--hidden", 12288, "--vocab", 51200,
+                "--seq-len", 2048, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["params"] == pytest.approx(175e9, rel=0.01)
+    r = run_cli("params", "--arch", "llama", "--layers", 32, "--hidden", 4096, "--vocab", 32000,
+                "--seq-len", 2048, "--json")
+    assert json.loads(r.stdout)["params"] == 6_738_415_616
+    r = run_cli("flops", "--layers", 2, "--hidden", 16, "--vocab", 32, "--seq-len", 8,
+                "--batch", 2, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["flops"] == pytest.approx(901120)
+
+
+def test_cli_search_json_has_the_contract_keys():
+    r = run_cli("search", "--model", "gpt-175b", "--gpus", 1024, "--hardware",
+                "frontier-mi250x", "--top", 3, "--json")
+    assert r.returncode == 0, r.stderr
+    items = json.loads(r.stdout)
+    assert 1 <= len(items) <= 3
+    hw = load_hardware("frontier-mi250x")
+    for item in items:
+        assert {"tp", "pp", "dp", "micro_batch", "microbatches", "shard", "recompute",
+                "memory_bytes", "step_time_s", "mfu"} <= set(item)
+        assert set(item["shard"]) == {"p", "g", "os"} and isinstance(item["recompute"], bool)
+        assert 0 < item["mfu"] < 1
+        check_result(item, "gpt-175b", 1024, 1536 * 2048, hw)
+    assert "winner" in items[0]["explain"]
+
+
+def test_cli_estimate_and_custom_hardware_file(tmp_path):
+    data = json.loads((PRESET_DIR / "dgx-a100.json").read_text())
+    data.update(name="my-cluster", memory_bytes=40 * GIB)
+    path = tmp_path / "my.json"
+    path.write_text(json.dumps(data))
+    r = run_cli("search", "--model", "gpt-22b", "--gpus", 64, "--hardware", path, "--json")
+    assert r.returncode == 0, r.stderr
+    assert all(i["memory_bytes"] <= 0.9 * 40 * GIB for i in json.loads(r.stdout))
+    r = run_cli("estimate", "--model", "gpt-22b", "--hardware", path, "--gpus", 64, "--tp", 8,
+                "--pp", 2, "--micro-batch", 1, "--microbatches", 384, "--zero", 1, "--sp",
+                "--recompute", "full", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["dp"] == 4
+
+
+@pytest.mark.parametrize("args", [
+    ["memory", "--params", "1B", "--gpus", 8, "--shard", "1,2,4"],        # s_g rule
+    ["memory", "--params", "1B", "--gpus", 8, "--shard", "4,2,8"],        # s_p > s_g
+    ["memory", "--params", "1B", "--gpus", 8, "--zero", 1, "--shard", "1,1,8"],
+    ["memory", "--params", "lots", "--gpus", 8],
+    ["search", "--model", "gpt-9000b", "--gpus", 8, "--hardware", "dgx-a100"],
+    ["search", "--model", "gpt-22b", "--gpus", 8, "--hardware", "no-such-machine"],
+    ["search", "--model", "gpt-22b", "--gpus", 8, "--hardware", "/no/such/file.json"],
+    ["search", "--model", "gpt-22b", "--gpus", 64, "--hardware", "dgx-a100", "--tp", 5],
+    ["params", "--layers", 2],
+    ["flops"],
+])
+def test_bad_input_exits_2_with_one_line(args):
+    r = run_cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip() and "\n" not in r.stderr.strip(), r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_bad_hardware_file_exits_2(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps({"name": "broken", "gpus_per_node": 8}))
+    r = run_cli("search", "--model", "gpt-22b", "--gpus", 64, "--hardware", path)
+    assert r.returncode == 2 and "lacks" in r.stderr and "\n" not in r.stderr.strip()
+
+
+def test_cli_calibrate_quick(tmp_path):
+    out = tmp_path / "here.json"
+    r = run_cli("calibrate", "--quick", "--out", out, "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    hw = json.loads(r.stdout)
+    assert hw["peak_flops"] > 1e8 and hw["intra_node_bandwidth"] > 1e6
+    assert json.loads(out.read_text()) == hw
+    # the file it wrote is a valid --hardware
+    r = run_cli("search", "--model", "tiny", "--gpus", 2, "--hardware", out, "--json")
+    assert r.returncode == 0, r.stderr
