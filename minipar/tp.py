@@ -1,0 +1,666 @@
+"""Tensor parallelism (Megatron-LM): every weight matrix split over the t ranks of a TP group.
+
+The idea: a linear layer ``Y = X A`` can be cut two ways without changing its result.
+
+* Column split, ``A = [A_1 | ... | A_t]``: rank r computes ``Y_r = X A_r``, its own slice of
+  the output features. Forward needs no communication; every rank needs all of X.
+* Row split, ``A = [A_1; ...; A_t]`` with ``X = [X_1 | ... | X_t]``: rank r computes the partial
+  sum ``X_r A_r`` and ``Y = sum_r X_r A_r`` is an all-reduce.
+
+A column layer followed by a row layer needs no communication in between: the column layer's
+split output is exactly the row layer's split input. So a transformer block is
+
+    x -> LN -> f -> qkv (column, by heads) -> attention on h/t heads -> proj (row) -> g -> + x
+      -> LN -> f -> fc (column) -> GELU -> proj (row) -> g -> + x
+
+with the two conjugate operators of the paper: **f** is the identity forward and an all-reduce
+of the gradient backward (every rank's branch used all of X, so the gradient of X is a sum);
+**g** is an all-reduce forward and the identity backward.
+
+Communication per block and micro-batch of b sequences of s tokens, width h, e bytes an element,
+ring accounting (``minipar.comm``), per rank::
+
+    forward   2 all-reduces of b*s*h elements (the two g)      2 x 2(t-1)/t x b*s*h*e bytes
+    backward  2 all-reduces of b*s*h elements (the two f)      2 x 2(t-1)/t x b*s*h*e bytes
+
+Outside the blocks: the vocab-parallel embedding ends in a g (one all-reduce of b*s*h forward),
+the head's projection starts with an f (one backward), and the vocab-parallel cross-entropy
+all-reduces 3 x b*s fp32 values forward (max, sum of exp, target logit) and nothing backward,
+so the full b x s x V logits never exist on one rank. ``comm_bytes`` has the whole formula.
+
+**Sequence parallelism** (``--sp``, Korthikanti et al. 2022): between the g of one layer and
+the f of the next, every TP rank holds the same activations (LayerNorm, dropout, residual).
+Split them along the sequence instead: f becomes an all-gather along the sequence (backward:
+reduce-scatter) and g a reduce-scatter (backward: all-gather). An all-gather plus a
+reduce-scatter move the same bytes as one all-reduce, so the volume is unchanged, while those
+activations shrink t-fold. (Each column-parallel layer still keeps its all-gathered input for
+its weight gradient; Megatron-LM keeps the s/t slice and all-gathers it again in backward,
+one more all-gather per layer, which minipar leaves out to stay simple.) The price: a replicated parameter that now sees only this rank's
+s/t tokens (LayerNorm, position embedding, row-parallel bias) has a partial gradient; it enters
+its computation through f, whose backward sums the gradient over the TP group
+(2(t-1)/t x its bytes per micro-batch), so the DP and ZeRO engines need no TP knowledge.
+
+``parallelize(model, grid)`` swaps these parts into the full serial GPT, slicing the full
+weights, so the same seed gives the same model; ``full_tensor`` undoes the slicing.
+Vocabularies that do not divide by t are padded with zero rows that the loss never sees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from . import comm
+from .dist import UsageError
+from .model import GPT, Block, GPTConfig
+
+
+# --------------------------------------------------------------------------------------
+# Checks before any process starts
+# --------------------------------------------------------------------------------------
+def validate(cfg: GPTConfig, args) -> None:
+    """Shapes that must divide by the TP degree; raises UsageError with the fix."""
+    t = args.tp
+    if cfg.n_head % t:
+        raise UsageError(f"--tp {t} does not divide the {cfg.n_head} attention heads of model "
+                         f"{getattr(args, 'model', '')!r} (each rank owns whole heads); "
+                         f"use a --tp that divides {cfg.n_head}")
+    if cfg.d_model % t:
+        raise UsageError(f"--tp {t} does not divide the hidden size d_model={cfg.d_model}; "
+                         f"use a --tp that divides {cfg.d_model}")
+    if cfg.ffn % t:
+        raise UsageError(f"--tp {t} does not divide the MLP width {cfg.ffn}; "
+                         f"use a --tp that divides {cfg.ffn}")
+    if getattr(args, "sp", False) and cfg.seq_len % t:
+        raise UsageError(f"--sp splits each sequence over the {t} tensor-parallel ranks, but the "
+                         f"sequence length {cfg.seq_len} is not divisible by {t}; use a --seq-len "
+                         f"that is a multiple of {t}, or drop --sp")
+
+
+# --------------------------------------------------------------------------------------
+# Shape helpers: split and gather along the last dimension or along the sequence
+# --------------------------------------------------------------------------------------
+def _all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``x`` stacked in rank order: (t, *x.shape). comm's collectives are flat."""
+    t = comm.size(group)
+    out = x.new_empty(t * x.numel())
+    comm.all_gather(out, x.contiguous().view(-1), group)
+    return out.view(t, *x.shape)
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    t = comm.size(group)
+    return rearrange(x, "... (t n) -> t ... n", t=t)[comm.rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    return rearrange(_all_gather_stacked(x, group), "t ... n -> ... (t n)")
+
+
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s/t, ...) on each rank -> (b, s, ...), rank r's tokens at [r s/t, (r+1) s/t)."""
+    return rearrange(_all_gather_stacked(x, group), "t b s ... -> b (t s) ...")
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s, ...) partial sums on each rank -> rank r's (b, s/t, ...) slice of the sum."""
+    t = comm.size(group)
+    chunks = rearrange(x, "b (t s) ... -> t b s ...", t=t).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    comm.reduce_scatter(out.view(-1), chunks.view(-1), group)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# The conjugate operators (Megatron-LM's mappings), as autograd functions
+# --------------------------------------------------------------------------------------
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward; all-reduce (sum) of the gradient over the TP group backward.
+
+    Volume: backward, one all-reduce of the input's size, 2(t-1)/t N bytes per rank.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        # EXERCISE ex03 begin
+        # f forward is the identity: keep the group in ctx for the backward and return x
+        ctx.group = group
+        return x
+        # EXERCISE ex03 end
+
+    @staticmethod
+    def backward(ctx, grad):
+        # EXERCISE ex03 begin
+        # f backward: sum the gradient over the group with comm.all_reduce (on a copy: autograd may share grad)
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        comm.all_reduce(grad, ctx.group)
+        return grad, None
+        # EXERCISE ex03 end
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce (sum) over the TP group forward; identity backward.
+
+    Volume: forward, one all-reduce of the input's size, 2(t-1)/t N bytes per rank.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        # EXERCISE ex03 begin
+        # g forward: sum the partial results of every rank with comm.all_reduce (on a copy of x)
+        x = x.clone(memory_format=torch.contiguous_format)
+        comm.all_reduce(x, group)
+        return x
+        # EXERCISE ex03 end
+
+    @staticmethod
+    def backward(ctx, grad):
+        # EXERCISE ex03 begin
+        # g backward is the identity (the gradient of a sum reaches every summand unchanged)
+        return grad, None
+        # EXERCISE ex03 end
+
+
+def f(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a tensor-parallel region: identity forward, all-reduce backward."""
+    return CopyToTP.apply(x, group)
+
+
+def g(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a tensor-parallel region: all-reduce forward, identity backward."""
+    return ReduceFromTP.apply(x, group)
+
+
+class ScatterToTP(torch.autograd.Function):
+    """Keep this rank's slice of the last dimension; backward: all-gather, (t-1)/t N bytes."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dimension, (t-1)/t N bytes; backward: keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class GatherFromSP(torch.autograd.Function):
+    """Sequence parallelism's f: all-gather along the sequence forward, reduce-scatter backward.
+
+    Volume: (t-1)/t N bytes each way, N the full (b, s, h) tensor: together one all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class ReduceScatterToSP(torch.autograd.Function):
+    """Sequence parallelism's g: reduce-scatter along the sequence forward, all-gather backward.
+
+    Volume: (t-1)/t N bytes each way, N the full (b, s, h) tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+def scatter_to_tp(x, group):
+    return ScatterToTP.apply(x, group) if comm.size(group) > 1 else x
+
+
+def gather_from_tp(x, group):
+    return GatherFromTP.apply(x, group) if comm.size(group) > 1 else x
+
+
+def all_gather_seq(x, group):
+    return GatherFromSP.apply(x, group) if comm.size(group) > 1 else x
+
+
+def reduce_scatter_seq(x, group):
+    return ReduceScatterToSP.apply(x, group) if comm.size(group) > 1 else x
+
+
+# --------------------------------------------------------------------------------------
+# How a parameter is cut from its serial tensor (and glued back by full_tensor)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Split:
+    """Cut along ``dim`` into t parts, within each of ``groups`` interleaved groups.
+
+    ``groups=3`` is qkv's "(three h d)" rows: rank r takes heads [r h/t, (r+1) h/t) of q, of k
+    and of v. ``full`` is the serial size along ``dim``; it is padded with zeros to a multiple
+    of t (only the vocabulary ever needs it).
+    """
+    dim: int
+    full: int
+    groups: int = 1
+
+
+def padded_size(n: int, t: int) -> int:
+    return -(-n // t) * t
+
+
+def shard(full: torch.Tensor, split: Split, rank: int, t: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the serial tensor ``full``."""
+    x = full.movedim(split.dim, 0)
+    pad = padded_size(split.full, t * split.groups) - split.full
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    x = rearrange(x, "(g t n) ... -> t (g n) ...", g=split.groups, t=t)[rank]
+    return x.movedim(0, split.dim).contiguous()
+
+
+def unshard(parts: torch.Tensor, split: Split) -> torch.Tensor:
+    """The serial tensor from every rank's part, stacked as (t, *part)."""
+    x = parts.movedim(split.dim + 1, 1)
+    x = rearrange(x, "t (g n) ... -> (g t n) ...", g=split.groups)
+    return x[:split.full].movedim(0, split.dim).contiguous()
+
+
+# --------------------------------------------------------------------------------------
+# The layers
+# --------------------------------------------------------------------------------------
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with A (out, in) split by output features: this rank computes out/t.
+
+    The input enters through f (all-gather along the sequence with SP); the output stays split
+    (what a following RowParallelLinear or a vocab-parallel loss wants) unless
+    ``gather_output``. The bias is split like the output features, so it is added once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, groups: int = 1):
+        super().__init__()
+        t = comm.size(group)
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_splits = {"weight": Split(0, out_features, groups), "bias": Split(0, out_features, groups)}
+        local = padded_size(out_features, t * groups) // t
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.zeros(local)) if bias else None
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, group, **kwargs) -> "ColumnParallelLinear":
+        """This rank's slice of a full ``nn.Linear`` (same seed, same model)."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    **kwargs)
+        layer.load_serial(dict(linear.named_parameters()))
+        return layer
+
+    def load_serial(self, full: dict[str, torch.Tensor]) -> None:
+        t, r = comm.size(self.group), comm.rank(self.group)
+        with torch.no_grad():
+            for name, p in self.named_parameters(recurse=False):
+                p.copy_(shard(full[name].detach(), self.tp_splits[name], r, t))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # EXERCISE ex03 begin
+        # enter with f(x, group) (all_gather_seq under SP), F.linear with the local rows, gather_from_tp if gather_output
+        x = all_gather_seq(x, self.group) if self.sequence_parallel else f(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tp(y, self.group)[..., :self.out_features]
+        return y
+        # EXERCISE ex03 end
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} ({self.weight.shape[0]} here), "
+                f"gather_output={self.gather_output}, sp={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with A (out, in) split by input features: this rank holds in/t columns.
+
+    The input arrives split along its features (a ColumnParallelLinear's output), or is split
+    here if ``input_is_parallel=False``. The partial products are summed by g (reduce-scattered
+    along the sequence with SP); the bias is replicated and added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+        super().__init__()
+        t = comm.size(group)
+        assert in_features % t == 0, f"in_features {in_features} must divide by t={t}"
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_splits = {"weight": Split(1, in_features)}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, group, **kwargs) -> "RowParallelLinear":
+        """This rank's slice of a full ``nn.Linear`` (same seed, same model)."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    **kwargs)
+        layer.load_serial(dict(linear.named_parameters()))
+        return layer
+
+    def load_serial(self, full: dict[str, torch.Tensor]) -> None:
+        t, r = comm.size(self.group), comm.rank(self.group)
+        with torch.no_grad():
+            self.weight.copy_(shard(full["weight"].detach(), self.tp_splits["weight"], r, t))
+            if self.bias is not None:
+                self.bias.copy_(full["bias"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.group)
+        # With SP each rank adds the bias to its own s/t tokens: f sums the bias gradient.
+        bias = self.bias
+        if self.sequence_parallel and bias is not None:
+            bias = f(bias, self.group)
+        # EXERCISE ex03 begin
+        # partial product with the local columns (no bias), sum it with g (reduce_scatter_seq under SP), then add bias once
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else g(y, self.group)
+        return y if bias is None else y + bias
+        # EXERCISE ex03 end
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} ({self.weight.shape[1]} here), out={self.out_features}, "
+                f"sp={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows: rank r holds tokens [r V'/t, (r+1) V'/t).
+
+    Each rank looks up the tokens it owns (zeros for the others) and g sums the t partial
+    lookups (a reduce-scatter along the sequence with SP). V' is V padded to a multiple of t;
+    the padding rows are never looked up.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        t = comm.size(group)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_splits = {"weight": Split(0, num_embeddings)}
+        self.per_rank = padded_size(num_embeddings, t) // t
+        self.start = comm.rank(group) * self.per_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim))
+
+    @classmethod
+    def from_serial(cls, emb: nn.Embedding, group, **kwargs) -> "VocabParallelEmbedding":
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(shard(emb.weight.detach(), layer.tp_splits["weight"],
+                                     comm.rank(group), comm.size(group)))
+        return layer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        mine = (idx >= self.start) & (idx < self.start + self.per_rank)
+        local = F.embedding(torch.where(mine, idx - self.start, 0), self.weight)
+        local = local * rearrange(mine, "... -> ... 1")
+        if self.sequence_parallel:
+            return reduce_scatter_seq(local, self.group)
+        return g(local, self.group)
+
+
+class ParallelEmbedding(nn.Module):
+    """The GPT's ``embed`` with a vocab-parallel token table; same parameter names.
+
+    With SP the output is this rank's s/t tokens, so it adds the matching positions; the
+    replicated position table then enters through f, which sums its gradient over the group.
+    """
+
+    def __init__(self, tok: VocabParallelEmbedding, pos: nn.Embedding, drop: nn.Module, group,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.tok, self.pos, self.drop = tok, pos, drop
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)                                  # (b, s, h), or (b, s/t, h) with SP
+        if not self.sequence_parallel:
+            return self.drop(x + self.pos(torch.arange(x.shape[1], device=idx.device)))
+        first = comm.rank(self.group) * x.shape[1]
+        positions = torch.arange(first, first + x.shape[1], device=idx.device)
+        return self.drop(x + F.embedding(positions, f(self.pos.weight, self.group)))
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """A LayerNorm on this rank's s/t tokens: weight and bias enter through f (summed gradients)."""
+
+    def __init__(self, ln: nn.LayerNorm, group):
+        super().__init__(ln.normalized_shape, eps=ln.eps, elementwise_affine=ln.elementwise_affine,
+                         bias=ln.bias is not None)
+        self.group = group
+        self.load_state_dict(ln.state_dict())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else f(self.weight, self.group)
+        bias = None if self.bias is None else f(self.bias, self.group)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+# --------------------------------------------------------------------------------------
+# Vocab-parallel cross-entropy
+# --------------------------------------------------------------------------------------
+class VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy of logits split by vocabulary over the TP group.
+
+    Rank r holds logits of vocabulary entries [r V'/t, (r+1) V'/t); entries >= ``vocab_size``
+    are padding and are no word: they get probability zero. Forward: 3 all-reduces of N fp32
+    values (max, sum of exp, target logit), never the (N, V) logits. Backward: none; the
+    gradient softmax - one-hot(target) of the local slice is local.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_size):
+        n_local = logits.shape[-1]
+        start = comm.rank(group) * n_local
+        ctx.dtype = logits.dtype
+        # EXERCISE ex04 begin
+        # mask padding (columns >= vocab_size) to -inf; all-reduce the max ("max"), the sum of exp and the target logit
+        logits = logits.float()
+        columns = torch.arange(start, start + n_local, device=logits.device)
+        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+        top = logits.max(dim=-1).values
+        comm.all_reduce(top, group, op="max")                 # for a stable exp
+        shifted = logits - rearrange(top, "n -> n 1")
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, group)
+        local_target = targets - start
+        mine = (local_target >= 0) & (local_target < n_local)  # the rank owning the target
+        local_target = torch.where(mine, local_target, 0)
+        target_logit = shifted.gather(1, rearrange(local_target, "n -> n 1"))
+        target_logit = torch.where(mine, rearrange(target_logit, "n 1 -> n"), 0.0)
+        comm.all_reduce(target_logit, group)
+        ctx.save_for_backward(exp.div_(rearrange(sum_exp, "n -> n 1")), local_target, mine)
+        return sum_exp.log() - target_logit
+        # EXERCISE ex04 end
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # EXERCISE ex04 begin
+        # d loss_i / d logit_ij = softmax_ij - [j is i's target]: local to this rank's columns
+        softmax, local_target, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= mine.to(grad.dtype)
+        grad *= rearrange(grad_loss, "n -> n 1")
+        return grad.to(ctx.dtype), None, None, None
+        # EXERCISE ex04 end
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group,
+                                 vocab_size: int) -> torch.Tensor:
+    """Mean token cross-entropy; ``logits`` (..., V'/t) this rank's vocabulary slice, ``targets`` (...)."""
+    per_token = VocabParallelCE.apply(rearrange(logits, "... v -> (...) v"),
+                                      rearrange(targets, "... -> (...)"), group, vocab_size)
+    return per_token.mean()
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """The head's loss for a column-parallel projection that does not gather its output."""
+
+    def __init__(self, group, vocab_size: int):
+        super().__init__()
+        self.group, self.vocab_size = group, vocab_size
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size)
+
+
+# --------------------------------------------------------------------------------------
+# The serial GPT -> the tensor-parallel GPT
+# --------------------------------------------------------------------------------------
+def parallelize_block(block: Block, group, sequence_parallel: bool = False) -> Block:
+    """One transformer block, in place: qkv and fc column-parallel, both proj row-parallel.
+
+    Attention needs no change: it reads its number of heads (h/t here) from qkv's width.
+    """
+    attn, mlp, sp = block.attn, block.mlp, sequence_parallel
+    attn.qkv = ColumnParallelLinear.from_serial(attn.qkv, group, groups=3, sequence_parallel=sp)
+    attn.proj = RowParallelLinear.from_serial(attn.proj, group, sequence_parallel=sp)
+    mlp.fc = ColumnParallelLinear.from_serial(mlp.fc, group, sequence_parallel=sp)
+    mlp.proj = RowParallelLinear.from_serial(mlp.proj, group, sequence_parallel=sp)
+    if sp:
+        block.ln1 = SequenceParallelLayerNorm(block.ln1, group)
+        block.ln2 = SequenceParallelLayerNorm(block.ln2, group)
+    return block
+
+
+def parallelize(model: GPT, grid, sequence_parallel: bool = False) -> GPT:
+    """Swap the TP parts into the full serial ``model`` in place; returns it.
+
+    Every rank built the same full model from the seed; each keeps its slice. The structure
+    (``embed``, ``blocks``, ``head``, ``parts()``) and parameter names stay, so a pipeline can
+    cut a TP model into stages. With SP the activations between blocks are (b, s/t, h):
+    ``model.activation_seq_split`` says so (1 without SP).
+    """
+    group, t = grid.tp_group, grid.tp
+    sp = sequence_parallel and t > 1
+    embed = model.embed
+    model.embed = ParallelEmbedding(
+        VocabParallelEmbedding.from_serial(embed.tok, group, sequence_parallel=sp),
+        embed.pos, embed.drop, group, sequence_parallel=sp)
+    for block in model.blocks:
+        parallelize_block(block, group, sequence_parallel=sp)
+    head = model.head
+    if sp:
+        head.ln = SequenceParallelLayerNorm(head.ln, group)
+    head.proj = ColumnParallelLinear.from_serial(head.proj, group, sequence_parallel=sp)
+    head.loss = VocabParallelCrossEntropy(group, model.cfg.vocab_size)
+    model.tp, model.sequence_parallel = t, sp
+    model.activation_seq_split = t if sp else 1
+    return model
+
+
+def split_of(name: str, module: nn.Module) -> Split | None:
+    """How the parameter ``name`` of ``module`` is split over TP (None: replicated)."""
+    owner_name, _, leaf = name.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_name) if owner_name else module
+    except AttributeError:
+        return None
+    return getattr(owner, "tp_splits", {}).get(leaf)
+
+
+def full_tensor(name: str, tensor: torch.Tensor, module: nn.Module, grid) -> torch.Tensor:
+    """The serial-shaped tensor of TP parameter (or gradient) ``name``: gather and unpad.
+
+    Collective over the TP group (every rank of it must call it in the same order);
+    replicated parameters come back as they are.
+    """
+    split = split_of(name, module)
+    if split is None or comm.size(grid.tp_group) == 1:
+        return tensor
+    with comm.untracked():
+        parts = _all_gather_stacked(tensor.detach(), grid.tp_group)
+    return unshard(parts, split)
+
+
+# --------------------------------------------------------------------------------------
+# The volume formulas the tests and the notebook compare with comm.stats
+# --------------------------------------------------------------------------------------
+def _ar(n_bytes: int, t: int) -> int:
+    return 2 * (t - 1) * n_bytes // t       # one ring all-reduce, as minipar.comm records it
+
+
+def _half(n_bytes: int, t: int) -> int:
+    return (t - 1) * n_bytes // t           # one all-gather or reduce-scatter of the full tensor
+
+
+def block_comm_bytes(tokens: int, cfg: GPTConfig, t: int, sequence_parallel: bool = False,
+                     element_size: int = 4) -> dict[str, dict[str, int]]:
+    """Bytes one rank sends for one block and a micro-batch of ``tokens`` = b*s tokens.
+
+    ``{"forward": {op: bytes}, "backward": {op: bytes}}``. Without SP: 2 all-reduces of
+    b*s*h each way. With SP: 2 all-gathers + 2 reduce-scatters each way (the same bytes),
+    plus backward all-reduces of the replicated parameters' gradients (LayerNorms, row biases).
+    """
+    if t == 1:
+        return {"forward": {}, "backward": {}}
+    act = tokens * cfg.d_model * element_size
+    if not sequence_parallel:
+        return {"forward": {"all_reduce": 2 * _ar(act, t)}, "backward": {"all_reduce": 2 * _ar(act, t)}}
+    vec = cfg.d_model * element_size
+    replicated = [vec] * (4 if cfg.bias else 2) + [vec] * (2 if cfg.bias else 0)
+    both = {"all_gather": 2 * _half(act, t), "reduce_scatter": 2 * _half(act, t)}
+    return {"forward": dict(both),
+            "backward": {**both, "all_reduce": sum(_ar(n, t) for n in replicated)}}
+
+
+def comm_bytes(cfg: GPTConfig, micro_batch: int, t: int, sequence_parallel: bool = False,
+               microbatches: int = 1, element_size: int = 4) -> dict[str, int]:
+    """TP bytes one rank sends in a training step of the whole GPT, by op.
+
+    Per micro-batch of N = b*s tokens: the blocks (``block_comm_bytes``); the embedding's g
+    (SP: a reduce-scatter forward and an all-gather backward, and the position table's
+    gradient all-reduce); the head's f (SP: all-gather forward, reduce-scatter backward, and
+    its LayerNorm's gradient all-reduce); the loss's 3 all-reduces of N fp32 values.
+    """
+    if t == 1:
+        return {}
+    sp = sequence_parallel
+    tokens = micro_batch * cfg.seq_len
+    act = tokens * cfg.d_model * element_size
+    out: dict[str, int] = {}
+
+    def add(op, n):
+        out[op] = out.get(op, 0) + n
+
+    for phase in block_comm_bytes(tokens, cfg, t, sp, element_size).values():
+        for op, n in phase.items():
+            add(op, cfg.n_layer * n)
+    if sp:
+        for op in ("all_gather", "reduce_scatter"):
+            add(op, 2 * _half(act, t))                                  # embedding and head
+        add("all_reduce", _ar(cfg.seq_len * cfg.d_model * element_size, t))  # position table
+        for _ in range(2 if cfg.bias else 1):
+            add("all_reduce", _ar(cfg.d_model * element_size, t))      # head LayerNorm
+    else:
+        add("all_reduce", 2 * _ar(act, t))                              # embedding g, head f
+    add("all_reduce", 3 * _ar(tokens * 4, t))                           # max, sum-exp, target
+    return {op: n * microbatches for op, n in out.items()}
