@@ -1,0 +1,262 @@
+"""Draw the workshop deck's figures from the package itself: ``python slides/make_figures.py``.
+
+Every number in a figure comes from ``minipar`` (the planner's closed forms, the pipeline
+schedules and their ideal timelines, the process grid's ``torch.arange(world).view(dp, pp, tp)``)
+or, where marked, from a published source. Nothing is trained and no process group is
+started: the script takes a few seconds of one CPU core. Output: ``slides/figures/*.png``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))      # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from minipar import plan, pp  # noqa: E402
+
+OUT = HERE / "figures"
+DPI = 90
+RANKS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]     # one colour per TP rank
+FWD, BWD = "#4c72b0", "#55a868"
+
+
+def save(fig, name: str) -> None:
+    OUT.mkdir(exist_ok=True)
+    path = OUT / name
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    print(f"{path.relative_to(HERE.parent)}: {os.path.getsize(path) / 1024:.0f} KiB")
+
+
+# --------------------------------------------------------------------------------------
+# 1. Model-state memory: ZeRO's stages and a few AMSP specs (plan.model_state_bytes)
+# --------------------------------------------------------------------------------------
+def memory_zero():
+    """ZeRO paper's example (Rajbhandari et al. 2020, Fig. 1): 7.5B parameters, 64 DP ranks."""
+    phi, d = int(7.5e9), 64
+    specs = [("DP\n(1,1,1)", (1, 1, 1)), ("ZeRO-1\n(1,1,64)", (1, 1, d)),
+             ("ZeRO-2\n(1,64,64)", (1, d, d)), ("ZeRO-3\n(64,64,64)", (d, d, d)),
+             ("MiCS\n(8,8,8)", (8, 8, 8)), ("AMSP\n(8,64,64)", (8, d, d))]
+    fig, ax = plt.subplots(figsize=(7.5, 3.0))
+    for i, (label, spec) in enumerate(specs):
+        b = plan.model_state_bytes(phi, dp=d, shard=spec)
+        bottom = 0.0
+        for part, color in (("params", "#4c72b0"), ("grads", "#55a868"), ("optimizer", "#c44e52")):
+            ax.bar(i, b[part] / 1e9, bottom=bottom, color=color, label=part if i == 0 else None)
+            bottom += b[part] / 1e9
+        ax.text(i, bottom + 2, f"{bottom:.1f} GB", ha="center", fontsize=9)
+    ax.set_xticks(range(len(specs)), [s[0] for s in specs], fontsize=8)
+    ax.set_ylabel("GB per rank")
+    ax.set_ylim(0, 135)
+    ax.set_title("7.5B parameters, mixed-precision Adam, d = 64: 2Φ/s_p + 2Φ/s_g + 12Φ/s_os\n"
+                 "(minipar.plan.model_state_bytes)", fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    save(fig, "memory_zero.png")
+
+
+# --------------------------------------------------------------------------------------
+# 2. Pipeline schedules as ideal timelines (pp.ideal_timeline)
+# --------------------------------------------------------------------------------------
+def draw_timeline(ax, tl: pp.Timeline, title: str, span: float):
+    p = len(tl.stages)
+    for r, events in enumerate(tl.stages):
+        for e in events:
+            color = FWD if e.op == "forward" else BWD
+            alpha = 1.0 if e.chunk == 0 else 0.55
+            ax.barh(r, e.end - e.start, left=e.start, color=color, alpha=alpha, ec="white", lw=0.6)
+            if e.end - e.start >= 0.45:
+                ax.text((e.start + e.end) / 2, r, str(e.mb), ha="center", va="center",
+                        fontsize=6.5, color="white")
+    ax.set_yticks(range(p), [f"stage {r}" for r in range(p)], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, span)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(title, fontsize=8.5, loc="left")
+
+
+def pipeline_schedules():
+    p, m = 4, 8
+    rows = [("naive (m = 1)", "gpipe", 1, 1), ("GPipe, m = 8", "gpipe", m, 1),
+            ("1F1B, m = 8", "1f1b", m, 1), ("interleaved 1F1B, v = 2, m = 8", "interleaved", m, 2)]
+    timelines = [(label, v, pp.ideal_timeline(name, p, mm, v, t_fwd=1 / v, t_bwd=2 / v))
+                 for label, name, mm, v in rows]
+    span = max(tl.makespan for _, _, tl in timelines)
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 5.0), sharex=True)
+    for ax, (label, v, tl) in zip(axes, timelines):
+        stash = ", ".join(str(s) for s in tl.peak_stash)
+        unit = " chunk-micro-batches" if v > 1 else ""
+        draw_timeline(ax, tl, f"{label}: bubble {tl.bubble:.1%}, peak stash per stage "
+                                 f"[{stash}]{unit}", span)
+    axes[-1].set_xlabel("time (forward of one micro-batch on one stage = 1, backward = 2)",
+                        fontsize=8)
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=FWD), plt.Rectangle((0, 0), 1, 1, color=BWD)],
+               labels=["forward (number: micro-batch)", "backward"], loc="upper right",
+               fontsize=8, ncol=2, frameon=False, bbox_to_anchor=(0.98, 1.02))
+    fig.suptitle("p = 4 stages, minipar.pp.ideal_timeline", fontsize=9, x=0.02, ha="left", y=1.0)
+    fig.tight_layout()
+    save(fig, "pipeline_schedules.png")
+
+
+def bubble():
+    ms = list(range(1, 33))
+    fig, ax = plt.subplots(figsize=(6.5, 3.0))
+    for p, color in ((2, "C0"), (4, "C1"), (8, "C2")):
+        ax.plot(ms, [100 * pp.bubble_formula(p, m) for m in ms], color=color, label=f"p = {p}")
+        dots = [1, 2, 4, 8, 16, 32]
+        ax.plot(dots, [100 * pp.ideal_timeline("1f1b", p, m).bubble for m in dots], "o",
+                color=color, ms=4)
+    dots = [4, 8, 16, 32]
+    ax.plot(dots, [100 * pp.ideal_timeline("interleaved", 4, m, 2, 0.5, 1.0).bubble for m in dots],
+            "s--", color="C1", ms=4, lw=1, label="p = 4, interleaved v = 2")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 2, 4, 8, 16, 32], ["1", "2", "4", "8", "16", "32"])
+    ax.set_xlabel("micro-batches per step, m")
+    ax.set_ylabel("idle share of the step, %")
+    ax.set_title("bubble (p-1)/(v m + p-1): lines pp.bubble_formula, "
+                 "dots pp.ideal_timeline(...).bubble", fontsize=8.5)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False)
+    save(fig, "bubble.png")
+
+
+# --------------------------------------------------------------------------------------
+# 3. A transformer block with TP = 4 (the layout minipar.tp.parallelize_block builds)
+# --------------------------------------------------------------------------------------
+def tp_block():
+    t = 4
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+
+    def box(x, y, w, h, color, label="", fs=8, tc="white"):
+        ax.add_patch(plt.Rectangle((x, y), w, h, fc=color, ec="k", lw=0.6))
+        if label:
+            ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=fs, color=tc)
+
+    def op(x, y, text, color="#333333"):
+        ax.text(x, y, text, ha="center", va="center", fontsize=10, fontweight="bold", color=color,
+                bbox=dict(boxstyle="round,pad=0.25", fc="#f3f3f3", ec=color))
+
+    y0, h = 0.6, 2.0
+    # attention half
+    box(0, y0, 0.7, h, "#bbbbbb", "X\n(b,s,h)\nevery\nrank", 7, "black")
+    op(1.05, y0 + h / 2, "f")
+    for r in range(t):   # qkv: column-parallel, by heads
+        box(1.45 + r * 0.45, y0, 0.45, h, RANKS[r], f"qkv\nheads\n{r * 3}-{r * 3 + 2}", 6.5)
+    ax.text(1.45 + t * 0.225, y0 + h + 0.18, "ColumnParallelLinear\n(h/t heads each)", ha="center", fontsize=7)
+    for r in range(t):   # attention on own heads
+        box(3.4, y0 + h - (r + 1) * h / t, 0.6, h / t, RANKS[r], "attn", 6.5)
+    for r in range(t):   # proj: row-parallel
+        box(4.2, y0 + h - (r + 1) * h / t, 1.0, h / t, RANKS[r], f"proj rows {r}", 6.5)
+    ax.text(4.7, y0 + h + 0.18, "RowParallelLinear", ha="center", fontsize=7)
+    op(5.55, y0 + h / 2, "g")
+    ax.text(5.95, y0 + h / 2, "+x", ha="center", va="center", fontsize=9)
+    # MLP half
+    op(6.4, y0 + h / 2, "f")
+    for r in range(t):
+        box(6.8 + r * 0.45, y0, 0.45, h, RANKS[r], f"fc\n{r}", 7)
+    ax.text(6.8 + t * 0.225, y0 + h + 0.18, "ColumnParallelLinear\nh x 4h/t each", ha="center", fontsize=7)
+    ax.text(8.85, y0 + h / 2, "GELU", ha="center", va="center", fontsize=7, rotation=90)
+    for r in range(t):
+        box(9.05, y0 + h - (r + 1) * h / t, 1.0, h / t, RANKS[r], f"proj rows {r}", 6.5)
+    ax.text(9.55, y0 + h + 0.18, "RowParallelLinear\n4h/t x h each", ha="center", fontsize=7)
+    op(10.4, y0 + h / 2, "g")
+    ax.text(10.8, y0 + h / 2, "+", ha="center", va="center", fontsize=10)
+    # legend and the rule
+    for r in range(t):
+        box(0.2 + r * 1.3, 0.0, 0.25, 0.25, RANKS[r])
+        ax.text(0.55 + r * 1.3, 0.125, f"TP rank {r}", va="center", fontsize=7.5)
+    ax.text(5.6, 0.125, "f: identity fwd, all-reduce bwd    g: all-reduce fwd, identity bwd\n"
+                        "per block: 2 all-reduces of (b,s,h) forward, 2 backward",
+            va="center", fontsize=7.5)
+    ax.set_xlim(-0.1, 11.1)
+    ax.set_ylim(-0.1, 3.35)
+    ax.axis("off")
+    ax.set_title("one GPT block, t = 4 (12 heads shown), as minipar.tp.parallelize_block cuts it",
+                 fontsize=9)
+    save(fig, "tp_block.png")
+
+
+# --------------------------------------------------------------------------------------
+# 4. The process grid on two 8-GCD nodes: torch.arange(16).view(dp=2, pp=2, tp=4)
+# --------------------------------------------------------------------------------------
+def grid():
+    dp_, pp_, tp_, per_node = 2, 2, 4, 8
+    ranks = torch.arange(dp_ * pp_ * tp_).view(dp_, pp_, tp_)     # minipar.dist.Grid's layout
+    fig, ax = plt.subplots(figsize=(10, 2.8))
+    w, gap = 1.0, 0.12
+    stage_colors = ["#c6dbef", "#fdd0a2"]
+    for rank in range(dp_ * pp_ * tp_):
+        d, p, t = (ranks == rank).nonzero()[0].tolist()
+        node, slot = divmod(rank, per_node)
+        x = node * (per_node * (w + gap) + 0.6) + slot * (w + gap)
+        ax.add_patch(plt.Rectangle((x, 0.5), w, 1.0, fc=stage_colors[p], ec="k", lw=0.7))
+        ax.text(x + w / 2, 1.18, f"r{rank}", ha="center", fontsize=8, fontweight="bold")
+        ax.text(x + w / 2, 0.8, f"d{d} p{p}\nt{t}", ha="center", va="center", fontsize=7.5)
+    for node in range(2):
+        x0 = node * (per_node * (w + gap) + 0.6) - 0.08
+        ax.add_patch(plt.Rectangle((x0, 0.35), per_node * (w + gap) + 0.04, 1.5, fill=False,
+                                   ls="--", ec="#777777"))
+        ax.text(x0 + 0.05, 1.7, f"node {node} (8 GCDs, Infinity Fabric)", fontsize=8, color="#555555")
+        for k in range(2):    # the two TP groups of this node
+            xs = x0 + 0.08 + k * tp_ * (w + gap)
+            ax.plot([xs, xs + tp_ * (w + gap) - gap], [0.38, 0.38], color="k", lw=2)
+            ax.text(xs + (tp_ * (w + gap) - gap) / 2, 0.2, f"TP group {ranks.reshape(-1, tp_)[node * 2 + k].tolist()}",
+                    ha="center", fontsize=7.5)
+    pp_groups = ranks.permute(0, 2, 1).reshape(-1, pp_).tolist()
+    dp_groups = ranks.permute(1, 2, 0).reshape(-1, dp_).tolist()
+    ax.text(0, -0.15, f"PP groups (send/recv, inside a node here): {pp_groups}", fontsize=7.5)
+    ax.text(0, -0.42, f"DP groups (gradient all-reduce, across the nodes): {dp_groups}", fontsize=7.5)
+    ax.set_xlim(-0.2, 2 * per_node * (w + gap) + 0.8)
+    ax.set_ylim(-0.55, 1.95)
+    ax.axis("off")
+    ax.set_title("torch.arange(16).view(dp=2, pp=2, tp=4) on two Frontier nodes: rank r at (d, p, t); "
+                 "colour = pipeline stage", fontsize=9)
+    save(fig, "grid.png")
+
+
+# --------------------------------------------------------------------------------------
+# 5. The Frontier study against the planner's prediction (as notebook 07 does it)
+# --------------------------------------------------------------------------------------
+def frontier():
+    # (GCDs, percent of peak measured by Dash et al. 2023). 1024 and 3072 are the study's
+    # counts for 175B and 1T; 512 for 22B is notebook 07's choice.
+    study = {"gpt-22b": (512, 38.38), "gpt-175b": (1024, 36.14), "gpt-1t": (3072, 31.96)}
+    predicted = {m: plan.search(m, g, "frontier-mi250x", order="tp,dp,pp")[0]
+                 for m, (g, _) in study.items()}
+    fig, ax = plt.subplots(figsize=(6.5, 2.9))
+    xs = range(len(study))
+    ax.bar([x - 0.2 for x in xs], [100 * predicted[m].hfu for m in study], 0.4,
+           label="predicted HFU, minipar.plan.search (first-order model)", color="#9ecae1")
+    ax.bar([x + 0.2 for x in xs], [s for _, s in study.values()], 0.4,
+           label="measured, Dash et al. 2023 (Megatron-DeepSpeed)", color="#08519c")
+    for x, m in zip(xs, study):
+        ax.text(x - 0.2, 100 * predicted[m].hfu + 1, f"{100 * predicted[m].hfu:.0f}", ha="center", fontsize=8)
+        ax.text(x + 0.2, study[m][1] + 1, f"{study[m][1]:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(list(xs), [f"{m}\n{g} GCDs" + (" (our pick)" if m == "gpt-22b" else "")
+                             for m, (g, _) in study.items()], fontsize=8)
+    ax.set_ylabel("% of 191.5 TFLOP/s bf16 peak")
+    ax.set_ylim(0, 82)
+    ax.legend(fontsize=7.5, frameon=False, loc="upper right")
+    ax.set_title("same ordering, the model is optimistic: it times only matmuls and links",
+                 fontsize=9)
+    save(fig, "frontier.png")
+    for m, e in predicted.items():
+        print(f"  {m}: {e.layout.describe()}  HFU {e.hfu:.1%}  MFU {e.mfu:.1%}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    memory_zero()
+    pipeline_schedules()
+    bubble()
+    tp_block()
+    grid()
+    frontier()
