@@ -25,11 +25,15 @@ def ring_all_reduce(t: torch.Tensor, group=WORLD) -> torch.Tensor:
     holds the full sum of chunk (r+1). All-gather: n-1 more steps pass the finished chunks
     around the ring. Each rank sends 2(n-1)/n N bytes whatever n is: that is why the ring is
     bandwidth-optimal. Sends are asynchronous (isend) and receives blocking, so no ordering of
-    the ranks can deadlock. ``t.numel()`` must divide by n.
+    the ranks can deadlock; the chunk in flight is never the one being written, and each send
+    is waited for before the next step, so no copy is needed. ``t.numel()`` must divide by n.
     """
     n, r = size(group), rank(group)
     if n == 1:
         return t
+    if t.numel() % n:
+        raise ValueError(f"ring_all_reduce cuts the tensor into {n} equal chunks, but it has "
+                         f"{t.numel()} elements; pad it to a multiple of {n}")
     peers = global_ranks(group)
     right, left = peers[(r + 1) % n], peers[(r - 1) % n]
     chunks = t.view(n, -1)

@@ -64,6 +64,8 @@ def name_group(group, name: str, ranks=None) -> None:
 
 
 def group_name(group) -> str:
+    if isinstance(group, str):
+        return group
     if group is None:
         return "solo"
     if group is WORLD:
@@ -257,20 +259,20 @@ def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
 
 def send(t: torch.Tensor, dst: int) -> None:
     """Blocking point-to-point send to global rank ``dst``. Sends N."""
-    _run("send", None, _nbytes(t), 0, lambda a: dist.send(t.contiguous(), dst), False)
+    _run("send", "p2p", _nbytes(t), 0, lambda a: dist.send(t.contiguous(), dst), False)
 
 
 def recv(t: torch.Tensor, src: int) -> None:
     """Blocking point-to-point receive from global rank ``src`` into ``t``."""
-    _run("recv", None, 0, _nbytes(t), lambda a: dist.recv(t, src), False)
+    _run("recv", "p2p", 0, _nbytes(t), lambda a: dist.recv(t, src), False)
 
 
 def isend(t: torch.Tensor, dst: int) -> Handle:
-    return _run("send", None, _nbytes(t), 0, lambda a: dist.isend(t, dst), True)
+    return _run("send", "p2p", _nbytes(t), 0, lambda a: dist.isend(t, dst), True)
 
 
 def irecv(t: torch.Tensor, src: int) -> Handle:
-    return _run("recv", None, 0, _nbytes(t), lambda a: dist.irecv(t, src), True)
+    return _run("recv", "p2p", 0, _nbytes(t), lambda a: dist.irecv(t, src), True)
 
 
 def barrier(group=None) -> None:
@@ -300,11 +302,15 @@ def ring_all_reduce(t: torch.Tensor, group=WORLD) -> torch.Tensor:
     holds the full sum of chunk (r+1). All-gather: n-1 more steps pass the finished chunks
     around the ring. Each rank sends 2(n-1)/n N bytes whatever n is: that is why the ring is
     bandwidth-optimal. Sends are asynchronous (isend) and receives blocking, so no ordering of
-    the ranks can deadlock. ``t.numel()`` must divide by n.
+    the ranks can deadlock; the chunk in flight is never the one being written, and each send
+    is waited for before the next step, so no copy is needed. ``t.numel()`` must divide by n.
     """
     n, r = size(group), rank(group)
     if n == 1:
         return t
+    if t.numel() % n:
+        raise ValueError(f"ring_all_reduce cuts the tensor into {n} equal chunks, but it has "
+                         f"{t.numel()} elements; pad it to a multiple of {n}")
     peers = global_ranks(group)
     right, left = peers[(r + 1) % n], peers[(r - 1) % n]
     chunks = t.view(n, -1)
@@ -312,12 +318,12 @@ def ring_all_reduce(t: torch.Tensor, group=WORLD) -> torch.Tensor:
     # EXERCISE ex01 begin
     # reduce-scatter phase (n-1 steps), then all-gather phase (n-1 steps)
     for k in range(n - 1):
-        handle = isend(chunks[(r - k) % n].clone(), right)
+        handle = isend(chunks[(r - k) % n], right)
         recv(incoming, left)
         chunks[(r - k - 1) % n] += incoming
         handle.wait()
     for k in range(n - 1):
-        handle = isend(chunks[(r + 1 - k) % n].clone(), right)
+        handle = isend(chunks[(r + 1 - k) % n], right)
         recv(incoming, left)
         chunks[(r - k) % n].copy_(incoming)
         handle.wait()

@@ -162,6 +162,7 @@ class DataParallel:
                     b.handle = comm.all_reduce(b.buffer, self.group, op="avg", async_op=True)
             for b in self.buckets:
                 b.handle.wait()
+        self.begin_step(self.microbatches)  # re-arm, so a caller who forgets begin_step is safe
 
     def step(self):
         self.finish_grad_sync()
