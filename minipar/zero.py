@@ -1,0 +1,550 @@
+"""Sharded data parallelism: ZeRO-1/2/3 as presets of AMSP's (P, G, OS) partitioning.
+
+Where the memory goes. Adam in fp32 keeps, per parameter, 4 bytes of weight (P), 4 of
+gradient (G) and 8 of optimizer state (OS: Adam's m and v): 16 Phi bytes for Phi parameters
+(mixed precision: 2 + 2 + 12, the same 16). Plain data parallelism keeps all of it on every
+one of its d ranks. AMSP (Chen et al. 2023) shards each kind of state over its own group
+of ranks inside the data-parallel group, s_p ranks for P, s_g for G, s_os for OS, and
+replicates it across the d/s groups. Factor 1 is a full replica, d is full sharding, anything
+between is partial sharding (MiCS, hybrid sharding). ZeRO's stages (Rajbhandari et al. 2020)
+are four points of that space::
+
+    ZeRO-0 (plain DP) = (1, 1, 1)    ZeRO-1 = (1, 1, d)    ZeRO-2 = (1, d, d)    ZeRO-3 = (d, d, d)
+
+Constraints: 1 <= s_p <= s_g <= s_os <= d, each divides d, and a group is contiguous ranks
+(it fills a node before it spans nodes). Our layout also needs s_p | s_g | s_os (the shards
+nest; always true for powers of two). AMSP's planner further keeps s_g in {s_p, s_os}, since
+the values between are dominated (``1,2,4`` holds more than ``1,4,4`` and sends as much); this
+engine runs them anyway, so the whole space can be measured.
+
+The sharding mesh. The d data-parallel ranks are viewed as a 4-d mesh, like the process grid::
+
+    dp_ranks.view(rep, os, g, p) = (d/s_os, s_os/s_g, s_g/s_p, s_p)
+
+    zero_p    the s_p contiguous ranks of one P group
+    zero_g    the s_g/s_p ranks of one G group with the same p coordinate
+    zero_os   the s_os/s_g ranks of one OS group with the same (g, p) coordinates
+    zero_rep  the d/s_os replicas: the same place in every OS group
+
+For example d = 4 and ``2,2,4``: the mesh is (1, 2, 1, 2), zero_p = {0, 1} and {2, 3},
+zero_os = {0, 2} and {1, 3}; ZeRO-3 is (1, 1, 1, 4), a single zero_p of 4 ranks.
+
+Each unit of the model (the embedding, each block, the head: FSDP's wrapping) keeps its
+state in flat fp32 buffers of N elements, N = its parameter count padded up to a multiple of
+s_os. The buffer is cut like the mesh: this rank's P shard is chunk p of N/s_p, its G shard
+chunk g of the P shard, its OS shard chunk os of the G shard. So the OS shard lies inside the
+G shard, inside the P shard, and every collective works on whole chunks in rank order.
+
+One step, per unit, in the order it runs (the code below tells it the other way round,
+from ZeRO-1 to ZeRO-3):
+
+* P sharding (s_p > 1): before the unit's forward, and again before its backward, all-gather
+  the full parameters over zero_p; free them right after. ``prefetch`` starts the next
+  unit's all-gather while this one computes (AMSP's communication optimiser).
+* G sharding (s_g > 1): when a unit's backward is done, reduce-scatter its full gradient over
+  zero_p then zero_g (together: the G group) and add it into this rank's G shard; free the
+  full gradient. With s_g = 1 the full gradient stays, accumulating micro-batches.
+* OS sharding, at ``step()``: reduce-scatter the G shard over zero_os down to the OS shard,
+  all-reduce it across zero_rep, divide by d (gloo has no AVG: sum, then divide); Adam
+  updates the OS shard; all-gather the updated shards over zero_os, then zero_g, back into
+  the P shard.
+
+Model-state bytes one rank holds between steps (Phi' = padded parameter count)::
+
+    fp32:   4 Phi'/s_p + 4 Phi'/s_g + 8 Phi'/s_os  (+ 4 B of Adam step counter per unit)
+    mixed:  2 Phi'/s_p + 2 Phi'/s_g + 12 Phi'/s_os
+
+Bytes one rank sends per step (Psi = 4 Phi', ring volumes, m micro-batches), by group, with
+(P, G, O, R) = (s_p, s_g/s_p, s_os/s_g, d/s_os) the mesh's sides::
+
+    zero_p    all_gather     2m (P-1)/P Psi         parameters, before forward and backward
+              reduce_scatter  m (P-1)/P Psi         gradients, every micro-batch
+    zero_g    reduce_scatter  m (G-1)/G Psi/s_p     gradients, every micro-batch
+              all_gather        (G-1)/G Psi/s_p     updated shards, after the step
+    zero_os   reduce_scatter    (O-1)/O Psi/s_g     G shard down to the OS shard, at the step
+              all_gather        (O-1)/O Psi/s_g     updated shards, after the step
+    zero_rep  all_reduce      2 (R-1)/R Psi/s_os    across the replicas
+
+    summed:   all_gather 2m (s_p-1)/s_p Psi + (s_os-s_p)/s_os Psi/s_p
+              reduce_scatter m (s_g-1)/s_g Psi + (s_os-s_g)/s_os Psi/s_g
+              all_reduce 2 (R-1)/R Psi/s_os
+
+With m = 1: plain DP 2 Psi (d-1)/d (all-reduce), ZeRO-1 and ZeRO-2 2 Psi (d-1)/d
+(reduce-scatter + all-gather), ZeRO-3 3 Psi (d-1)/d.
+
+With tensor and pipeline parallelism the engine shards whatever parameters this rank's
+module holds (a TP slice, a pipeline stage) over its own data-parallel line of the grid;
+every spec composes with both. Under a pipeline, each micro-batch's forward and backward
+gathers the parameters again, 2 m all-gathers per step: that is why Megatron-DeepSpeed
+pairs pipelines with ZeRO-1, whose traffic does not grow with m.
+
+The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
+``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from einops import rearrange
+
+from . import comm
+from .dist import UsageError
+from .dp import optimizer_state_bytes
+from .model import Block, Embedding, LMHead
+
+
+# --------------------------------------------------------------------------------------
+# The spec: (s_p, s_g, s_os), ZeRO's presets, and the constraints
+# --------------------------------------------------------------------------------------
+class Spec(NamedTuple):
+    p: int    # s_p: the parameters are split over groups of s_p ranks
+    g: int    # s_g: the gradients, over groups of s_g ranks
+    os: int   # s_os: the optimizer states, over groups of s_os ranks
+
+
+def zero_spec(stage: int, d: int) -> Spec:
+    """ZeRO stage 0-3 over d data-parallel ranks."""
+    return Spec(*{0: (1, 1, 1), 1: (1, 1, d), 2: (1, d, d), 3: (d, d, d)}[stage])
+
+
+def parse_shard(text: str) -> Spec:
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) != 3:
+        raise UsageError(f"--shard {text!r} is not three integers; write P,G,OS such as 1,2,4")
+    return Spec(*parts)
+
+
+def spec_violation(spec: Spec, d: int) -> str | None:
+    """Why ``spec`` cannot shard d ranks (one line: what is wrong; what would fix it), or None."""
+    s_p, s_g, s_os = spec
+    text = f"{s_p},{s_g},{s_os}"
+    if not 1 <= s_p <= s_g <= s_os <= d:
+        return (f"shard {text} breaks 1 <= s_p <= s_g <= s_os <= dp={d}; order the factors "
+                f"and keep them at most the data-parallel size {d}")
+    bad = [s for s in spec if d % s]
+    if bad:
+        return (f"shard factor {bad[0]} does not divide dp={d}; use divisors of {d} "
+                f"({', '.join(str(k) for k in range(1, d + 1) if d % k == 0)})")
+    if s_g % s_p or s_os % s_g:
+        return (f"shard {text}: minipar nests the shards, so s_p must divide s_g and s_g "
+                f"must divide s_os; try {s_p},{s_p},{s_os} or {s_p},{s_os},{s_os}")
+    return None
+
+
+def spec_from_args(args) -> Spec:
+    """The spec of ``--zero Z`` or ``--shard P,G,OS`` over ``args.dp`` ranks."""
+    if args.shard is not None:
+        return parse_shard(args.shard)
+    return zero_spec(args.zero if args.zero is not None else 0, args.dp)
+
+
+def validate(cfg, args) -> None:
+    """Checks made before any process starts (the trainer turns UsageError into exit 2)."""
+    if args.zero is not None and args.shard is not None:
+        raise UsageError("give --zero or --shard, not both (--zero Z is a preset of --shard)")
+    spec = spec_from_args(args)
+    reason = spec_violation(spec, args.dp)
+    if reason:
+        raise UsageError(reason)
+
+
+# --------------------------------------------------------------------------------------
+# The sharding mesh
+# --------------------------------------------------------------------------------------
+class Mesh:
+    """This rank's place in ``dp_ranks.view(rep, os, g, p)`` and a group along each axis.
+
+    Every rank creates the groups of every data-parallel line of the grid (one line per
+    pipeline stage and tensor-parallel rank), as ``torch.distributed.new_group`` requires.
+    """
+
+    def __init__(self, grid, spec: Spec):
+        self.spec, self.d = spec, grid.dp
+        s_p, s_g, s_os = spec
+        sizes = dict(rep=self.d // s_os, o=s_os // s_g, g=s_g // s_p, p=s_p)
+        lines = rearrange(grid.ranks, "d pp tp -> (pp tp) d")
+        axes = "l (rep o g p)"
+        self.p_group = grid.new_groups(
+            rearrange(lines, f"{axes} -> (l rep o g) p", **sizes).tolist(), "zero_p")
+        self.g_group = grid.new_groups(
+            rearrange(lines, f"{axes} -> (l rep o p) g", **sizes).tolist(), "zero_g")
+        self.os_group = grid.new_groups(
+            rearrange(lines, f"{axes} -> (l rep g p) o", **sizes).tolist(), "zero_os")
+        self.rep_group = grid.new_groups(
+            rearrange(lines, f"{axes} -> (l o g p) rep", **sizes).tolist(), "zero_rep")
+        # i = ((rep * O + os) * G + g) * P + p, with i this rank's index in its DP line
+        i = grid.dp_rank
+        self.p_index = i % s_p
+        self.g_index = (i // s_p) % sizes["g"]
+        self.os_index = (i // s_g) % sizes["o"]
+
+
+# --------------------------------------------------------------------------------------
+# Flat buffers, one set per unit
+# --------------------------------------------------------------------------------------
+def units_of(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """FSDP's wrapping: one unit per part of the model (embedding, each block, the head).
+
+    Parameters outside every part (none in our GPT) form a unit of their own, on the root.
+    """
+    if hasattr(module, "parts"):     # the GPT, serial or tensor-parallel
+        parts = module.parts()
+    else:                            # e.g. a pipeline stage: the parts it holds
+        parts = [m for m in module.modules() if isinstance(m, (Embedding, Block, LMHead))]
+    units, seen = [], set()
+    for part in parts:
+        params = [p for p in part.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(map(id, params))
+        if params:
+            units.append((part, params))
+    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+    if rest:
+        units.insert(0, (module, rest))
+    return units
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release a buffer's memory but keep the tensor (and every view of it) for later."""
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    if t.untyped_storage().nbytes() == 0:
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def storage_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+class Unit:
+    """A part's state as flat buffers of N elements (padded to a multiple of s_os).
+
+    ``flat``        the full parameters; each parameter's ``.data`` is a view into it. With
+                    s_p > 1 its memory is released between uses (``free_storage``).
+    ``p_shard``     this rank's P shard (``flat`` itself when s_p = 1).
+    ``grad_shard``  this rank's G shard of the gradient. With s_g = 1 it is the full
+                    gradient, and each parameter's ``.grad`` is a view into it.
+    ``os_param``, ``os_grad``  this rank's OS shard of the parameters (a view into
+                    ``p_shard``) and of the averaged gradient (a view into ``grad_shard``):
+                    what the optimizer sees.
+    """
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], mesh: Mesh):
+        s_p, s_g, s_os = mesh.spec
+        self.module, self.params = module, params
+        self.numel = sum(p.numel() for p in params)
+        self.N = math.ceil(self.numel / s_os) * s_os
+        like = params[0]
+        self.flat = torch.zeros(self.N, dtype=like.dtype, device=like.device)
+        offset = 0
+        for p in params:
+            self.flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        n_p, n_g, n_os = self.N // s_p, self.N // s_g, self.N // s_os
+        if s_p == 1:
+            self.p_shard = self.flat
+        else:
+            self.p_shard = self.flat[mesh.p_index * n_p:(mesh.p_index + 1) * n_p].clone()
+            free_storage(self.flat)
+        # the G slice of the P shard and the OS slice of the G slice: nested chunks
+        self.g_slice = self.p_shard[mesh.g_index * n_g:(mesh.g_index + 1) * n_g]
+        self.os_param = self.g_slice[mesh.os_index * n_os:(mesh.os_index + 1) * n_os]
+        self.grad_shard = torch.zeros(n_g, dtype=like.dtype, device=like.device)
+        self.os_grad = self.grad_shard[mesh.os_index * n_os:(mesh.os_index + 1) * n_os]
+        self.os_param.grad = self.os_grad
+        self.handle = None      # a parameter all-gather in flight
+        self.ready = 0          # gradients accumulated in this step (one per param per micro-batch)
+
+    def attach_grads(self):
+        """With s_g = 1 every ``.grad`` is a view into the flat gradient (as DP's buckets)."""
+        offset = 0
+        for p in self.params:
+            p.grad = self.grad_shard[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def flat_grad(self) -> torch.Tensor:
+        """The unit's gradients as one padded flat tensor (zeros for a parameter without one)."""
+        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+                 for p in self.params]
+        return torch.cat(grads + [self.flat.new_zeros(self.N - self.numel)])
+
+
+def reduce_scatter_down(x: torch.Tensor, groups) -> torch.Tensor:
+    """Reduce-scatter (sum) ``x`` over each group in turn; return this rank's summed chunk."""
+    for group in groups:
+        n = comm.size(group)
+        if n > 1:
+            out = x.new_empty(x.numel() // n)
+            comm.reduce_scatter(out, x, group)
+            x = out
+    return x
+
+
+def all_gather_in_place(out: torch.Tensor, group) -> None:
+    """Every rank's own chunk of ``out`` is already in place: fetch the others' chunks."""
+    n = comm.size(group)
+    if n > 1:
+        mine = out.chunk(n)[comm.rank(group)].clone()
+        comm.all_gather(out, mine, group)
+
+
+# --------------------------------------------------------------------------------------
+# OS sharding (ZeRO-1): each rank updates its slice, then the slices are all-gathered
+# --------------------------------------------------------------------------------------
+def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, mesh: Mesh):
+    """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates.
+
+    With s_g = 1 (ZeRO-1) ``grad_shard`` is the whole local gradient, so the reduce-scatter
+    over ``mesh.os_group`` is ZeRO-1's: each rank only ever needs the averaged gradient of
+    the slice whose Adam state it keeps.
+    """
+    # EXERCISE ex06 begin
+    # per unit: reduce-scatter grad_shard over os_group, all-reduce over rep_group, /d into os_grad;
+    # then optimizer.step(); then all-gather each unit's slices back up (os_group, then g_group)
+    for u in units:
+        summed = reduce_scatter_down(u.grad_shard, [mesh.os_group])
+        comm.all_reduce(summed, mesh.rep_group)
+        u.os_grad.copy_(summed).div_(mesh.d)    # gloo has no AVG: sum over d ranks, then divide
+    optimizer.step()                             # Adam on each unit's os_param, in place
+    for u in units:
+        all_gather_in_place(u.g_slice, mesh.os_group)   # OS shards -> this rank's G slice
+        all_gather_in_place(u.p_shard, mesh.g_group)    # G slices -> this rank's P shard
+    # EXERCISE ex06 end
+
+
+# --------------------------------------------------------------------------------------
+# G sharding (ZeRO-2): reduce-scatter each unit's gradient as soon as backward is done with it
+# --------------------------------------------------------------------------------------
+def reduce_scatter_gradient(u: Unit, mesh: Mesh) -> None:
+    """Add the unit's full gradient, summed over the G group, into this rank's G shard.
+
+    The G group is zero_p x zero_g; reduce-scattering over zero_p and then zero_g sends the
+    same bytes as one reduce-scatter over the G group and leaves the chunks nested. The full
+    gradient is dropped afterwards: between steps this rank holds only its G shard.
+    """
+    # EXERCISE ex07 begin
+    # flatten the unit's grads (u.flat_grad()), reduce-scatter over p_group then g_group,
+    # add the result into u.grad_shard, and drop every p.grad of the unit
+    shard = reduce_scatter_down(u.flat_grad(), [mesh.p_group, mesh.g_group])
+    u.grad_shard.add_(shard)
+    for p in u.params:
+        p.grad = None
+    # EXERCISE ex07 end
+
+
+# --------------------------------------------------------------------------------------
+# The engine, and P sharding (ZeRO-3): gather before use, free after, with hooks
+# --------------------------------------------------------------------------------------
+class ShardedEngine:
+    """Data parallelism over ``grid``'s data-parallel group with (s_p, s_g, s_os) sharding."""
+
+    def __init__(self, module: nn.Module, grid, spec: Spec, make_optimizer,
+                 prefetch: bool = True):
+        self.module, self.spec, self.prefetch = module, Spec(*spec), prefetch
+        self.mesh = Mesh(grid, self.spec)
+        self.units = [Unit(m, params, self.mesh) for m, params in units_of(module)]
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        self.optimizer = make_optimizer([u.os_param for u in self.units])
+        for p in self._unit_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.spec.p > 1:
+            for u in self.units:
+                u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+                u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
+
+    # -- P sharding: the unit's full parameters exist only while it computes -----------------
+    def _gather(self, u: Unit, wait: bool = True):
+        if u.handle is None and storage_bytes(u.flat) == 0:
+            alloc_storage(u.flat)
+            u.handle = comm.all_gather(u.flat, u.p_shard, self.mesh.p_group, async_op=True)
+        if wait and u.handle is not None:
+            u.handle.wait()
+            u.handle = None
+
+    def _free(self, u: Unit):
+        if u.handle is not None:
+            u.handle.wait()
+            u.handle = None
+        free_storage(u.flat)
+
+    def _neighbour(self, u: Unit, step: int) -> Unit | None:
+        k = self.units.index(u) + step
+        return self.units[k] if 0 <= k < len(self.units) else None
+
+    def _pre_forward(self, u: Unit):
+        self._gather(u)
+        nxt = self._neighbour(u, +1)
+        if self.prefetch and nxt is not None:
+            self._gather(nxt, wait=False)     # overlaps with this unit's forward
+
+    def _post_forward(self, u: Unit, out):
+        self._free(u)
+        if torch.is_grad_enabled():
+            # the gradient of the unit's output arrives just before the unit's backward
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            for t in outs:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
+
+    def _pre_backward(self, u: Unit):
+        self._gather(u)
+        prev = self._neighbour(u, -1)
+        if self.prefetch and prev is not None:
+            self._gather(prev, wait=False)    # overlaps with this unit's backward
+
+    # -- the unit's backward is done once every parameter's gradient has accumulated ----------
+    def _on_grad_ready(self, p: nn.Parameter):
+        u = self._unit_of[p]
+        u.ready += 1
+        if u.ready % len(u.params):
+            return
+        if self.spec.p > 1:
+            self._free(u)
+        if self.spec.g > 1:
+            self._reduce(u)                          # every micro-batch: full grads never pile up
+
+    def _reduce(self, u: Unit):
+        if storage_bytes(u.grad_shard) == 0:        # first gradient of the step for this unit
+            alloc_storage(u.grad_shard)
+            u.grad_shard.zero_()
+        reduce_scatter_gradient(u, self.mesh)
+
+    # -- the engine interface ------------------------------------------------------------
+    def zero_grad(self):
+        """Zero the gradients; a G shard's memory is released until backward refills it
+        (as ``set_to_none`` does), so the forward pass runs without any gradient storage."""
+        for u in self.units:
+            if self.spec.g == 1:
+                u.grad_shard.zero_()
+                u.attach_grads()
+            else:
+                free_storage(u.grad_shard)
+                for p in u.params:
+                    p.grad = None
+
+    def begin_step(self, microbatches: int = 1):
+        """Nothing to arm per micro-batch count: with s_g > 1 every micro-batch's gradient is
+        reduce-scattered as it is produced, with s_g = 1 they accumulate until ``step()``."""
+        for u in self.units:
+            u.ready = 0
+
+    def step(self):
+        for u in self.units:
+            if self.spec.p > 1:
+                self._free(u)                   # a prefetch nobody waited for
+            if self.spec.g > 1 and (storage_bytes(u.grad_shard) == 0
+                                    or any(p.grad is not None for p in u.params)):
+                self._reduce(u)                 # a unit whose backward never finished
+        sharded_optimizer_step(self.units, self.optimizer, self.mesh)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Storage this rank holds now (between steps: only the shards the spec keeps)."""
+        params = sum(storage_bytes(u.p_shard) for u in self.units)
+        if self.spec.p > 1:
+            params += sum(storage_bytes(u.flat) for u in self.units)
+        grads = sum(storage_bytes(u.grad_shard) for u in self.units)
+        if self.spec.g > 1:
+            grads += sum(storage_bytes(p.grad) for u in self.units for p in u.params)
+        optimizer = optimizer_state_bytes(self.optimizer)
+        return dict(params=params, grads=grads, optimizer=optimizer,
+                    total=params + grads + optimizer)
+
+    def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{local name: (full parameter, full averaged gradient of the last step)}.
+
+        Gathers the shards (bookkeeping, not training traffic: untracked).
+        """
+        names = {p: n for n, p in self.module.named_parameters()}
+        out = {}
+        with comm.untracked():
+            for u in self.units:
+                flat = gather_up(u.p_shard, [self.mesh.p_group])
+                grad = gather_up(u.os_grad, [self.mesh.os_group, self.mesh.g_group,
+                                             self.mesh.p_group])
+                offset = 0
+                for p in u.params:
+                    sl = slice(offset, offset + p.numel())
+                    out[names[p]] = (flat[sl].view_as(p), grad[sl].view_as(p))
+                    offset += p.numel()
+        return out
+
+
+def gather_up(x: torch.Tensor, groups) -> torch.Tensor:
+    """All-gather ``x`` over each group in turn (the reverse of ``reduce_scatter_down``)."""
+    for group in groups:
+        n = comm.size(group)
+        if n > 1:
+            out = x.new_empty(x.numel() * n)
+            comm.all_gather(out, x, group)
+            x = out
+    return x
+
+
+def build_engine(module: nn.Module, grid, args) -> ShardedEngine:
+    """The trainer's entry point: ``--zero Z`` or ``--shard P,G,OS`` over the DP group."""
+    from .train import make_optimizer
+    return ShardedEngine(module, grid, spec_from_args(args),
+                         lambda params: make_optimizer(params, args),
+                         prefetch=getattr(args, "prefetch", True))
+
+
+# --------------------------------------------------------------------------------------
+# The formulas of the docstring, for notebooks and benchmarks
+# --------------------------------------------------------------------------------------
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}   # weight, gradient, optimizer
+
+
+def padded(numels, s_os: int) -> int:
+    """Phi': each unit's flat buffer padded up to a multiple of s_os (an int: one unit)."""
+    numels = [numels] if isinstance(numels, int) else numels
+    return sum(math.ceil(n / s_os) * s_os for n in numels)
+
+
+def state_bytes_formula(numels, spec, dtype: str = "fp32") -> dict[str, int]:
+    """Model-state bytes per rank: w Phi'/s_p + g Phi'/s_g + o Phi'/s_os (no step counters)."""
+    s_p, s_g, s_os = spec
+    phi = padded(numels, s_os)
+    w, g, o = BYTES_PER_PARAM[dtype]
+    out = dict(params=w * phi // s_p, grads=g * phi // s_g, optimizer=o * phi // s_os)
+    out["total"] = sum(out.values())
+    return out
+
+
+def comm_bytes_by_group(numels, d: int, spec, microbatches: int = 1,
+                        dtype: str = "fp32") -> dict[str, dict[str, int]]:
+    """Bytes one rank sends per step in each mesh group, by op (the docstring's table, level
+    by level). A group's members span ``span_of(group)`` consecutive ranks."""
+    s_p, s_g, s_os = spec
+    psi = padded(numels, s_os) * BYTES_PER_PARAM[dtype][0]
+    m = microbatches
+    P, G, O, R = s_p, s_g // s_p, s_os // s_g, d // s_os
+    ring = lambda n: (n - 1) / n        # noqa: E731  the ring's fraction of the buffer
+    out = {"zero_p": dict(all_gather=2 * m * ring(P) * psi, reduce_scatter=m * ring(P) * psi),
+           "zero_g": dict(reduce_scatter=m * ring(G) * psi / P, all_gather=ring(G) * psi / P),
+           "zero_os": dict(reduce_scatter=ring(O) * psi / s_g, all_gather=ring(O) * psi / s_g),
+           "zero_rep": dict(all_reduce=2 * ring(R) * psi / s_os)}
+    return {g: {op: round(b) for op, b in ops.items() if b} for g, ops in out.items()}
+
+
+def span_of(group: str, d: int, spec) -> int:
+    """How many consecutive ranks one group of the mesh spans (intra-node if <= a node)."""
+    return dict(zero_p=spec[0], zero_g=spec[1], zero_os=spec[2], zero_rep=d)[group]
+
+
+def comm_bytes_formula(numels, d: int, spec, microbatches: int = 1,
+                       dtype: str = "fp32") -> dict[str, int]:
+    """Bytes one rank sends per step, by op, and their total."""
+    out = dict(all_gather=0, reduce_scatter=0, all_reduce=0)
+    for ops in comm_bytes_by_group(numels, d, spec, microbatches, dtype).values():
+        for op, b in ops.items():
+            out[op] += b
+    out["total"] = sum(out.values())
+    return out
