@@ -49,6 +49,10 @@ def _mutant(tmp_path, ex_id, old, new):
      "isend/recv only"),
     ("ex02", "b.buffer.div_(n)", "pass", "average"),
     ("ex02", "size + p.numel() * p.element_size() > bucket_bytes", "False", "several"),
+    ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.copy_(summed)", ""),
+    ("ex06", "all_gather_in_place(u.g_slice, mesh.os_group)", "pass", ""),
+    ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.copy_(shard)", ""),
+    ("ex07", "        p.grad = None\n", "        pass\n", ""),
 ])
 def test_checker_catches_wrong_answers(tmp_path, ex_id, old, new, expected):
     failures = exercises.check(ex_id, path=_mutant(tmp_path, ex_id, old, new))
