@@ -329,7 +329,7 @@ def summary(history: list[dict], args) -> str:
              f"  model state per rank (max): params {ms['params']:,} B, grads {ms['grads']:,} B, "
              f"optimizer {ms['optimizer']:,} B, total {ms['total']:,} B",
              "  sent by rank 0 in the last step: " +
-             (", ".join(f"{op} {b:,} B" for op, b in sorted(sent.items())) or "nothing")]
+             (", ".join(f"{op} {b:,} B" for op, b in sorted(sent.items()) if b) or "nothing")]
     return "\n".join(lines)
 
 
