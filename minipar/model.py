@@ -49,8 +49,10 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {
     # trains visibly in a minute on 2 CPU cores
     "tiny": GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=64),
-    # what the unit tests use: a few thousand parameters, any layout up to tp=4, pp=4
+    # what the unit tests use: 68k parameters, any layout up to tp=4, pp=4
     "nano": GPTConfig(n_layer=4, n_head=4, d_model=32, seq_len=16),
+    # nano with 8 layers: interleaved pipelines of pp=4 stages x 2 chunks
+    "nano8": GPTConfig(n_layer=8, n_head=4, d_model=32, seq_len=16),
     "small": GPTConfig(n_layer=8, n_head=8, d_model=256, seq_len=128),
     "medium": GPTConfig(n_layer=12, n_head=12, d_model=768, seq_len=256),
     # GPU-sized: GPT-2 small's shape with the byte vocabulary
