@@ -282,13 +282,16 @@ def barrier(group=None) -> None:
 
 def all_reduce_scalars(values: list[float], group=None, op: str = "sum") -> list[float]:
     """Reduce a few Python floats (metrics, not training traffic: not recorded)."""
-    t = torch.tensor(values, dtype=torch.float64)
+    # NCCL reduces only GPU tensors; float64 keeps byte counts exact either way.
+    on_gpu = dist.is_initialized() and dist.get_backend() == "nccl"
+    t = torch.tensor(values, dtype=torch.float64,
+                     device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
     if size(group) > 1:
         with untracked():
             dist.all_reduce(t, op=_reduce_op(op), group=_pg(group))
         if op == "avg":
             t /= size(group)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 # --------------------------------------------------------------------------------------

@@ -147,6 +147,7 @@ def model_config(args):
 def build_model(args, grid: dist.Grid, device):
     """The full serial model from the seed (same on every rank), then the TP slice of it."""
     model = build(model_config(args), seed=args.seed)
+    model.full_params = sum(p.numel() for p in model.parameters())
     if grid.tp > 1:
         from . import tp
         model = tp.parallelize(model, grid, sequence_parallel=args.sp)
@@ -252,7 +253,8 @@ def worker(argv: list[str], return_state: bool = False):
     log(f"minipar: {grid.dp * grid.pp * grid.tp} rank(s) on {backend} "
         f"(dp={grid.dp} pp={grid.pp} tp={grid.tp}{' sp' if args.sp else ''}"
         f"{', ' + engine_name(args)}), model {args.model} "
-        f"({sum(p.numel() for p in model.parameters()):,} params on rank 0), "
+        f"({model.full_params:,} params; rank 0's stage and shard: "
+        f"{sum(p.numel() for p in runner.module.parameters()):,}), "
         f"global batch {args.batch_size}x{cfg.seq_len} tokens, {args.microbatches} micro-batches")
     metrics_file = open(args.metrics, "w") if (args.metrics and is_rank0) else None
     history = []
