@@ -12,8 +12,9 @@ import pytest
 
 from minipar.plan import (Layout, PlanError, check_shard, device_memory, estimate,
                           layer_activation_bytes, load_hardware, megatron_flops,
-                          megatron_params, model_preset, model_state_bytes, search,
-                          shard_specs, training_flops, zero_comm_bytes, zero_shard)
+                          megatron_params, model_preset, model_state_bytes, pp_comm_bytes,
+                          search, shard_specs, tp_comm_bytes, training_flops,
+                          zero_comm_bytes, zero_shard)
 from minipar.plan.hardware import PRESET_DIR, hardware_presets
 from minipar.plan.memory import stash_layers
 from minipar.plan.network import collective_time
@@ -57,6 +58,17 @@ def test_fp32_and_amsp_specs_and_tp_pp_split():
     assert model_state_bytes(PHI, 1, tp=8, pp=5)["total"] == 16 * PHI // 40
     # shards round up: 10 parameters over 4 ranks keep 3 each
     assert model_state_bytes(10, 4, zero=3, dtype="fp32")["params"] == 12
+    # Adam's 4-byte step counters, one per tensor the optimizer updates
+    assert model_state_bytes(PHI, N, zero=1, step_counters=6)["optimizer"] == (
+        12 * PHI // N + 24)
+
+
+def test_specs_between_amsp_corners_are_accounted():
+    # minipar.zero runs (1, 2, 4): gradients over 2 ranks, optimizer states over 4
+    assert model_state_bytes(PHI, 4, shard=(1, 2, 4), dtype="fp32") == {
+        "params": 4 * PHI, "grads": 4 * PHI // 2, "optimizer": 8 * PHI // 4,
+        "total": 4 * PHI + 2 * PHI + 2 * PHI}
+    assert model_state_bytes(PHI, 8, shard="2,4,8")["total"] == PHI + PHI // 2 + 12 * PHI // 8
 
 
 # --------------------------------------------------------------------------------------
@@ -69,11 +81,23 @@ def amsp_ok(spec, d):
             and g in (p, o))
 
 
-@pytest.mark.parametrize("spec, dp", [((1, 2, 4), 8), ((2, 1, 4), 8), ((3, 3, 3), 8),
-                                      ((1, 1, 16), 8), ((0, 1, 1), 8)])
+@pytest.mark.parametrize("spec, dp", [((2, 1, 4), 8), ((3, 3, 3), 8), ((1, 1, 16), 8),
+                                      ((0, 1, 1), 8), ((2, 3, 6), 12), ((1, 2, 3), 6)])
 def test_bad_specs_are_rejected(spec, dp):
     with pytest.raises(PlanError):
         check_shard(spec, dp)
+
+
+def test_amsp_rule_only_for_the_search_space():
+    check_shard((1, 2, 4), 8)                           # minipar.zero runs it: accounted
+    check_shard((2, 4, 8), 8)
+    with pytest.raises(PlanError, match="s_g equal to s_p or s_os"):
+        check_shard((1, 2, 4), 8, amsp=True)
+    assert (1, 2, 4) not in shard_specs(8)              # ... but never enumerated
+    # fixed by hand, the search takes it
+    best = search("llama-7b", 8, "a800-ib", tp=1, pp=1, shard=(1, 2, 4),
+                  global_batch_tokens=8 * 2048)[0]
+    assert best.layout.shard == (1, 2, 4)
 
 
 def test_groups_must_be_contiguous():
@@ -183,6 +207,41 @@ def test_zero_comm_volumes():
     assert amsp == {"reduce_scatter": 3 / 4 * psi * two, "all_reduce": 2 * 3 / 4 * psi / 4 * two,
                     "all_gather": 3 / 4 * psi * two,
                     "total": (3 / 4 + 3 / 8 + 3 / 4) * psi * two}
+
+
+def test_zero_comm_reduces_to_the_optimizer_shard_before_crossing_replicas():
+    psi, two = 1 << 20, 2
+    # (2, 2, 4) over 4: gather over 2 twice; reduce-scatter over 2, then the half down to a
+    # quarter over the other 2; no replicas left to all-reduce; gather the quarter back
+    assert zero_comm_bytes(psi, 4, shard=(2, 2, 4)) == {
+        "all_gather": (2 * 1 / 2 * psi + 1 / 2 * psi / 2) * two,
+        "reduce_scatter": (1 / 2 * psi + 1 / 2 * psi / 2) * two, "all_reduce": 0,
+        "total": (psi + psi / 4 + psi / 2 + psi / 4) * two}
+    # (1, 2, 4) over 8, m = 3: reduce-scatter over 2 per micro-batch, the half over 2 at the
+    # step, all-reduce the quarter across 2 replicas, gather the quarter then the half back
+    out = zero_comm_bytes(psi, 8, shard=(1, 2, 4), microbatches=3)
+    assert out["reduce_scatter"] == (3 * psi / 2 + psi / 4) * two
+    assert out["all_reduce"] == 2 * 1 / 2 * psi / 4 * two
+    assert out["all_gather"] == (psi / 4 + psi / 2) * two == 3 / 4 * psi * two
+
+
+def test_tp_and_pp_bytes_outside_the_layers():
+    b, s, h, t, L = 8, 16, 32, 2, 4                      # fp32: 4 bytes an element
+    act = b * s * h * 4
+    plain = tp_comm_bytes(b, s, h, t, L, dtype="fp32")
+    assert plain["all_reduce"] == 4 * L * act             # 2 (t-1)/t = 1 for t = 2
+    ends = tp_comm_bytes(b, s, h, t, L, dtype="fp32", ends=True)
+    assert ends["all_reduce"] == (4 * L + 2) * act + 3 * b * s * 4
+    sp = tp_comm_bytes(b, s, h, t, L, dtype="fp32", sp=True, ends=True)
+    assert sp["all_gather"] == sp["reduce_scatter"] == (4 * L + 2) * act / 2
+    # pipeline: stage 0 of 2 sends m activations, the last m gradients; interleaved with v
+    # chunks stage 0 sends v m activations and (v-1) m gradients
+    assert pp_comm_bytes(2, s, h, 2, 4, dtype="fp32") == {"send": 4 * 2 * s * h * 4,
+                                                          "total": 4 * 2 * s * h * 4}
+    assert pp_comm_bytes(2, s, h, 2, 4, stage=1, dtype="fp32")["send"] == 4 * 2 * s * h * 4
+    assert pp_comm_bytes(2, s, h, 4, 4, stage=1, dtype="fp32")["send"] == 2 * 4 * 2 * s * h * 4
+    assert pp_comm_bytes(2, s, h, 2, 4, v=2, dtype="fp32")["send"] == 3 * 4 * 2 * s * h * 4
+    assert pp_comm_bytes(2, s, h, 2, 4, tp=2, split=True)["send"] == 4 * 2 * s * h * 2 // 2
 
 
 def test_collective_time_inside_and_across_nodes():
@@ -323,6 +382,11 @@ def test_cli_memory_json():
     out = json.loads(r.stdout)
     assert out["total_bytes"] == 2 * PHI + 14 * PHI // N
     assert out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"] == out["total_bytes"]
+    # the spec between AMSP's corners that minipar.zero runs
+    r = run_cli("memory", "--params", "7.5B", "--gpus", 4, "--shard", "1,2,4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["total_bytes"] == 2 * PHI + 2 * PHI // 2 + 12 * PHI // 4
+    assert "s_g in {s_p, s_os}" in " ".join(run_cli("search", "--help").stdout.split())
 
 
 def test_cli_params_and_flops_json():
@@ -371,7 +435,7 @@ def test_cli_estimate_and_custom_hardware_file(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["memory", "--params", "1B", "--gpus", 8, "--shard", "1,2,4"],        # s_g rule
+    ["memory", "--params", "1B", "--gpus", 12, "--shard", "2,3,6"],       # shards nest
     ["memory", "--params", "1B", "--gpus", 8, "--shard", "4,2,8"],        # s_p > s_g
     ["memory", "--params", "1B", "--gpus", 8, "--zero", 1, "--shard", "1,1,8"],
     ["memory", "--params", "lots", "--gpus", 8],

@@ -10,7 +10,8 @@ Read top to bottom, one module per question:
     layout     one tp x pp x dp layout and its legality
     estimate   step time, tokens/s, MFU of one layout; weak and strong scaling
     search     every layout that fits, ranked; why the winner wins
-    measure    ``calibrate``: this machine as a hardware file (the only part needing torch)
+    measure    ``calibrate`` this machine into a hardware file; ``validate`` predictions
+               against ``minipar.train``'s measurements (the only part needing torch)
 
 Python API (sizes in bytes, times in seconds)::
 
@@ -23,11 +24,14 @@ Python API (sizes in bytes, times in seconds)::
     training_flops(shape, batch, recompute="none" | "selective" | "full") -> float
 
     zero_shard(stage, dp) -> (s_p, s_g, s_os)
-    check_shard((s_p, s_g, s_os), dp, per_node=None)     # PlanError if AMSP's rules break
-    shard_specs(dp, per_node=None) -> [(s_p, s_g, s_os), ...]
+    check_shard((s_p, s_g, s_os), dp, per_node=None, amsp=False)
+        # PlanError unless s_p | s_g | s_os | dp (what minipar.zero runs, 1,2,4 included);
+        # amsp=True adds AMSP's s_g in {s_p, s_os}
+    shard_specs(dp, per_node=None) -> [(s_p, s_g, s_os), ...]   # AMSP's space: the search's
 
     model_state_bytes(n_params, dp=1, shard=(s_p, s_g, s_os) or zero=Z, tp=1, pp=1,
-                      dtype="mixed" | "fp32") -> {"params", "grads", "optimizer", "total"}
+                      dtype="mixed" | "fp32", step_counters=0)
+        -> {"params", "grads", "optimizer", "total"}
     layer_activation_bytes(shape, micro_batch, tp=1, sp=False, recompute="none", flash=False)
     device_memory(shape, layout)
         -> {"params", "grads", "optimizer", "activations", "temporary", "total"}
@@ -36,7 +40,9 @@ Python API (sizes in bytes, times in seconds)::
                     microbatches=1, recompute=False)
         -> {"all_reduce", "reduce_scatter", "all_gather", "total"}
     tp_comm_bytes(micro_batch, seq_len, hidden, tp, layers, microbatches=1,
-                  recompute=False, sp=False) -> same keys
+                  recompute=False, sp=False, ends=False) -> same keys
+    pp_comm_bytes(micro_batch, seq_len, hidden, pp, microbatches=1, v=1, stage=0, tp=1,
+                  split=False) -> {"send", "total"}
     collective_time(op, nbytes, size, stride, hardware) -> float
 
     load_hardware(name_or_path) -> Hardware
@@ -47,12 +53,18 @@ Python API (sizes in bytes, times in seconds)::
         -> [Estimate, ...] best first
     explain(winner, runner_up=None) -> str
     calibrate(nprocs=2, quick=False, path=None) -> dict
+    measure.validate_step_time(model="tiny", layouts=None, steps=6, hardware=None) -> dict
+    measure.model_states_vs_plan(flags, model="tiny") -> {"measured", "predicted", ...}
 
 Bytes "sent" follow ``minipar.comm``: what one rank sends under the ring algorithm. So a
 trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
-``zero_comm_bytes`` and ``model_state_bytes`` directly.
+``zero_comm_bytes``, ``tp_comm_bytes(..., ends=True)``, ``pp_comm_bytes`` and
+``model_state_bytes(..., step_counters=...)`` directly, and they agree byte for byte
+(tests/test_plan_measured.py, tests/test_zero.py). Step times agree only roughly
+(``python -m minipar.plan validate``).
 
-The command line, ``python -m minipar.plan memory|params|flops|search|estimate|calibrate``,
+The command line, ``python -m minipar.plan memory|params|flops|search|estimate|calibrate|
+validate``,
 prints tables, or JSON with ``--json``; bad input exits with status 2 and one line.
 
 These are predictions from first-order models: they count matmul FLOPs, ring traffic and
@@ -66,8 +78,8 @@ from .hardware import Hardware, hardware_presets, load_hardware
 from .layout import Layout, check_layout
 from .memory import (activation_bytes, device_memory, layer_activation_bytes,
                      model_state_bytes, stage_params)
-from .network import (collective_time, ring_bytes, tp_comm_bytes, zero_collectives,
-                      zero_comm_bytes)
+from .network import (collective_time, pp_comm_bytes, ring_bytes, tp_comm_bytes,
+                      zero_collectives, zero_comm_bytes)
 from .search import explain, search
 from .shapes import (PRESETS, ModelShape, forward_flops, gpt_params, llama_ffn, llama_params,
                      megatron_flops, megatron_params, model_preset, training_flops)
@@ -84,7 +96,8 @@ __all__ = [
     "PlanError", "Estimate", "estimate", "scaled_layout", "scaling", "Hardware",
     "hardware_presets", "load_hardware", "Layout", "check_layout", "activation_bytes",
     "device_memory", "layer_activation_bytes", "model_state_bytes", "stage_params",
-    "collective_time", "ring_bytes", "tp_comm_bytes", "zero_collectives", "zero_comm_bytes",
+    "collective_time", "pp_comm_bytes", "ring_bytes", "tp_comm_bytes", "zero_collectives",
+    "zero_comm_bytes",
     "explain", "search", "PRESETS", "ModelShape", "forward_flops", "gpt_params", "llama_ffn",
     "llama_params", "megatron_flops", "megatron_params", "model_preset", "training_flops",
     "check_shard", "parse_shard", "shard_specs", "zero_shard", "calibrate",

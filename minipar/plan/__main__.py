@@ -1,4 +1,6 @@
-"""The planner's command line: python -m minipar.plan memory|params|flops|search|estimate|calibrate.
+"""The planner's command line: python -m minipar.plan SUB-COMMAND [--json] ...
+
+Sub-commands: memory, params, flops, search, estimate, calibrate, validate.
 
 Every sub-command prints a readable table, or with ``--json`` one JSON document on stdout.
 Bad input ends with exit status 2 and one line on stderr saying what is wrong and how to fix it.
@@ -225,6 +227,32 @@ def cmd_estimate(args) -> None:
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))
 
 
+def cmd_validate(args) -> None:
+    from .measure import VALIDATION_LAYOUTS, validate_step_time
+    unknown = [n for n in args.layouts if n not in _LAYOUT_KEYS]
+    if unknown:
+        raise PlanError(f"unknown layout {unknown[0]!r}; use some of {', '.join(_LAYOUT_KEYS)}")
+    layouts = {_LAYOUT_KEYS[n]: VALIDATION_LAYOUTS[_LAYOUT_KEYS[n]] for n in args.layouts}
+    out = validate_step_time(args.model, layouts, steps=args.steps, batch_size=args.batch_size,
+                             hardware=args.hardware, overlap=args.overlap)
+    hw = out["hardware"]
+    rows = [[r["layout"], " ".join(r["argv"][r["argv"].index("--quiet") + 1:]),
+             f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
+             f"{r['ratio']:.2f}"] for r in out["rows"]]
+    text = (f"{out['machine']}\nload average before {out['load_before'][0]:.2f}, after "
+            f"{out['load_after'][0]:.2f} (1 min)\nhardware {hw['name']}: "
+            f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s per process, all-reduce "
+            f"{hw['intra_node_bandwidth'] / 1e9:.2f} GB/s, "
+            f"{hw['intra_node_latency'] * 1e6:.0f} us per ring step\n"
+            f"model {args.model}, global batch {args.batch_size}, median of steps "
+            f"2..{args.steps}\n"
+            + _table(rows, ["layout", "flags", "predicted ms", "measured ms", "pred/meas"]))
+    _emit(args, out, text)
+
+
+_LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2"}
+
+
 def cmd_calibrate(args) -> None:
     from .measure import calibrate
     hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out)
@@ -265,8 +293,12 @@ def _add_shape(p) -> None:
 def _add_spec(p, searching: bool = False) -> None:
     fixed = "fix the spec to this; default: search all AMSP specs" if searching else "default 0"
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help=f"ZeRO stage ({fixed})")
+    space = (" Unless fixed here, the search enumerates only AMSP's space, s_g in {s_p, s_os}."
+             if searching else "")
     p.add_argument("--shard", metavar="P,G,OS",
-                   help="AMSP shard-group sizes s_p,s_g,s_os, e.g. 1,8,8")
+                   help="shard-group sizes s_p,s_g,s_os over the data-parallel ranks, e.g. "
+                        "1,8,8: any 1 <= s_p <= s_g <= s_os <= dp, each dividing the next and "
+                        "dp (1,2,4 included, as minipar.zero runs it)." + space)
 
 
 def _add_costs(p) -> None:
@@ -351,6 +383,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
     p.add_argument("--out", default="calibrated-hardware.json")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("validate", help="predicted vs measured step time of minipar.train here")
+    p.add_argument("--model", default="tiny", help="a minipar.model preset (default tiny)")
+    p.add_argument("--steps", type=positive, default=6)
+    p.add_argument("--batch-size", type=positive, default=16, help="global, in sequences")
+    p.add_argument("--layouts", type=lambda t: t.split(","), default=list(_LAYOUT_KEYS),
+                   help=f"comma-separated, from {','.join(_LAYOUT_KEYS)} (default: all)")
+    p.add_argument("--hardware", help="a preset or file; default: calibrate this machine now")
+    p.add_argument("--overlap", type=fraction, default=DEFAULT_OVERLAP,
+                   help="fraction of data-parallel traffic hidden behind compute")
+    p.set_defaults(func=cmd_validate)
 
     for action in sub.choices.values():
         action.add_argument("--json", action="store_true", help="machine-readable output")

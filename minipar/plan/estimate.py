@@ -6,7 +6,8 @@
   the recomputation (``shapes.training_flops``). All stages are taken as equal (the
   embedding and logits make the ends slightly heavier; we ignore that).
 * TP comm: the per-layer collectives of ``network``, blocking (Megatron-LM runs them on the
-  critical path).
+  critical path), plus those of the embedding, head and loss on the stage that holds them
+  (both ends when pp = 1, the head's when pp > 1: the last stage also computes the loss).
 * bubble: a pipeline of p stages idles (p-1)/m of the time it computes m micro-batches,
   and interleaving v chunks per stage divides that by v (Narayanan et al. 2021, section
   2.2): (p-1)/(m v) x (compute + TP comm).
@@ -94,8 +95,10 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     compute = flops / layout.gpus / hw.achievable_flops
 
     activation_msg = b * s * h * ACTIVATION_BYTES[dtype]
-    tp_calls = (shape.layers // p) * m * (6 if layout.recompute == "full" else 4)
-    tp_comm = tp_calls * collective_time("all_reduce", activation_msg, t, strides["tp"], hw)
+    tp_calls = m * ((shape.layers // p) * (6 if layout.recompute == "full" else 4)
+                    + (2 if p == 1 else 1))             # + the embedding's g, the head's f
+    tp_comm = (tp_calls * collective_time("all_reduce", activation_msg, t, strides["tp"], hw)
+               + 3 * m * collective_time("all_reduce", b * s * 4, t, strides["tp"], hw))  # loss
 
     bubble = (p - 1) / (m * v) * (compute + tp_comm)
 

@@ -11,8 +11,12 @@ gradient and 12 bytes of optimizer state (fp32 master weight, momentum, variance
     fp32:   4 Phi / s_p + 4 Phi / s_g +  8 Phi / s_os
 
 so plain DP holds 16 Phi, ZeRO-1 4 Phi + 12 Phi/d, ZeRO-2 2 Phi + 14 Phi/d, ZeRO-3 16 Phi/d.
-Shards are rounded up (a flat buffer padded to a multiple of the group size), so the numbers
-are the storage a rank allocates.
+Any spec with s_p | s_g | s_os | d is accounted (``1,2,4`` included: ``sharding`` says why
+the search enumerates fewer). Shards are rounded up (a flat buffer padded to a multiple of
+the group size), so the numbers are the storage a rank allocates. PyTorch's Adam also keeps
+a 4-byte step counter per tensor it updates: ``step_counters`` adds them, for byte-exact
+comparison with a measured run (``minipar.zero`` gives its optimizer one flat tensor per
+unit, plain DP one per parameter tensor); at scale they are noise.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", section 4)
@@ -72,21 +76,27 @@ def _check_dtype(dtype: str) -> None:
         raise PlanError(f"unknown dtype {dtype!r}; use mixed (bf16 + fp32 Adam) or fp32")
 
 
+STEP_COUNTER_BYTES = 4       # torch.optim.Adam(W): one fp32 scalar "step" tensor per tensor
+
+
 def model_state_bytes(n_params: int, dp: int = 1, shard: Shard | str | None = None,
                       zero: int | None = None, tp: int = 1, pp: int = 1,
-                      dtype: str = "mixed") -> dict[str, int]:
+                      dtype: str = "mixed", step_counters: int = 0) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states one device holds.
 
     ``n_params`` is the whole model; it is split evenly over ``tp * pp`` (use
     ``stage_params`` for the exact split of a given shape). ``shard`` (s_p, s_g, s_os) or
-    ``zero`` (0-3) says how the dp ranks shard each part.
+    ``zero`` (0-3) says how the dp ranks shard each part: any spec with
+    1 <= s_p <= s_g <= s_os <= dp, each dividing the next and dp (not only AMSP's search
+    space). ``step_counters``: how many tensors this rank's optimizer updates, each with
+    Adam's 4-byte step counter (default 0: the papers' count).
     """
     _check_dtype(dtype)
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
     phi = math.ceil(n_params / (tp * pp))
     w, g, o = BYTES_PER_PARAM[dtype]
     out = {"params": w * math.ceil(phi / s_p), "grads": g * math.ceil(phi / s_g),
-           "optimizer": o * math.ceil(phi / s_os)}
+           "optimizer": o * math.ceil(phi / s_os) + STEP_COUNTER_BYTES * step_counters}
     out["total"] = sum(out.values())
     return out
 

@@ -22,25 +22,41 @@ Traffic per training step, per rank:
   micro-batch, 2 all-reduces of b s h activations forward and 2 backward (+2 for the
   recomputed forward under full recomputation); with sequence parallelism each all-reduce
   becomes an all-gather plus a reduce-scatter, the same volume. Ring volume 2 (t-1)/t each.
-  (The vocab-parallel embedding and loss add a little; we leave it out.)
-* Pipeline parallelism: per micro-batch and model chunk, one b s h activation forward and
-  its gradient back, split over the t tensor-parallel ranks (Narayanan et al. 2021's
-  scatter/gather optimisation).
+  Outside the layers (``ends=True``; ``minipar.tp`` and Megatron-LM alike): the
+  vocab-parallel embedding's g (one b s h all-reduce forward), the head's f (one backward),
+  and the vocab-parallel cross-entropy's 3 all-reduces of b s fp32 values (max, sum of
+  exponentials, target logit); with sequence parallelism the two b s h all-reduces become an
+  all-gather and a reduce-scatter each. (With sequence parallelism minipar also all-reduces
+  the gradients of the replicated LayerNorms, row biases and position table per
+  micro-batch: h-sized vectors we leave out.)
+* Pipeline parallelism (``pp_comm_bytes``): virtual stage k = c p + r of v p (v chunks per
+  stage) sends its output activation unless it is the last, and its input gradient unless
+  it is the first; each a b s h message per micro-batch, so stage r sends
+  m b s h (a_r + g_r) with a_r = v - [r = p-1], g_r = v - [r = 0]. Megatron-LM splits each
+  message over the t tensor-parallel ranks (its scatter/gather optimisation, which
+  ``estimate`` assumes); minipar splits it only under sequence parallelism.
 * Data parallelism and ZeRO/AMSP over d ranks, Psi parameters per rank before sharding,
-  16-bit weights and gradients (fp32 in fp32 training), ``zero_collectives``:
+  16-bit weights and gradients (fp32 in fp32 training), ``zero_collectives``. This is
+  ``minipar.zero``'s scheme (its docstring has the mesh); the ranks of one G group are
+  s_g contiguous ranks, the s_os/s_g ranks sharing a G shard's pieces are s_g apart, and the
+  d/s_os replicas s_os apart:
 
-    parameters sharded (s_p > 1): all-gather over s_p before forward and before backward
-        (+1 for the recomputed forward), every micro-batch;
-    gradients sharded (s_g > 1): reduce-scatter over s_g every micro-batch, then an
-        all-reduce of the Psi/s_g shard across the d/s_g replica groups once per step;
-    gradients whole (s_g = 1): accumulate locally, then once per step a reduce-scatter over
-        s_os and an all-reduce of the Psi/s_os shard across the d/s_os replicas (for s_os = 1
-        simply an all-reduce over d);
-    after the optimizer step (s_os > s_p): all-gather the updated weights over the s_os/s_p
-        ranks that hold pieces of one parameter shard.
+    parameters sharded (s_p > 1): all-gather Psi over s_p before forward and before
+        backward (+1 for the recomputed forward), every micro-batch;
+    gradients sharded (s_g > 1): reduce-scatter Psi over s_g every micro-batch (minipar
+        does it in two nested steps, over s_p then s_g/s_p: the same bytes);
+    at the step: reduce-scatter the Psi/s_g gradient shard over the s_os/s_g ranks that
+        share it, down to the optimizer shard (with s_g = 1: ZeRO-1's reduce-scatter of the
+        whole gradient over s_os), then all-reduce the Psi/s_os shard across the d/s_os
+        replicas (for s_os = 1 simply DP's all-reduce over d);
+    after the optimizer step: all-gather the updated Psi/s_os shards over the s_os/s_g
+        ranks into the G shard, then the G shards over the s_g/s_p ranks into the P shard:
+        (s_os - s_p)/s_os Psi/s_p in all, as one gather over s_os/s_p would send.
 
-  With one micro-batch this gives the ZeRO paper's volumes: 2 Psi for DP, ZeRO-1 and ZeRO-2,
-  3 Psi for ZeRO-3, each x (n-1)/n.
+  Reducing to the optimizer shard before crossing replicas is what keeps 1 < s_g < s_os
+  cheap: ``2,2,4`` over 4 ranks sends no all-reduce at all, where all-reducing the whole
+  G shard across the 2 replicas would send Psi/2. With one micro-batch this gives the ZeRO
+  paper's volumes: 2 Psi for DP, ZeRO-1 and ZeRO-2, 3 Psi for ZeRO-3, each x (n-1)/n.
 """
 from __future__ import annotations
 
@@ -113,7 +129,10 @@ class Collective:
 
 def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
                      microbatches: int = 1, recompute: bool = False) -> list[Collective]:
-    """The data-parallel collectives of one step (see the module docstring)."""
+    """The data-parallel collectives of one step (see the module docstring).
+
+    ``shard`` may be any spec with s_p | s_g | s_os | dp.
+    """
     s_p, s_g, s_os = shard
     w, g, _ = BYTES_PER_PARAM[dtype]
     m = microbatches
@@ -125,18 +144,18 @@ def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
     if s_g > 1:
         out.append(Collective("reduce_scatter", "gradients, every micro-batch", psi * g,
                               s_g, 1, m))
-        grad_shard, replicas = psi // s_g, dp // s_g
-    else:
-        if s_os > 1:
-            out.append(Collective("reduce_scatter", "gradients, once per step", psi * g,
-                                  s_os, 1, 1))
-        grad_shard, replicas = psi // s_os, dp // s_os
-    if replicas > 1:
-        out.append(Collective("all_reduce", "gradient shard across replica groups",
-                              grad_shard * g, replicas, dp // replicas, 1))
-    if s_os > s_p:
-        out.append(Collective("all_gather", "updated weights after the optimizer step",
-                              psi // s_p * w, s_os // s_p, s_p, 1))
+    if s_os > s_g:
+        out.append(Collective("reduce_scatter", "gradient shard down to the optimizer shard",
+                              psi // s_g * g, s_os // s_g, s_g, 1))
+    if dp > s_os:
+        out.append(Collective("all_reduce", "optimizer-shard gradient across replicas",
+                              psi // s_os * g, dp // s_os, s_os, 1))
+    if s_os > s_g:
+        out.append(Collective("all_gather", "updated optimizer shards into the G shard",
+                              psi // s_g * w, s_os // s_g, s_g, 1))
+    if s_g > s_p:
+        out.append(Collective("all_gather", "updated G shards into the P shard",
+                              psi // s_p * w, s_g // s_p, s_p, 1))
     return out
 
 
@@ -158,15 +177,41 @@ def zero_comm_bytes(n_params: int, dp: int, shard: Shard | str | None = None,
 
 def tp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, tp: int, layers: int,
                   microbatches: int = 1, recompute: bool = False, sp: bool = False,
-                  dtype: str = "mixed") -> dict[str, int]:
-    """Bytes one rank sends per step for the tensor-parallel collectives of ``layers`` layers."""
+                  dtype: str = "mixed", ends: bool = False) -> dict[str, int]:
+    """Bytes one rank sends per step for the tensor-parallel collectives of ``layers`` layers.
+
+    ``ends=True`` adds the vocab-parallel embedding, head and loss of a whole GPT (module
+    docstring); then a plain-TP run of ``minipar.train`` sends exactly this.
+    """
     msg = micro_batch * seq_len * hidden * ACTIVATION_BYTES[dtype]
-    calls = layers * microbatches * (6 if recompute else 4)
+    calls = layers * (6 if recompute else 4) + (2 if ends else 0)
     out = dict.fromkeys(OPS, 0)
     if sp:   # each all-reduce becomes an all-gather and a reduce-scatter
-        out["all_gather"] = calls * ring_bytes("all_gather", msg, tp)
-        out["reduce_scatter"] = calls * ring_bytes("reduce_scatter", msg, tp)
+        out["all_gather"] = microbatches * calls * ring_bytes("all_gather", msg, tp)
+        out["reduce_scatter"] = microbatches * calls * ring_bytes("reduce_scatter", msg, tp)
     else:
-        out["all_reduce"] = calls * ring_bytes("all_reduce", msg, tp)
+        out["all_reduce"] = microbatches * calls * ring_bytes("all_reduce", msg, tp)
+    if ends:  # the loss: max, sum of exponentials, target logit, b s fp32 values each
+        out["all_reduce"] += microbatches * 3 * ring_bytes("all_reduce", micro_batch * seq_len * 4,
+                                                           tp)
     out["total"] = sum(out[op] for op in OPS)
     return out
+
+
+def pp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, pp: int, microbatches: int = 1,
+                  v: int = 1, stage: int = 0, tp: int = 1, split: bool = False,
+                  dtype: str = "mixed") -> dict[str, int]:
+    """Bytes pipeline stage ``stage`` (0 .. pp-1) sends per step, point to point.
+
+    m (a_r + g_r) messages of b s h elements, a_r = v - [r = p-1], g_r = v - [r = 0] (module
+    docstring); ``split``: each message is cut over the ``tp`` ranks (Megatron-LM's
+    scatter/gather, or minipar's sequence parallelism). Keys: send, total.
+    """
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is not one of the {pp} pipeline stages")
+    if pp == 1:
+        return {"send": 0, "total": 0}
+    msg = micro_batch * seq_len * hidden * ACTIVATION_BYTES[dtype] // (tp if split else 1)
+    messages = (v - (stage == pp - 1)) + (v - (stage == 0))
+    sent = microbatches * messages * msg
+    return {"send": sent, "total": sent}

@@ -7,7 +7,9 @@ For a model, a number of devices and a global batch (in tokens) we enumerate
     v    model chunks per stage (interleaved 1F1B), dividing layers/pp, at most ``max_v``
     b    micro-batch size, dividing the batch per replica, at most ``max_micro_batch``
     m    = batch / (dp b) micro-batches
-    (s_p, s_g, s_os)   every AMSP spec over dp (``sharding.shard_specs``), groups contiguous
+    (s_p, s_g, s_os)   every AMSP spec over dp (``sharding.shard_specs``: s_g in {s_p, s_os}),
+                       groups contiguous; a spec fixed with ``shard=`` may be any that
+                       minipar.zero runs (s_p | s_g | s_os | dp), e.g. 1,2,4
     recomputation      none, selective, full
 
 with sequence parallelism on whenever tp > 1 (same traffic, less memory), drop what does not

@@ -1,4 +1,4 @@
-"""ZeRO stages as AMSP shard specs, and AMSP's constraints on them.
+"""ZeRO stages as AMSP shard specs, and the rules a spec must obey.
 
 AMSP (Chen et al. 2023, "AMSP: Reducing Communication Overhead of ZeRO for Efficient LLM
 Training") shards each part of the model states over its own group of data-parallel ranks:
@@ -8,17 +8,23 @@ four points of that space, over d data-parallel ranks (Rajbhandari et al. 2020):
     ZeRO-0 (plain DP) = (1, 1, 1)     ZeRO-1 = (1, 1, d)
     ZeRO-2            = (1, d, d)     ZeRO-3 = (d, d, d)
 
-AMSP's constraints, as this planner applies them:
+Two sets of rules, for two jobs:
 
-* 1 <= s_p <= s_g <= s_os <= d and each divides d: a rank cannot hold less gradient than it
-  has parameters to produce it from, nor less optimizer state than it has gradient to apply;
-* s_g is s_p or s_os (AMSP's dependency rule: gradients follow either the parameters or
-  the optimizer states);
-* groups are contiguous: a group fills a node before it spans nodes, so a group smaller
-  than a node divides the node's data-parallel ranks and a larger one is a multiple of them.
+* Accounting (``model_state_bytes``, ``zero_comm_bytes``, ``estimate``, the ``memory`` and
+  ``estimate`` commands, a spec fixed with ``--shard``) accepts every spec that
+  ``minipar.zero`` runs: 1 <= s_p <= s_g <= s_os <= d, each dividing the next and d
+  (s_p | s_g | s_os | d), so the shards nest: an optimizer shard lies inside a gradient
+  shard, inside a parameter shard. A rank cannot hold less gradient than it has parameters
+  to produce it from, nor less optimizer state than it has gradient to apply. So ``1,2,4``
+  is a legal spec and is accounted exactly.
+* The search's enumeration (``shard_specs``) is AMSP's space, which adds AMSP's dependency
+  rule: s_g is s_p or s_os (gradients follow either the parameters or the optimizer
+  states). The values between are not enumerated: they trade gradient memory against
+  reduce-scatter traffic per micro-batch, a trade AMSP's planner does not explore.
 
-We add that s_p divides s_os (so a parameter shard is made of whole optimizer shards and the
-groups nest); with power-of-two sizes it always holds.
+Both add, when the devices per node are known, that groups are contiguous: a group fills a
+node before it spans nodes, so a group smaller than a node divides the node's data-parallel
+ranks and a larger one is a multiple of them.
 """
 from __future__ import annotations
 
@@ -52,8 +58,13 @@ def contiguous(size: int, per_node: int) -> bool:
     return per_node % size == 0 if size <= per_node else size % per_node == 0
 
 
-def shard_violation(shard: Shard, dp: int, per_node: int | None = None) -> str | None:
-    """Why ``shard`` is not a valid AMSP spec over ``dp`` ranks, or None if it is."""
+def shard_violation(shard: Shard, dp: int, per_node: int | None = None,
+                    amsp: bool = False) -> str | None:
+    """Why ``shard`` cannot shard ``dp`` ranks, or None if it can.
+
+    The accounting rules (s_p | s_g | s_os | dp, in that order), plus contiguity when
+    ``per_node`` is given, plus AMSP's s_g in {s_p, s_os} when ``amsp`` is true.
+    """
     s_p, s_g, s_os = shard
     if not 1 <= s_p <= s_g <= s_os <= dp:
         return (f"shard {s_p},{s_g},{s_os} breaks 1 <= s_p <= s_g <= s_os <= dp={dp}; "
@@ -61,12 +72,12 @@ def shard_violation(shard: Shard, dp: int, per_node: int | None = None) -> str |
     bad = [s for s in shard if dp % s]
     if bad:
         return f"shard factor {bad[0]} does not divide dp={dp}; use divisors of {dp}"
-    if s_g not in (s_p, s_os):
-        return (f"shard {s_p},{s_g},{s_os}: AMSP needs s_g equal to s_p or s_os; "
-                f"try {s_p},{s_p},{s_os} or {s_p},{s_os},{s_os}")
-    if s_os % s_p:
-        return (f"shard {s_p},{s_g},{s_os}: s_p={s_p} must divide s_os={s_os} so the groups "
-                f"nest; pick factors that divide each other")
+    if s_g % s_p or s_os % s_g:
+        return (f"shard {s_p},{s_g},{s_os}: the shards nest, so s_p must divide s_g and s_g "
+                f"must divide s_os; try {s_p},{s_p},{s_os} or {s_p},{s_os},{s_os}")
+    if amsp and s_g not in (s_p, s_os):
+        return (f"shard {s_p},{s_g},{s_os}: AMSP's search space needs s_g equal to s_p or "
+                f"s_os; try {s_p},{s_p},{s_os} or {s_p},{s_os},{s_os}")
     if per_node is not None:
         for s in shard:
             if not contiguous(s, per_node):
@@ -75,8 +86,10 @@ def shard_violation(shard: Shard, dp: int, per_node: int | None = None) -> str |
     return None
 
 
-def check_shard(shard: Shard, dp: int, per_node: int | None = None) -> Shard:
-    reason = shard_violation(tuple(shard), dp, per_node)
+def check_shard(shard: Shard, dp: int, per_node: int | None = None,
+                amsp: bool = False) -> Shard:
+    """``shard`` as a tuple, or PlanError saying which rule it breaks (``shard_violation``)."""
+    reason = shard_violation(tuple(shard), dp, per_node, amsp)
     if reason:
         raise PlanError(reason)
     return tuple(shard)  # type: ignore[return-value]
@@ -98,7 +111,9 @@ def divisors(n: int) -> list[int]:
 
 
 def shard_specs(dp: int, per_node: int | None = None) -> list[Shard]:
-    """Every valid (s_p, s_g, s_os) over ``dp`` ranks: AMSP's search space."""
+    """AMSP's search space over ``dp`` ranks: every (s_p, s_g, s_os) with s_p | s_os | dp
+    and s_g in {s_p, s_os} (groups contiguous when ``per_node`` is given). Accounting takes
+    more than this (any s_p | s_g | s_os | dp); only the search enumerates just these."""
     sizes = [s for s in divisors(dp) if per_node is None or contiguous(s, per_node)]
     specs = []
     for s_p in sizes:
