@@ -18,6 +18,7 @@ group from the same ``Grid``.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import pickle
@@ -329,6 +330,14 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
     if failure is not None:
         raise failure
     return [results[r] for r in range(nprocs)]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line and exit status 2, like every other bad input."""
+
+    def error(self, message):
+        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def main_guard(fn, argv=None):

@@ -16,7 +16,6 @@ Bad input exits with status 2 and one line, before any process starts.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -33,7 +32,7 @@ from .model import PRESETS, build, config
 # Arguments and validation
 # --------------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minipar.train",
+    p = dist.ArgumentParser(prog="python -m minipar.train",
                                 description="Train a small GPT with any mix of DP, TP, PP and "
                                             "ZeRO/AMSP sharding (CONTRACTS.md section 1).")
     p.add_argument("--nproc", type=int, default=None,

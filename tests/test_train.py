@@ -70,6 +70,11 @@ def test_bad_input_exits_2_with_one_line_before_starting(argv, message):
     assert time.monotonic() - t < 30
 
 
+def test_bad_flag_is_one_line_exit_2():
+    r = cli("minipar.train", "--zero", "5")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--zero" in r.stderr
+
+
 def test_nccl_without_gpu_is_a_clear_error():
     import torch
     if torch.cuda.is_available():
