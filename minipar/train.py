@@ -31,7 +31,7 @@ from .model import PRESETS, build, config
 # --------------------------------------------------------------------------------------
 # Arguments and validation
 # --------------------------------------------------------------------------------------
-def parser() -> argparse.ArgumentParser:
+def parser() -> dist.ArgumentParser:
     p = dist.ArgumentParser(prog="python -m minipar.train",
                                 description="Train a small GPT with any mix of DP, TP, PP and "
                                             "ZeRO/AMSP sharding (CONTRACTS.md section 1).")
