@@ -13,9 +13,14 @@ are four points of that space::
 
 Constraints: 1 <= s_p <= s_g <= s_os <= d, each divides d, and a group is contiguous ranks
 (it fills a node before it spans nodes). Our layout also needs s_p | s_g | s_os (the shards
-nest; always true for powers of two). AMSP's planner further keeps s_g in {s_p, s_os}, since
-the values between are dominated (``1,2,4`` holds more than ``1,4,4`` and sends as much); this
-engine runs them anyway, so the whole space can be measured.
+nest; always true for powers of two). AMSP's planner further keeps s_g in {s_p, s_os}
+(gradients follow the parameters or the optimizer states). The points between are not
+dominated; they trade memory for traffic differently. Gradients are reduce-scattered over
+s_g every micro-batch, so ``1,2,4`` holds twice the gradient memory of ``1,4,4`` but with
+m > 1 micro-batches sends less reduce-scatter traffic ((s_g-1)/s_g of the gradient per
+micro-batch: half of it against three quarters); with m = 1 the step's totals are equal
+(``1,2,4`` reduce-scatters the other quarter at the step). This engine runs them, so the
+whole space can be measured.
 
 The sharding mesh. The d data-parallel ranks are viewed as a 4-d mesh, like the process grid::
 

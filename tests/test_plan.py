@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from minipar.plan import (Layout, PlanError, check_shard, device_memory, estimate,
-                          layer_activation_bytes, load_hardware, megatron_flops,
+from minipar.plan import (Layout, ModelShape, PlanError, check_shard, device_memory,
+                          estimate, layer_activation_bytes, load_hardware, megatron_flops,
                           megatron_params, model_preset, model_state_bytes, pp_comm_bytes,
-                          search, shard_specs, tp_comm_bytes, training_flops,
+                          search, shard_specs, stage_params, tp_comm_bytes, training_flops,
                           zero_comm_bytes, zero_shard)
 from minipar.plan.hardware import PRESET_DIR, hardware_presets
 from minipar.plan.memory import stash_layers
@@ -69,6 +69,42 @@ def test_specs_between_amsp_corners_are_accounted():
         "params": 4 * PHI, "grads": 4 * PHI // 2, "optimizer": 8 * PHI // 4,
         "total": 4 * PHI + 2 * PHI + 2 * PHI}
     assert model_state_bytes(PHI, 8, shard="2,4,8")["total"] == PHI + PHI // 2 + 12 * PHI // 8
+
+
+def test_tp_keeps_norms_row_biases_and_positions_whole():
+    # nano (h 32, F 128, V 256, s 16, 4 layers, untied head) on one of 2 TP ranks, by hand
+    nano = model_preset("nano")
+    layer = (2 * 64                       # ln1, ln2: weight and bias, whole
+             + (3 * 32 * 32 + 3 * 32) // 2  # qkv, column: weight and bias split
+             + 32 * 32 // 2 + 32          # attention proj, row: weight split, bias whole
+             + (128 * 32 + 128) // 2      # fc, column
+             + 32 * 128 // 2 + 32)        # mlp proj, row
+    embedding = 256 // 2 * 32 + 16 * 32   # vocab-parallel tokens, whole positions
+    head = 64 + 256 // 2 * 32             # final LayerNorm whole, projection split
+    assert stage_params(nano, tp=2) == 4 * layer + embedding + head == 34_560
+    assert stage_params(nano, tp=2, pp=2) == 2 * layer + embedding == 17_504   # first stage
+    assert model_state_bytes(nano, 1, tp=2, dtype="fp32")["params"] == 4 * 34_560
+    # the even split of a bare count is what the shape corrects
+    assert model_state_bytes(nano.params, 1, tp=2, dtype="fp32")["params"] == 4 * 67_776 // 2
+    # a vocabulary that t does not divide is padded: 250 over 3 ranks -> 84 rows each;
+    # no biases: each LayerNorm keeps only its weight, and nothing is added for row biases
+    odd = ModelShape("odd", "gpt", 2, 24, 3, 250, 6, tied_head=False, bias=False)
+    layer = 2 * 24 + (4 * 24 * 24 + 2 * 24 * 96) // 3
+    assert stage_params(odd, tp=3) == 2 * layer + (84 * 24 + 6 * 24) + (24 + 84 * 24)
+    # LLaMA-7B over 8: RMSNorm weights whole, no positions, untied head
+    h, f = 4096, 11008
+    llama = model_preset("llama-7b")
+    assert stage_params(llama, tp=8) == (32 * ((4 * h * h + 3 * h * f) // 8 + 2 * h)
+                                         + 4000 * h + (h + 4000 * h))
+    # GPT-175B (tied head) over tp 8, pp 8: the first stage (12 layers, tokens, positions)
+    # outweighs the last (12 layers, final norm, its copy of the token table)
+    h, V, s = 12288, 51200, 2048
+    layer = (4 * h * h + 2 * h * 4 * h + 3 * h + 4 * h) // 8 + 4 * h + 2 * h
+    assert stage_params(model_preset("gpt-175b"), tp=8, pp=8) == 12 * layer + V // 8 * h + s * h
+    # device_memory uses the exact split
+    lay = Layout(tp=8, pp=8, dp=2, shard=(1, 1, 2))
+    assert device_memory(model_preset("gpt-175b"), lay)["params"] == 2 * (
+        12 * layer + V // 8 * h + s * h)
 
 
 # --------------------------------------------------------------------------------------
@@ -234,6 +270,17 @@ def test_tp_and_pp_bytes_outside_the_layers():
     assert ends["all_reduce"] == (4 * L + 2) * act + 3 * b * s * 4
     sp = tp_comm_bytes(b, s, h, t, L, dtype="fp32", sp=True, ends=True)
     assert sp["all_gather"] == sp["reduce_scatter"] == (4 * L + 2) * act / 2
+    # SP: the replicated parameters' gradients, all-reduced per micro-batch: per layer 2
+    # LayerNorms (weight, bias) and 2 row biases, then the final LayerNorm and positions
+    assert sp["all_reduce"] == 3 * b * s * 4 + (6 * L + 2) * h * 4 + s * h * 4
+    sp3 = tp_comm_bytes(b, s, h, t, L, microbatches=3, dtype="fp32", sp=True, ends=True)
+    assert sp3["all_reduce"] == 3 * sp["all_reduce"]
+    assert tp_comm_bytes(b, s, h, t, L, dtype="fp32", sp=True, ends=True, bias=False)[
+        "all_reduce"] == 3 * b * s * 4 + (2 * L + 1) * h * 4 + s * h * 4
+    assert tp_comm_bytes(b, s, h, t, L, dtype="fp32", sp=True, ends=True, arch="llama")[
+        "all_reduce"] == 3 * b * s * 4 + (2 * L + 1) * h * 4           # RMSNorms, no positions
+    assert tp_comm_bytes(b, s, h, t, L, sp=True)["all_reduce"] == 6 * L * h * 2  # bf16, layers
+    assert tp_comm_bytes(b, s, h, 4, L, sp=True)["all_reduce"] == 6 * L * 2 * 3 * h * 2 // 4
     # pipeline: stage 0 of 2 sends m activations, the last m gradients; interleaved with v
     # chunks stage 0 sends v m activations and (v-1) m gradients
     assert pp_comm_bytes(2, s, h, 2, 4, dtype="fp32") == {"send": 4 * 2 * s * h * 4,

@@ -8,10 +8,16 @@ shape (parameter count, b, s, h, layers) and the layout.
 tests/test_zero.py already holds every ZeRO stage and AMSP spec (1,2,4 and 2,2,4 included)
 against ``plan.model_state_bytes`` and ``plan.zero_comm_bytes`` exactly; this file covers
 what it does not: plain data parallelism (``minipar.dp``, no --zero), tensor parallelism
-and pipeline parallelism. Step *times* are compared only in ``python -m minipar.plan
-validate`` (a shared 2-core machine is too noisy for a test); here they get a sanity bound.
+(with and without sequence parallelism), pipeline parallelism and both together. The
+trainer's byte vocabulary (256) divides every legal t, so one more test parallelizes small
+GPTs with an odd vocabulary and no biases over 3 ranks and counts what they hold and send.
+Step *times* are compared only in ``python -m minipar.plan validate`` (a shared 2-core
+machine is too noisy for a test); here they get a sanity bound.
 """
+import functools
+
 import pytest
+import torch
 
 from minipar import plan
 from minipar.model import build
@@ -25,8 +31,9 @@ ARGS = ["--model", MODEL, "--batch-size", str(B), "--steps", "2", "--quiet", "--
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
+@functools.lru_cache(maxsize=None)
 def last_step(*flags):
-    """Rank 0's metrics of the last step."""
+    """Rank 0's metrics of the last step (a run shared by the tests that read it)."""
     return run(ARGS + list(flags))[-1]
 
 
@@ -59,6 +66,91 @@ def test_tensor_parallel_bytes_with_the_vocab_parallel_ends():
                                      dtype="fp32")
     assert sent["all_reduce"] - layers_only["all_reduce"] == (
         2 * B * SHAPE.seq_len * SHAPE.hidden * 4 + 3 * B * SHAPE.seq_len * 4)
+
+
+def test_tensor_parallel_model_states_per_rank():
+    """Every TP rank keeps the norms, row biases and position table whole: Phi/t is short."""
+    t = 2
+    got = last_step("--nproc", str(t), "--tp", str(t))
+    predicted = plan.model_state_bytes(SHAPE, 1, tp=t, dtype="fp32",
+                                       step_counters=tensors(build(MODEL)))
+    assert got["model_state_bytes"] == predicted
+    assert predicted["params"] == 4 * plan.stage_params(SHAPE, tp=t) == 4 * 34_560
+    even = plan.model_state_bytes(SHAPE.params, 1, tp=t, dtype="fp32")
+    assert even["params"] == 4 * 33_888 < predicted["params"]     # what a bare count gives
+
+
+def test_sequence_parallel_bytes_include_the_replicated_gradients():
+    """With --sp the partial gradients of the replicated parameters are all-reduced every
+    micro-batch: 2 micro-batches tell per micro-batch from per step."""
+    t, m = 2, 2
+    got = last_step("--nproc", str(t), "--tp", str(t), "--sp", "--microbatches", str(m))
+    planned = plan.tp_comm_bytes(B // m, SHAPE.seq_len, SHAPE.hidden, t, SHAPE.layers, m,
+                                 sp=True, dtype="fp32", ends=True)
+    sent = got["comm_bytes"]
+    assert {op: sent.get(op, 0) for op in OPS} == {op: planned[op] for op in OPS}, (sent,
+                                                                                      planned)
+    # beyond the loss's 3 all-reduces of b s fp32 values, per micro-batch: 6 h-vectors a
+    # layer, the final LayerNorm's 2, the position table (ring factor 2(t-1)/t = 1 for t = 2)
+    h, s = SHAPE.hidden, SHAPE.seq_len
+    assert sent["all_reduce"] == m * (3 * (B // m) * s * 4 + (6 * SHAPE.layers + 2) * h * 4
+                                      + s * h * 4)
+
+
+def test_tensor_and_pipeline_parallel_heaviest_stage():
+    t, p, m = 2, 2, 2
+    got = last_step("--nproc", str(t * p), "--tp", str(t), "--pp", str(p),
+                    "--microbatches", str(m))
+    model = build(MODEL)
+    first = [model.embed, *model.blocks[:SHAPE.layers // p]]       # heavier than the last
+    predicted = plan.model_state_bytes(SHAPE, 1, tp=t, pp=p, dtype="fp32",
+                                       step_counters=tensors(*first))
+    assert got["model_state_bytes"] == predicted
+    # rank 0 (stage 0, TP rank 0) sends m activations, whole (minipar splits them only
+    # under SP), and the layers' and the embedding's all-reduces
+    assert got["comm_bytes"].get("send") == plan.pp_comm_bytes(
+        B // m, SHAPE.seq_len, SHAPE.hidden, p, m, dtype="fp32")["send"]
+    layers = plan.tp_comm_bytes(B // m, SHAPE.seq_len, SHAPE.hidden, t, SHAPE.layers // p, m,
+                                dtype="fp32")
+    assert got["comm_bytes"]["all_reduce"] == layers["all_reduce"] + m * (B // m) * (
+        SHAPE.seq_len * SHAPE.hidden * 4)
+
+
+ODD = [dict(vocab_size=250, seq_len=6, n_layer=2, n_head=3, d_model=24, bias=True),
+       dict(vocab_size=250, seq_len=6, n_layer=2, n_head=3, d_model=24, bias=False)]
+
+
+def _held_and_sent(t, configs, b):
+    """On each of t ranks: the parameters this TP rank holds, and the bytes one SP forward
+    and backward of b sequences sends, for each config."""
+    from minipar import comm, tp
+    from minipar.dist import Grid
+    from minipar.model import GPTConfig
+    torch.set_num_threads(1)
+    grid, out = Grid(1, 1, t), []
+    for kw in configs:
+        cfg = GPTConfig(**kw)
+        model = tp.parallelize(build(cfg, seed=0), grid, sequence_parallel=True)
+        idx = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1),
+                            generator=torch.Generator().manual_seed(0))
+        comm.reset()
+        model(idx[:, :-1], idx[:, 1:]).backward()
+        out.append((sum(p.numel() for p in model.parameters()), comm.stats.bytes_by_op()))
+    return out
+
+
+def test_padded_vocabulary_and_no_biases_over_three_ranks():
+    from minipar.dist import launch
+    t, b = 3, 2
+    for rank_result in launch(_held_and_sent, t, t, ODD, b):
+        for kw, (held, sent) in zip(ODD, rank_result):
+            shape = plan.ModelShape("odd", "gpt", kw["n_layer"], kw["d_model"], kw["n_head"],
+                                    kw["vocab_size"], kw["seq_len"], tied_head=False,
+                                    bias=kw["bias"])
+            assert held == plan.stage_params(shape, tp=t), kw       # 250 rows padded to 252
+            planned = plan.tp_comm_bytes(b, shape.seq_len, shape.hidden, t, shape.layers,
+                                         sp=True, dtype="fp32", ends=True, bias=kw["bias"])
+            assert {op: sent.get(op, 0) for op in OPS} == {op: planned[op] for op in OPS}, kw
 
 
 @pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2)])

@@ -29,9 +29,13 @@ Python API (sizes in bytes, times in seconds)::
         # amsp=True adds AMSP's s_g in {s_p, s_os}
     shard_specs(dp, per_node=None) -> [(s_p, s_g, s_os), ...]   # AMSP's space: the search's
 
-    model_state_bytes(n_params, dp=1, shard=(s_p, s_g, s_os) or zero=Z, tp=1, pp=1,
+    model_state_bytes(shape or n_params, dp=1, shard=(s_p, s_g, s_os) or zero=Z, tp=1, pp=1,
                       dtype="mixed" | "fp32", step_counters=0)
         -> {"params", "grads", "optimizer", "total"}
+        # a ModelShape is split exactly (stage_params); a bare count as n_params / (tp pp)
+    stage_params(shape, tp=1, pp=1) -> int   # one TP rank of the heaviest stage, exactly:
+        # norms, row biases, positions replicated; vocabulary padded to a multiple of tp
+    tp_rank_params(shape, tp=1) -> {"layer", "embedding", "head", "tied_copy"}
     layer_activation_bytes(shape, micro_batch, tp=1, sp=False, recompute="none", flash=False)
     device_memory(shape, layout)
         -> {"params", "grads", "optimizer", "activations", "temporary", "total"}
@@ -40,7 +44,8 @@ Python API (sizes in bytes, times in seconds)::
                     microbatches=1, recompute=False)
         -> {"all_reduce", "reduce_scatter", "all_gather", "total"}
     tp_comm_bytes(micro_batch, seq_len, hidden, tp, layers, microbatches=1,
-                  recompute=False, sp=False, ends=False) -> same keys
+                  recompute=False, sp=False, ends=False, arch="gpt", bias=True) -> same keys
+        # sp=True: + the replicated parameters' gradient all-reduces, per micro-batch
     pp_comm_bytes(micro_batch, seq_len, hidden, pp, microbatches=1, v=1, stage=0, tp=1,
                   split=False) -> {"send", "total"}
     collective_time(op, nbytes, size, stride, hardware) -> float
@@ -59,9 +64,9 @@ Python API (sizes in bytes, times in seconds)::
 Bytes "sent" follow ``minipar.comm``: what one rank sends under the ring algorithm. So a
 trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
 ``zero_comm_bytes``, ``tp_comm_bytes(..., ends=True)``, ``pp_comm_bytes`` and
-``model_state_bytes(..., step_counters=...)`` directly, and they agree byte for byte
-(tests/test_plan_measured.py, tests/test_zero.py). Step times agree only roughly
-(``python -m minipar.plan validate``).
+``model_state_bytes(shape, ..., step_counters=...)`` directly, and they agree byte for byte,
+under TP, SP and PP too (tests/test_plan_measured.py, tests/test_zero.py). Step times agree
+only roughly (``python -m minipar.plan validate``).
 
 The command line, ``python -m minipar.plan memory|params|flops|search|estimate|calibrate|
 validate``,
@@ -77,7 +82,7 @@ from .estimate import Estimate, estimate, scaled_layout, scaling
 from .hardware import Hardware, hardware_presets, load_hardware
 from .layout import Layout, check_layout
 from .memory import (activation_bytes, device_memory, layer_activation_bytes,
-                     model_state_bytes, stage_params)
+                     model_state_bytes, stage_params, tp_rank_params)
 from .network import (collective_time, pp_comm_bytes, ring_bytes, tp_comm_bytes,
                       zero_collectives, zero_comm_bytes)
 from .search import explain, search
@@ -96,6 +101,7 @@ __all__ = [
     "PlanError", "Estimate", "estimate", "scaled_layout", "scaling", "Hardware",
     "hardware_presets", "load_hardware", "Layout", "check_layout", "activation_bytes",
     "device_memory", "layer_activation_bytes", "model_state_bytes", "stage_params",
+    "tp_rank_params",
     "collective_time", "pp_comm_bytes", "ring_bytes", "tp_comm_bytes", "zero_collectives",
     "zero_comm_bytes",
     "explain", "search", "PRESETS", "ModelShape", "forward_flops", "gpt_params", "llama_ffn",

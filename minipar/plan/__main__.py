@@ -162,12 +162,16 @@ def _spec(args, dp: int):
 def cmd_memory(args) -> None:
     if args.params is None and not args.model:
         raise PlanError("give --params N (e.g. 175B) or --model NAME")
-    n = args.params if args.params is not None else model_preset(args.model).params
+    # a preset's shape is split exactly over tp and pp (replicated norms, padded vocabulary);
+    # a bare count evenly
+    shape = model_preset(args.model) if args.params is None else None
+    n = args.params if shape is None else shape.params
     if args.gpus % (args.tp * args.pp):
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp = {args.tp * args.pp}")
     dp = args.gpus // (args.tp * args.pp)
     spec = _spec(args, dp)
-    out = model_state_bytes(n, dp, shard=spec, tp=args.tp, pp=args.pp, dtype=args.dtype)
+    out = model_state_bytes(n if shape is None else shape, dp, shard=spec, tp=args.tp,
+                            pp=args.pp, dtype=args.dtype)
     data = {"params_bytes": out["params"], "grads_bytes": out["grads"],
             "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
             "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
@@ -318,8 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("memory", help="model-state bytes per device")
-    p.add_argument("--params", type=count, help="parameter count, e.g. 175e9 or 175B")
-    p.add_argument("--model", help="take the parameter count of a preset")
+    p.add_argument("--params", type=count, help="parameter count, e.g. 175e9 or 175B "
+                   "(split evenly over tp*pp)")
+    p.add_argument("--model", help="take the shape of a preset (split exactly over tp and pp: "
+                   "norms, row biases and positions stay whole on every TP rank)")
     p.add_argument("--gpus", type=positive, required=True)
     p.add_argument("--tp", type=positive, default=1)
     p.add_argument("--pp", type=positive, default=1)

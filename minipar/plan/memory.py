@@ -5,18 +5,36 @@ Model states (Rajbhandari et al. 2020, ZeRO, section 3; AMSP's generalisation)
 Adam with mixed precision keeps per parameter 2 bytes of 16-bit weight, 2 bytes of 16-bit
 gradient and 12 bytes of optimizer state (fp32 master weight, momentum, variance); in fp32,
 4 + 4 + 8. With (s_p, s_g, s_os) shard groups, for the Phi parameters of one TP x PP shard
-(the whole model's parameters divided by tp * pp):
+(about the whole model's parameters divided by tp * pp; exactly, below):
 
     mixed:  2 Phi / s_p + 2 Phi / s_g + 12 Phi / s_os
     fp32:   4 Phi / s_p + 4 Phi / s_g +  8 Phi / s_os
 
 so plain DP holds 16 Phi, ZeRO-1 4 Phi + 12 Phi/d, ZeRO-2 2 Phi + 14 Phi/d, ZeRO-3 16 Phi/d.
+
 Any spec with s_p | s_g | s_os | d is accounted (``1,2,4`` included: ``sharding`` says why
 the search enumerates fewer). Shards are rounded up (a flat buffer padded to a multiple of
 the group size), so the numbers are the storage a rank allocates. PyTorch's Adam also keeps
 a 4-byte step counter per tensor it updates: ``step_counters`` adds them, for byte-exact
 comparison with a measured run (``minipar.zero`` gives its optimizer one flat tensor per
 unit, plain DP one per parameter tensor); at scale they are noise.
+
+Phi per device under tensor and pipeline parallelism is not quite Phi_model / (t p): as in
+Megatron-LM, every TP rank keeps a full copy of the LayerNorms (RMSNorms), the row-parallel
+biases (attention and MLP output projections) and the position table, and the
+vocab-parallel embedding and head split a vocabulary padded to a multiple of t. One layer on
+one of t ranks holds
+
+    GPT:    (4h^2 + 2hF + b (3h + F)) / t  +  2 n  +  2 b h
+    LLaMA:  (4h^2 + 3hF) / t               +  2 h
+
+(n = 2h for GPT with biases, else h; b = 1 with biases: the column-parallel QKV and fc
+biases are split, the two row biases replicated), the embedding ceil(V/t) h + s h (GPT's
+positions, replicated) and the head n + ceil(V/t) h (untied; a tied head on the last of
+pp > 1 stages keeps a copy of the embedding's table, as Megatron-LM does). ``stage_params``
+adds them up for the heaviest stage, exactly what ``minipar.tp`` allocates;
+``model_state_bytes`` uses it when given a shape, and falls back to Phi_model / (t p) when it
+knows only a total count.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", section 4)
@@ -79,13 +97,15 @@ def _check_dtype(dtype: str) -> None:
 STEP_COUNTER_BYTES = 4       # torch.optim.Adam(W): one fp32 scalar "step" tensor per tensor
 
 
-def model_state_bytes(n_params: int, dp: int = 1, shard: Shard | str | None = None,
-                      zero: int | None = None, tp: int = 1, pp: int = 1,
-                      dtype: str = "mixed", step_counters: int = 0) -> dict[str, int]:
+def model_state_bytes(n_params: int | ModelShape, dp: int = 1,
+                      shard: Shard | str | None = None, zero: int | None = None, tp: int = 1,
+                      pp: int = 1, dtype: str = "mixed", step_counters: int = 0) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states one device holds.
 
-    ``n_params`` is the whole model; it is split evenly over ``tp * pp`` (use
-    ``stage_params`` for the exact split of a given shape). ``shard`` (s_p, s_g, s_os) or
+    ``n_params`` is a ``ModelShape`` or the whole model's parameter count. A shape is split
+    exactly (``stage_params``: the heaviest pipeline stage, with the copies every TP rank
+    keeps and the padded vocabulary); a bare count, with no shape to say what is
+    replicated, is split evenly, ceil(Phi / (tp pp)). ``shard`` (s_p, s_g, s_os) or
     ``zero`` (0-3) says how the dp ranks shard each part: any spec with
     1 <= s_p <= s_g <= s_os <= dp, each dividing the next and dp (not only AMSP's search
     space). ``step_counters``: how many tensors this rank's optimizer updates, each with
@@ -93,7 +113,10 @@ def model_state_bytes(n_params: int, dp: int = 1, shard: Shard | str | None = No
     """
     _check_dtype(dtype)
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
-    phi = math.ceil(n_params / (tp * pp))
+    if isinstance(n_params, ModelShape):
+        phi = stage_params(n_params, tp, pp)
+    else:
+        phi = math.ceil(n_params / (tp * pp))
     w, g, o = BYTES_PER_PARAM[dtype]
     out = {"params": w * math.ceil(phi / s_p), "grads": g * math.ceil(phi / s_g),
            "optimizer": o * math.ceil(phi / s_os) + STEP_COUNTER_BYTES * step_counters}
@@ -101,17 +124,44 @@ def model_state_bytes(n_params: int, dp: int = 1, shard: Shard | str | None = No
     return out
 
 
-def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1) -> int:
-    """Parameters one device holds before data-parallel sharding: its share of the
-    heaviest pipeline stage (first: embeddings; last: final norm, head, and with a tied head
-    and pp > 1 a copy of the embedding, as Megatron-LM keeps)."""
-    layers = shape.layers // pp * shape.layer_params
-    if pp == 1:
-        extra = shape.embedding_params + shape.head_params
+def tp_rank_params(shape: ModelShape, tp: int = 1) -> dict[str, int]:
+    """Parameters one of ``tp`` tensor-parallel ranks holds, as ``minipar.tp`` and
+    Megatron-LM split them: {"layer", "embedding", "head", "tied_copy"} (module docstring).
+
+    Split by t: the QKV and fc/gate/up matrices by output features (with their biases), the
+    output projections by input features, the token table and the untied head by rows of a
+    vocabulary padded to a multiple of t. Whole on every rank: the norms, the row-parallel
+    biases and the position table. Assumes t divides h and F, as the trainer checks.
+    """
+    h, f, t = shape.hidden, shape.ffn, tp
+    vocab_rows = math.ceil(shape.vocab / t)                    # V padded to a multiple of t
+    if shape.arch == "llama":
+        norm = h                                               # RMSNorm: a weight only
+        split = 4 * h * h + 3 * h * f                          # wq, wk, wv, wo, w1, w2, w3
+        replicated = 2 * norm
+        positions = 0                                          # rotary: no table
     else:
-        tied_copy = shape.vocab * shape.hidden if shape.tied_head else 0
-        extra = max(shape.embedding_params, shape.head_params + tied_copy)
-    return math.ceil((layers + extra) / tp)
+        b = 1 if shape.bias else 0
+        norm = 2 * h if shape.bias else h                      # LayerNorm weight (+ bias)
+        split = 4 * h * h + 2 * h * f + b * (3 * h + f)        # + the column biases
+        replicated = 2 * norm + b * 2 * h                      # + the two row biases
+        positions = shape.seq_len * h
+    return {"layer": math.ceil(split / t) + replicated,
+            "embedding": vocab_rows * h + positions,
+            "head": norm + (0 if shape.tied_head else vocab_rows * h),
+            "tied_copy": vocab_rows * h if shape.tied_head else 0}
+
+
+def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1) -> int:
+    """Parameters one device holds before data-parallel sharding: one TP rank's share of the
+    heaviest pipeline stage (first: embeddings; last: final norm, head, and with a tied head
+    and pp > 1 a copy of the embedding, as Megatron-LM keeps), counted exactly
+    (``tp_rank_params``)."""
+    per_rank = tp_rank_params(shape, tp)
+    layers = shape.layers // pp * per_rank["layer"]
+    if pp == 1:
+        return layers + per_rank["embedding"] + per_rank["head"]
+    return layers + max(per_rank["embedding"], per_rank["head"] + per_rank["tied_copy"])
 
 
 def activation_coefficients(shape: ModelShape) -> tuple[float, float, float]:
@@ -177,15 +227,17 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
 
 def gather_bytes(shape: ModelShape, tp: int, shard, dtype: str = "mixed") -> float:
     """With sharded parameters: two gathered layers and one layer's full gradient."""
-    return 3 * shape.layer_params / tp * ACTIVATION_BYTES[dtype] if shard[0] > 1 else 0.0
+    if shard[0] == 1:
+        return 0.0
+    return 3 * tp_rank_params(shape, tp)["layer"] * ACTIVATION_BYTES[dtype]
 
 
 def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
                   dtype: str = "mixed") -> dict[str, float]:
     """Everything one device holds at its peak: params, grads, optimizer, activations,
     temporary, total (bytes)."""
-    states = model_state_bytes(stage_params(shape, layout.tp, layout.pp), layout.dp,
-                               shard=layout.shard, dtype=dtype)
+    states = model_state_bytes(shape, layout.dp, shard=layout.shard, tp=layout.tp,
+                               pp=layout.pp, dtype=dtype)
     out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
     out["activations"] = activation_bytes(shape, layout, flash, dtype)
     out["temporary"] = temporary_bytes(shape, layout, flash, dtype)

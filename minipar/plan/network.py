@@ -26,9 +26,14 @@ Traffic per training step, per rank:
   vocab-parallel embedding's g (one b s h all-reduce forward), the head's f (one backward),
   and the vocab-parallel cross-entropy's 3 all-reduces of b s fp32 values (max, sum of
   exponentials, target logit); with sequence parallelism the two b s h all-reduces become an
-  all-gather and a reduce-scatter each. (With sequence parallelism minipar also all-reduces
-  the gradients of the replicated LayerNorms, row biases and position table per
-  micro-batch: h-sized vectors we leave out.)
+  all-gather and a reduce-scatter each.
+  Sequence parallelism has one more cost: a parameter every TP rank keeps whole but applies
+  to only its s/t tokens gets a partial gradient, which minipar sums over the TP group with
+  one all-reduce per tensor per micro-batch (``minipar.tp``'s f on the parameter): per
+  layer the norms' weights and biases and the two row-parallel biases (6 vectors of h for
+  GPT with biases, 2 without, 2 RMSNorm weights for LLaMA), and with ``ends`` the final
+  norm (2 or 1 vectors) and GPT's s x h position table. Megatron-LM sums the same gradients
+  once per step, in one coalesced all-reduce after the last micro-batch.
 * Pipeline parallelism (``pp_comm_bytes``): virtual stage k = c p + r of v p (v chunks per
   stage) sends its output activation unless it is the last, and its input gradient unless
   it is the first; each a b s h message per micro-batch, so stage r sends
@@ -177,18 +182,32 @@ def zero_comm_bytes(n_params: int, dp: int, shard: Shard | str | None = None,
 
 def tp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, tp: int, layers: int,
                   microbatches: int = 1, recompute: bool = False, sp: bool = False,
-                  dtype: str = "mixed", ends: bool = False) -> dict[str, int]:
+                  dtype: str = "mixed", ends: bool = False, arch: str = "gpt",
+                  bias: bool = True) -> dict[str, int]:
     """Bytes one rank sends per step for the tensor-parallel collectives of ``layers`` layers.
 
     ``ends=True`` adds the vocab-parallel embedding, head and loss of a whole GPT (module
-    docstring); then a plain-TP run of ``minipar.train`` sends exactly this.
+    docstring); then a run of ``minipar.train`` with plain TP, or TP and ``--sp``, sends
+    exactly this. With ``sp``, ``arch`` ("gpt" or "llama") and ``bias`` say which replicated
+    parameters have their gradients all-reduced every micro-batch.
     """
-    msg = micro_batch * seq_len * hidden * ACTIVATION_BYTES[dtype]
+    e = ACTIVATION_BYTES[dtype]
+    msg = micro_batch * seq_len * hidden * e
     calls = layers * (6 if recompute else 4) + (2 if ends else 0)
     out = dict.fromkeys(OPS, 0)
     if sp:   # each all-reduce becomes an all-gather and a reduce-scatter
         out["all_gather"] = microbatches * calls * ring_bytes("all_gather", msg, tp)
         out["reduce_scatter"] = microbatches * calls * ring_bytes("reduce_scatter", msg, tp)
+        # ... and the replicated parameters' partial gradients are summed, tensor by tensor
+        gpt_bias = arch == "gpt" and bias
+        vectors = layers * (6 if gpt_bias else 2)        # 2 norms (weight, bias), 2 row biases
+        replicated = 0
+        if ends:
+            vectors += 2 if gpt_bias else 1              # the final norm
+            if arch == "gpt":                            # the position table, s x h
+                replicated += ring_bytes("all_reduce", seq_len * hidden * e, tp)
+        replicated += vectors * ring_bytes("all_reduce", hidden * e, tp)
+        out["all_reduce"] = microbatches * replicated
     else:
         out["all_reduce"] = microbatches * calls * ring_bytes("all_reduce", msg, tp)
     if ends:  # the loss: max, sum of exponentials, target logit, b s fp32 values each
