@@ -4,6 +4,7 @@ Every expected value here is computed independently of minipar.plan (written out
 from the papers' formulas, or a published count), so a wrong formula fails.
 """
 import json
+import re
 import subprocess
 import sys
 import time
@@ -13,8 +14,8 @@ import pytest
 from minipar.plan import (Layout, ModelShape, PlanError, check_shard, device_memory,
                           estimate, layer_activation_bytes, load_hardware, megatron_flops,
                           megatron_params, model_preset, model_state_bytes, pp_comm_bytes,
-                          search, shard_specs, stage_params, tp_comm_bytes, training_flops,
-                          zero_comm_bytes, zero_shard)
+                          search, shard_specs, stage_flops, stage_params, tp_comm_bytes,
+                          training_flops, zero_comm_bytes, zero_shard)
 from minipar.plan.hardware import PRESET_DIR, hardware_presets
 from minipar.plan.memory import stash_layers
 from minipar.plan.network import collective_time
@@ -354,6 +355,36 @@ def plan_scaling(shape, layout, counts, weak):
     return scaling(shape, "frontier-mi250x", layout, counts, weak=weak)
 
 
+def test_the_last_pipeline_stage_sets_the_pace():
+    """The last stage computes the logits too; a pipeline runs at its slowest stage."""
+    L, h, s, V, B = 4, 128, 64, 256, 16                       # the trainer's tiny, untied
+    shape = ModelShape("tiny-like", "gpt", L, h, 4, V, s, tied_head=False)
+    layer = 2 * B * s * 12 * h * h + 4 * B * s * s * h        # QKV, proj, MLP; QK^T, AV
+    logits = 2 * B * s * h * V
+    assert stage_flops(shape, B) == training_flops(shape, B) == 3 * (L * layer + logits)
+    assert stage_flops(shape, B, pp=2) == 3 * (2 * layer + logits)
+    assert stage_flops(shape, B, pp=4, recompute="full") == 3 * (layer + logits) + layer
+    hw = load_hardware("laptop-cpu")
+    e = estimate(shape, hw, Layout(tp=2, pp=2, dp=1, micro_batch=4, microbatches=4),
+                 dtype="fp32")
+    assert e.times["compute"] == pytest.approx(3 * (2 * layer + logits) / 2
+                                               / (hw.peak_flops * hw.compute_efficiency))
+    assert e.times["bubble"] == pytest.approx(1 / 4 * (e.times["compute"] + e.times["tp_comm"]))
+
+
+@pytest.mark.parametrize("slow", [1.1, 0.9])
+def test_alpha_beta_fit_keeps_the_latency_when_a_large_message_is_off(slow):
+    """Relative residuals: a 10% error on the 4 MiB all-reduce barely moves alpha (a plain
+    least-squares line through these points would move it by 9%)."""
+    from minipar.plan.measure import fit_alpha_beta
+    alpha, beta, n = 100e-6, 2e9, 2
+    sizes = [2**12, 2**16, 2**20, 2**22]
+    exact = [2 * (n - 1) * alpha + 2 * (n - 1) / n * size / beta for size in sizes]
+    assert fit_alpha_beta(sizes, exact, n) == pytest.approx((alpha, beta))
+    noisy = exact[:-1] + [exact[-1] * slow]
+    assert fit_alpha_beta(sizes, noisy, n)[0] == pytest.approx(alpha, rel=0.03)
+
+
 # --------------------------------------------------------------------------------------
 # Search
 # --------------------------------------------------------------------------------------
@@ -514,6 +545,21 @@ def test_cli_calibrate_quick(tmp_path):
     hw = json.loads(r.stdout)
     assert hw["peak_flops"] > 1e8 and hw["intra_node_bandwidth"] > 1e6
     assert json.loads(out.read_text()) == hw
+    # compute_efficiency is a real step's model FLOP/s (the planner's count for the trainer's
+    # tiny at batch 16) over the matmul peak; no bound on its value: it is measured
+    step = hw["sources"]["calibration_step"]
+    assert (step["model"], step["batch_size"]) == ("tiny", 16)
+    L, h, s, V, B = 4, 128, 64, 256, 16
+    flops = 3 * (L * (2 * B * s * 12 * h * h + 4 * B * s * s * h) + 2 * B * s * h * V)
+    assert step["model_flops"] == flops
+    assert hw["compute_efficiency"] == pytest.approx(flops / step["seconds"] / hw["peak_flops"])
     # the file it wrote is a valid --hardware
     r = run_cli("search", "--model", "tiny", "--gpus", 2, "--hardware", out, "--json")
     assert r.returncode == 0, r.stderr
+    # ... and validate marks the layout it was calibrated on (one process, tiny, batch 16)
+    r = run_cli("validate", "--hardware", out, "--layouts", "1,dp2", "--steps", 2, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(re.match(r"\s*1 rank \*\s+--nproc 1\s", line) for line in lines), r.stdout
+    assert any(re.match(r"\s*DP 2\s+--nproc 2\s", line) for line in lines), r.stdout
+    assert "* the calibration point" in r.stdout

@@ -14,6 +14,7 @@ GPTs with an odd vocabulary and no biases over 3 ranks and counts what they hold
 Step *times* are compared only in ``python -m minipar.plan validate`` (a shared 2-core
 machine is too noisy for a test); here they get a sanity bound.
 """
+import dataclasses
 import functools
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 
 from minipar import plan
 from minipar.model import build
-from minipar.plan.measure import model_states_vs_plan, validate_step_time
+from minipar.plan.measure import minipar_overlap, model_states_vs_plan, validate_step_time
 from minipar.train import run
 
 MODEL = "nano"
@@ -178,9 +179,48 @@ def test_notebook_helper_agrees_for_zero1():
 
 
 def test_step_time_validation_runs():
-    """Only a sanity bound: the figures are reported by ``python -m minipar.plan validate``."""
+    """Only a sanity bound: the figures are reported by ``python -m minipar.plan validate``.
+    A preset's compute_efficiency is an assumption: no row is a calibration point."""
     out = validate_step_time(MODEL, {"1 rank": ["--nproc", "1"]}, steps=3, batch_size=B,
                              hardware="laptop-cpu")
     (row,) = out["rows"]
     assert row["measured_s"] > 0 and row["predicted_s"] > 0
     assert 1e-4 < row["ratio"] < 1e4
+    assert out["calibration_point"] is None and row["calibration"] is False
+
+
+def test_validation_marks_the_calibration_point():
+    """Hardware whose efficiency came from a one-process step of this model and batch: that
+    row is the calibration point, the data-parallel one is not. With the calibration
+    step's own time as the hardware's rate, the 1-rank prediction is that time exactly."""
+    hw = plan.load_hardware("laptop-cpu")
+    seconds = 0.05
+    step = {"model": MODEL, "batch_size": B, "seconds": seconds}
+    flops = plan.training_flops(SHAPE, B)
+    hw = dataclasses.replace(hw, compute_efficiency=flops / seconds / hw.peak_flops,
+                             sources={"calibration_step": step})
+    out = validate_step_time(MODEL, {"1 rank": ["--nproc", "1"], "DP 2": ["--nproc", "2"]},
+                             steps=2, batch_size=B, hardware=hw)
+    one, two = out["rows"]
+    assert out["calibration_point"] == "1 rank"
+    assert (one["calibration"], two["calibration"]) == (True, False)
+    assert one["predicted_s"] == pytest.approx(seconds)
+    other = dataclasses.replace(hw, sources={"calibration_step": {**step, "batch_size": 2 * B}})
+    out = validate_step_time(MODEL, {"1 rank": ["--nproc", "1"]}, steps=1, batch_size=B,
+                             hardware=other)
+    assert out["calibration_point"] is None
+
+
+def test_dp_overlap_is_what_the_buckets_allow():
+    """tiny's 3.5 MB of fp32 gradients fill one 4 MiB bucket: its all-reduce starts after
+    backward, nothing hides. Smaller buckets: all but the last bucket can hide."""
+    from minipar.dp import make_buckets
+    tiny = ["--model", "tiny", "--batch-size", "16", "--nproc", "2"]
+    assert 4 * plan.model_preset("tiny").params < 4 * 2**20
+    assert minipar_overlap(tiny) == 0.0
+    k = len(make_buckets(list(build("tiny").parameters()), int(0.5 * 2**20)))
+    assert k >= 7                                    # 3.5 MB in half-MiB buckets
+    assert minipar_overlap(tiny + ["--bucket-mb", "0.5"]) == pytest.approx((k - 1) / k)
+    assert minipar_overlap(tiny + ["--bucket-mb", "0.5", "--dp-mode", "bucketed"]) == 0.0
+    assert minipar_overlap(["--model", "tiny", "--nproc", "1"]) == 0.0
+    assert minipar_overlap(tiny + ["--zero", "1"]) is None        # the planner's assumption

@@ -22,6 +22,7 @@ Python API (sizes in bytes, times in seconds)::
     llama_params(layers, hidden, vocab, ffn_hidden=0) -> int
     megatron_flops(batch, seq_len, layers, hidden, vocab, recompute=True) -> float
     training_flops(shape, batch, recompute="none" | "selective" | "full") -> float
+    stage_flops(shape, batch, pp=1, recompute="none") -> float   # the heaviest (last) stage
 
     zero_shard(stage, dp) -> (s_p, s_g, s_os)
     check_shard((s_p, s_g, s_os), dp, per_node=None, amsp=False)
@@ -57,8 +58,10 @@ Python API (sizes in bytes, times in seconds)::
     search(model, gpus, hardware, tp=None, pp=None, global_batch_tokens=None, ...)
         -> [Estimate, ...] best first
     explain(winner, runner_up=None) -> str
-    calibrate(nprocs=2, quick=False, path=None) -> dict
+    calibrate(nprocs=2, quick=False, path=None, model="tiny", batch_size=16) -> dict
+        # compute_efficiency = a real one-process training step's model FLOP/s / matmul peak
     measure.validate_step_time(model="tiny", layouts=None, steps=6, hardware=None) -> dict
+        # each row says whether it is the calibration point (ratio 1 by construction)
     measure.model_states_vs_plan(flags, model="tiny") -> {"measured", "predicted", ...}
 
 Bytes "sent" follow ``minipar.comm``: what one rank sends under the ring algorithm. So a
@@ -73,9 +76,12 @@ validate``,
 prints tables, or JSON with ``--json``; bad input exits with status 2 and one line.
 
 These are predictions from first-order models: they count matmul FLOPs, ring traffic and
-stored activations, and leave out kernel-launch and memory-bound element-wise time, load
-imbalance between pipeline stages, and everything else a real run knows and a formula does
-not.
+stored activations. Kernel-launch and memory-bound element-wise time enter only through one
+factor, ``compute_efficiency`` (an assumption in a preset; ``calibrate`` measures it from a
+real training step, which makes that layout the calibration point), so work that does not
+shrink with the layout (replicated LayerNorms under TP, per-kernel overhead on every rank)
+is predicted to shrink anyway; that, and everything else a real run knows and a formula does
+not, is left out.
 """
 from .errors import PlanError
 from .estimate import Estimate, estimate, scaled_layout, scaling
@@ -87,14 +93,19 @@ from .network import (collective_time, pp_comm_bytes, ring_bytes, tp_comm_bytes,
                       zero_collectives, zero_comm_bytes)
 from .search import explain, search
 from .shapes import (PRESETS, ModelShape, forward_flops, gpt_params, llama_ffn, llama_params,
-                     megatron_flops, megatron_params, model_preset, training_flops)
+                     megatron_flops, megatron_params, model_preset, stage_flops,
+                     training_flops)
 from .sharding import check_shard, parse_shard, shard_specs, zero_shard
 
 
-def calibrate(nprocs: int = 2, quick: bool = False, path=None, name: str = "calibrated"):
-    """Measure this machine and write a hardware file (see ``minipar.plan.measure``)."""
+def calibrate(nprocs: int = 2, quick: bool = False, path=None, name: str = "calibrated",
+              model: str = "tiny", batch_size: int = 16):
+    """Measure this machine and write a hardware file (see ``minipar.plan.measure``): matmul
+    peak, a real training step of ``model`` (its achieved rate sets compute_efficiency: the
+    calibration point) and the gloo all-reduce's alpha and beta."""
     from .measure import calibrate as _calibrate
-    return _calibrate(nprocs=nprocs, quick=quick, path=path, name=name)
+    return _calibrate(nprocs=nprocs, quick=quick, path=path, name=name, model=model,
+                      batch_size=batch_size)
 
 
 __all__ = [
@@ -105,6 +116,7 @@ __all__ = [
     "collective_time", "pp_comm_bytes", "ring_bytes", "tp_comm_bytes", "zero_collectives",
     "zero_comm_bytes",
     "explain", "search", "PRESETS", "ModelShape", "forward_flops", "gpt_params", "llama_ffn",
-    "llama_params", "megatron_flops", "megatron_params", "model_preset", "training_flops",
+    "llama_params", "megatron_flops", "megatron_params", "model_preset", "stage_flops",
+    "training_flops",
     "check_shard", "parse_shard", "shard_specs", "zero_shard", "calibrate",
 ]

@@ -240,17 +240,32 @@ def cmd_validate(args) -> None:
     out = validate_step_time(args.model, layouts, steps=args.steps, batch_size=args.batch_size,
                              hardware=args.hardware, overlap=args.overlap)
     hw = out["hardware"]
-    rows = [[r["layout"], " ".join(r["argv"][r["argv"].index("--quiet") + 1:]),
+    rows = [[r["layout"] + (" *" if r["calibration"] else ""),
+             " ".join(r["argv"][r["argv"].index("--quiet") + 1:]),
              f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
              f"{r['ratio']:.2f}"] for r in out["rows"]]
+    step = hw["sources"].get("calibration_step")
+    if out["calibration_point"]:
+        point = (f"* the calibration point: its step ({step['seconds'] * 1e3:.1f} ms when "
+                 f"calibrated) set compute_efficiency, so its ratio is 1 by construction up "
+                 f"to run-to-run noise; only the other rows test the model")
+    elif step:
+        point = (f"calibration point: {step['model']}, global batch {step['batch_size']}, "
+                 f"one process (not among these rows)")
+    else:
+        point = f"calibration point: none ({hw['name']}'s compute_efficiency is an assumption)"
+    hidden = sorted({f"{r['overlap']:.0%}" for r in out["rows"] if r["times"]["dp_comm"] > 0})
     text = (f"{out['machine']}\nload average before {out['load_before'][0]:.2f}, after "
             f"{out['load_after'][0]:.2f} (1 min)\nhardware {hw['name']}: "
-            f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s per process, all-reduce "
+            f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s matmul peak per process x "
+            f"{hw['compute_efficiency']:.2f} achieved in a training step, all-reduce "
             f"{hw['intra_node_bandwidth'] / 1e9:.2f} GB/s, "
             f"{hw['intra_node_latency'] * 1e6:.0f} us per ring step\n"
             f"model {args.model}, global batch {args.batch_size}, median of steps "
-            f"2..{args.steps}\n"
-            + _table(rows, ["layout", "flags", "predicted ms", "measured ms", "pred/meas"]))
+            f"2..{args.steps}"
+            + (f"; DP all-reduce hidden behind backward: {', '.join(hidden)}" if hidden else "")
+            + "\n" + _table(rows, ["layout", "flags", "predicted ms", "measured ms", "pred/meas"])
+            + "\n" + point)
     _emit(args, out, text)
 
 
@@ -259,8 +274,14 @@ _LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2"}
 
 def cmd_calibrate(args) -> None:
     from .measure import calibrate
-    hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out)
+    hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out, model=args.model,
+                   batch_size=args.batch_size)
+    step = hw["sources"]["calibration_step"]
     rows = [["matmul FLOP/s (one thread)", f"{hw['peak_flops']:.3g}"],
+            [f"training step of {step['model']}, batch {step['batch_size']} (s)",
+             f"{step['seconds']:.3g}"],
+            ["  its model FLOP/s", f"{step['flops_per_s']:.3g}"],
+            ["  compute_efficiency (achieved / matmul)", f"{hw['compute_efficiency']:.3f}"],
             ["all-reduce bandwidth (bytes/s)", f"{hw['intra_node_bandwidth']:.3g}"],
             ["latency per ring step (s)", f"{hw['intra_node_latency']:.3g}"],
             ["devices (cores)", hw["gpus_per_node"]],
@@ -269,7 +290,8 @@ def cmd_calibrate(args) -> None:
              for m in hw["sources"]["measurements"]]
     _emit(args, hw, _table(rows, ["measured", "value"]) + "\n\n"
           + _table(sizes, ["all-reduce bytes", "ms"]) + f"\n\nwrote {args.out}: use it as "
-          f"--hardware {args.out}")
+          f"--hardware {args.out}; the calibration point is one process of {step['model']} "
+          f"at global batch {step['batch_size']}")
 
 
 # --------------------------------------------------------------------------------------
@@ -388,6 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=positive, default=2)
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
     p.add_argument("--out", default="calibrated-hardware.json")
+    p.add_argument("--model", default="tiny",
+                   help="the minipar.model preset whose training step (one process, one "
+                        "thread) sets compute_efficiency: the calibration point (default tiny)")
+    p.add_argument("--batch-size", type=positive, default=16,
+                   help="its global batch, in sequences (default 16)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("validate", help="predicted vs measured step time of minipar.train here")
@@ -397,8 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", type=lambda t: t.split(","), default=list(_LAYOUT_KEYS),
                    help=f"comma-separated, from {','.join(_LAYOUT_KEYS)} (default: all)")
     p.add_argument("--hardware", help="a preset or file; default: calibrate this machine now")
-    p.add_argument("--overlap", type=fraction, default=DEFAULT_OVERLAP,
-                   help="fraction of data-parallel traffic hidden behind compute")
+    p.add_argument("--overlap", type=fraction, default=None,
+                   help="fraction of data-parallel traffic hidden behind compute (default: "
+                        "what minipar's DP engine allows, 0 for tiny's single bucket)")
     p.set_defaults(func=cmd_validate)
 
     for action in sub.choices.values():

@@ -2,19 +2,28 @@
 
     step = compute + TP comm + bubble + PP comm + exposed DP comm
 
-* compute = hardware FLOPs per device / (peak x compute_efficiency); hardware FLOPs count
-  the recomputation (``shapes.training_flops``). All stages are taken as equal (the
-  embedding and logits make the ends slightly heavier; we ignore that).
-* TP comm: the per-layer collectives of ``network``, blocking (Megatron-LM runs them on the
-  critical path), plus those of the embedding, head and loss on the stage that holds them
-  (both ends when pp = 1, the head's when pp > 1: the last stage also computes the loss).
+* compute = hardware FLOPs of the heaviest pipeline stage per device / (peak x
+  compute_efficiency); hardware FLOPs count the recomputation (``shapes.stage_flops``).
+  The heaviest stage is the last: it also computes the logits, and a pipeline runs at its
+  slowest stage's pace (with pp = 1 this is simply the step's FLOPs over the devices).
+  ``compute_efficiency`` is where everything that is not a large matmul goes (attention's
+  small batched matmuls, element-wise kernels, the optimizer, the framework): in a preset
+  it is an assumption, ``calibrate`` measures it from a real training step. It is one
+  factor for every layout: replicated work (a TP rank's LayerNorms and residuals, every
+  rank's per-kernel overhead) is divided by the devices like the matmuls, so a layout that
+  splits a small model finely is predicted somewhat fast.
+* TP comm: the per-layer collectives of ``network``, blocking (Megatron-LM and minipar run
+  them on the critical path), each paying its ring steps' latency, plus those of the
+  embedding, head and loss on the stage that holds them (both ends when pp = 1, the head's
+  when pp > 1: the last stage also computes the loss).
 * bubble: a pipeline of p stages idles (p-1)/m of the time it computes m micro-batches,
   and interleaving v chunks per stage divides that by v (Narayanan et al. 2021, section
   2.2): (p-1)/(m v) x (compute + TP comm).
 * PP comm: each micro-batch's send and receive, on the critical path.
 * DP comm: the ZeRO/AMSP collectives; a fraction ``overlap`` of them hides behind compute
   (never more than the compute time). 0 is a blocking implementation, 1 perfect overlap;
-  the default 0.5 is our assumption.
+  the default 0.5 is our assumption (``measure.minipar_overlap`` says what minipar's own
+  engine allows).
 
 MFU = model FLOPs (no recomputation) / (step x devices x peak)   (Chowdhery et al. 2022)
 HFU = hardware FLOPs (with recomputation) / (step x devices x peak). Under full
@@ -30,7 +39,7 @@ from .hardware import Hardware, load_hardware
 from .layout import Layout, check_layout
 from .memory import ACTIVATION_BYTES, DEFAULT_RESERVE, device_memory, stage_params
 from .network import collective_time, p2p_time, placement, zero_collectives
-from .shapes import ModelShape, training_flops
+from .shapes import ModelShape, stage_flops, training_flops
 
 DEFAULT_OVERLAP = 0.5
 
@@ -91,8 +100,8 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     t, p, v = layout.tp, layout.pp, layout.v
     b, m, s, h = layout.micro_batch, layout.microbatches, shape.seq_len, shape.hidden
     strides = layout.strides(order)
-    flops = training_flops(shape, layout.global_batch, layout.recompute)
-    compute = flops / layout.gpus / hw.achievable_flops
+    flops = stage_flops(shape, layout.global_batch, p, layout.recompute)   # heaviest stage
+    compute = flops / (layout.dp * t) / hw.achievable_flops
 
     activation_msg = b * s * h * ACTIVATION_BYTES[dtype]
     tp_calls = m * ((shape.layers // p) * (6 if layout.recompute == "full" else 4)

@@ -8,8 +8,12 @@ calibrate`` writes one for the machine it runs on.
 Units: bytes, seconds, FLOP/s. Bandwidths are per direction.
 
 * ``peak_flops``: dense 16-bit matmul peak of one device (fp32 for a CPU process).
-* ``compute_efficiency``: the fraction of peak large matmuls reach; the planner computes at
-  ``peak_flops * compute_efficiency`` ("achievable").
+* ``compute_efficiency``: the fraction of peak at which a training step runs its matmul
+  FLOPs; the planner computes at ``peak_flops * compute_efficiency`` ("achievable"), so it
+  also carries everything that is not a large matmul (attention, element-wise kernels, the
+  optimizer, the framework). The GPU presets assume large GEMMs' efficiency (a
+  billion-parameter model's step is mostly large GEMMs); ``calibrate`` measures a real
+  small-model step's model FLOP/s over the measured matmul peak.
 * ``intra_node_bandwidth``: what one device can push to a neighbour in its node (the slowest
   link a ring over the node crosses).
 * ``inter_node_bandwidth``: the node's NICs together. A collective whose group spans nodes

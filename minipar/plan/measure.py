@@ -1,25 +1,44 @@
 """The planner against this machine: ``calibrate`` it, then ``validate`` the predictions.
 
-``calibrate`` makes two measurements, both quick:
+``calibrate`` makes three measurements, all quick:
 
-* matmul FLOP/s: an n x n fp32 matmul (2 n^3 FLOPs) on one thread, since
+* matmul FLOP/s (``peak_flops``): an n x n fp32 matmul (2 n^3 FLOPs) on one thread, since
   ``minipar.dist.launch`` gives each process (each "device") one thread;
+* a real training step (``compute_efficiency``): ``minipar.train`` on one process and one
+  thread, as every rank here runs, on a small model (the trainer's ``tiny`` preset, global
+  batch 16, by default): the median of a few steps after warm-up. Its model FLOPs
+  (``shapes.training_flops``) over that time is the rate a training step achieves, and
+  achieved / matmul peak is the efficiency factor. A step is more than large matmuls:
+  attention's small batched matmuls, LayerNorm, GELU, softmax and cross-entropy, AdamW and
+  Python all run below the peak of one big matmul, and a first-order model has no other
+  place to put them. This is how planners are calibrated in practice (time one real
+  configuration, extrapolate to the others), and it makes that configuration the
+  *calibration point*: its predicted step time equals its measured one by construction, up
+  to run-to-run noise, so only the *other* layouts test the model;
 * collective bandwidth: all-reduces of growing size between ``nprocs`` local processes over
-  gloo, through ``minipar.dist.launch``. A least-squares line through (bytes sent, seconds)
-  gives the alpha-beta model: time = steps x alpha + bytes / beta, with 2 (n-1) ring steps
-  and 2 (n-1)/n N bytes sent for an N-byte all-reduce.
+  gloo, through ``minipar.dist.launch``, each issued after a short burst of compute and
+  timed as the mean over repeats, because that is how a training step meets its
+  collectives (``allreduce_times`` says why it matters). A line through (bytes sent,
+  seconds) gives the alpha-beta model: time = steps x alpha + bytes / beta, with 2 (n-1)
+  ring steps and 2 (n-1)/n N bytes sent for an N-byte all-reduce. It is fitted to *relative*
+  residuals: the sizes span three decades, and a plain least-squares fit lets the largest
+  messages' few-percent noise set the intercept (alpha), which the many small collectives
+  of tensor parallelism then multiply.
 
-The file says ``compute_efficiency: 1.0`` because the measured rate already is the
-achievable one, and treats the machine as one node of ``os.cpu_count()`` devices, each with
-an equal share of the RAM. There is no second node: the inter-node fields repeat the
-loopback numbers (x devices per node, since a node's NICs are shared by its devices).
+The file treats the machine as one node of ``os.cpu_count()`` devices, each with an equal
+share of the RAM, and so assumes each process has a core to itself while it computes (true on
+the 2-core VM this was written on: two one-thread matmuls at once each ran at 97-99% of the
+rate of one alone; where ``os.cpu_count()`` counts hyperthreads it does not hold, and
+``gpus_per_node`` should be the physical cores). There is no second node: the inter-node
+fields repeat the loopback numbers (x devices per node, since a node's NICs are shared by
+its devices).
 
 ``validate_step_time`` (``python -m minipar.plan validate``) runs ``minipar.train`` on a few
 layouts of a small model and sets each measured step time (median after the first step)
-next to ``estimate``'s prediction on the calibrated hardware. Expect the prediction to be
-low: it times matmuls at the rate of a large one and collectives at the fitted bandwidth,
-while a small model on a CPU also spends its step in Python, element-wise kernels, the
-optimizer and small, inefficient matmuls. ``model_states_vs_plan`` does the same for the
+next to ``estimate``'s prediction on the calibrated hardware, marking the calibration point.
+One input of ``estimate`` is read off minipar itself rather than assumed: how much of the
+data-parallel all-reduce its engine can hide behind backward (``minipar_overlap``). Nothing
+is fitted to the validation runs. ``model_states_vs_plan`` does the same for the
 model-state bytes, which must agree exactly.
 """
 from __future__ import annotations
@@ -31,6 +50,8 @@ from pathlib import Path
 
 QUICK_SIZES = [2**12, 2**16, 2**20, 2**22]                 # bytes
 FULL_SIZES = [2**k for k in range(10, 25, 2)]              # 1 KiB .. 16 MiB
+WORK_S = 0.002    # compute before each timed all-reduce: what a TP rank of tiny computes
+                  # between two of its collectives
 
 
 def matmul_flops(n: int = 1024, repeats: int = 5, threads: int = 1) -> float:
@@ -51,37 +72,82 @@ def matmul_flops(n: int = 1024, repeats: int = 5, threads: int = 1) -> float:
     return 2 * n**3 / best
 
 
-def allreduce_times(sizes: list[int], repeats: int) -> list[float]:
-    """Run on every rank (by ``minipar.dist.launch``): median seconds per all-reduce by size."""
+def allreduce_times(sizes: list[int], repeats: int, work_s: float = WORK_S) -> list[float]:
+    """Run on every rank (by ``minipar.dist.launch``): mean seconds per all-reduce by size.
+
+    Each all-reduce is issued the way the trainer issues its collectives: after ``work_s``
+    seconds of matmul on this rank and with no barrier, so a rank that finishes its compute
+    first waits inside the collective. Timed back to back after a barrier instead, the
+    collective finds both processes awake and in step, which a training step rarely gives
+    it. The difference can be large on a virtual machine: a waiting core that goes idle
+    may be woken only at the next scheduler tick (4 ms at HZ=250), so a collective costs
+    either a fraction of a millisecond or a few (on the 2-core VM this was written on, a
+    4 KiB all-reduce took 0.15-0.3 ms back to back, 1.5-2 ms on average after compute).
+    A step pays the sum of many collectives, so its cost is the mean, not the median
+    (which picks one of the two modes at random).
+    """
     import torch
     import torch.distributed as dist
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
     out = []
     for nbytes in sizes:
         x = torch.zeros(max(1, nbytes // 4))
         dist.all_reduce(x)                               # warm up this size
+        dist.barrier()
         times = []
         for _ in range(repeats):
-            dist.barrier()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < work_s:
+                a @ a
             t0 = time.perf_counter()
             dist.all_reduce(x)
             times.append(time.perf_counter() - t0)
-        out.append(sorted(times)[len(times) // 2])
+        out.append(sum(times) / len(times))
     return out
 
 
 def fit_alpha_beta(sizes: list[int], seconds: list[float], n: int) -> tuple[float, float]:
-    """Least squares of time = 2 (n-1) alpha + (2 (n-1)/n N) / beta; returns (alpha, beta)."""
+    """Fit time = 2 (n-1) alpha + (2 (n-1)/n N) / beta; returns (alpha, beta).
+
+    Least squares on relative residuals (each point weighted by 1 / its time): a 4 KiB and
+    a 4 MiB all-reduce count alike, so alpha comes from the small messages it dominates.
+    """
     import numpy as np
     sent = np.array([2 * (n - 1) / n * s for s in sizes], dtype=float)
-    slope, intercept = np.polyfit(sent, np.array(seconds, dtype=float), 1)
-    beta = 1.0 / slope if slope > 0 else float(sent.max() / max(seconds))
+    t = np.array(seconds, dtype=float)
+    slope, intercept = np.polyfit(sent, t, 1, w=1.0 / t)
+    beta = 1.0 / slope if slope > 0 else float(sent.max() / t.max())
     alpha = max(intercept, 0.0) / (2 * (n - 1))
     return alpha, beta
 
 
+def step_rate(model: str = "tiny", batch_size: int = 16, steps: int = 5,
+              warmup: int = 2) -> dict:
+    """The model FLOP/s a real training step achieves here: ``minipar.train`` on one
+    process and one thread (``--nproc 1``), median of ``steps`` steps after ``warmup``.
+
+    Returns {"model", "batch_size", "argv", "model_flops", "seconds", "flops_per_s",
+    "step_times"}; ``model_flops`` is ``training_flops`` without recomputation.
+    """
+    from .shapes import model_preset, training_flops
+    argv = ["--model", model, "--steps", str(warmup + steps), "--batch-size", str(batch_size),
+            "--quiet", "--nproc", "1"]
+    history = train_history(argv)
+    times = sorted(h["step_time_s"] for h in history[warmup:])
+    seconds = times[len(times) // 2]
+    flops = training_flops(model_preset(model), batch_size, "none")
+    return {"model": model, "batch_size": batch_size, "argv": argv, "model_flops": flops,
+            "seconds": seconds, "flops_per_s": flops / seconds, "step_times": times}
+
+
 def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = None,
-              name: str = "calibrated") -> dict:
-    """Measure this machine; return the hardware dict (and write it to ``path`` if given)."""
+              name: str = "calibrated", model: str = "tiny", batch_size: int = 16) -> dict:
+    """Measure this machine; return the hardware dict (and write it to ``path`` if given).
+
+    ``model`` and ``batch_size``: the training step whose achieved rate sets
+    ``compute_efficiency`` (one process, one thread): the calibration point.
+    """
     from minipar.dist import launch
     from .errors import PlanError
     if nprocs < 2:
@@ -89,8 +155,9 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
                         f"got --nproc {nprocs}")
     sizes = QUICK_SIZES if quick else FULL_SIZES
     flops = matmul_flops(n=512 if quick else 1024, repeats=3 if quick else 5)
-    per_rank = launch(allreduce_times, nprocs, sizes, 3 if quick else 7, backend="gloo",
-                      timeout=60.0)
+    step = step_rate(model, batch_size, steps=3 if quick else 5, warmup=1 if quick else 2)
+    per_rank = launch(allreduce_times, nprocs, sizes, 20 if quick else 40, backend="gloo",
+                      timeout=120.0)
     seconds = [max(rank[i] for rank in per_rank) for i in range(len(sizes))]
     alpha, beta = fit_alpha_beta(sizes, seconds, nprocs)
     devices = os.cpu_count() or nprocs
@@ -101,7 +168,7 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
         "gpus_per_node": devices,
         "memory_bytes": ram // devices,
         "peak_flops": flops,
-        "compute_efficiency": 1.0,
+        "compute_efficiency": step["flops_per_s"] / flops,
         "intra_node_bandwidth": beta,
         "intra_node_latency": alpha,
         "inter_node_bandwidth": beta * devices,
@@ -109,7 +176,16 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
         "dtype": "fp32",
         "sources": {
             "peak_flops": "measured: fp32 matmul on one thread",
-            "intra_node_bandwidth": f"measured: gloo all-reduce between {nprocs} processes",
+            "compute_efficiency": (
+                f"measured: a training step of minipar.train's '{model}' (global batch "
+                f"{batch_size}, one process, one thread) reached "
+                f"{step['flops_per_s'] / 1e9:.1f} GFLOP/s of model FLOPs, this fraction of "
+                f"the matmul peak. That layout is the calibration point: its prediction "
+                f"equals its measurement by construction"),
+            "calibration_step": step,
+            "intra_node_bandwidth": (f"measured: gloo all-reduce between {nprocs} processes, "
+                                     f"each issued after {WORK_S * 1e3:.0f} ms of compute, "
+                                     f"as the trainer issues them; mean over repeats"),
             "measurements": [{"bytes": s, "seconds": t} for s, t in zip(sizes, seconds)],
         },
     }
@@ -181,15 +257,58 @@ def train_history(argv: list[str], timeout: float = 300.0) -> list[dict]:
     return launch(_silent_worker, nproc, argv, timeout=timeout)[0]
 
 
+def minipar_overlap(argv: list[str]) -> float | None:
+    """The fraction of the data-parallel all-reduce that ``minipar.dp`` can hide behind
+    backward, for a trainer command line; None for a ZeRO/AMSP engine (the planner's default
+    assumption applies).
+
+    Only the ``overlapped`` mode overlaps at all, and only bucket by bucket: a bucket's
+    all-reduce starts when backward has finished every gradient in it, and the last bucket
+    (the first layers and the embedding) finishes with backward itself, so at most
+    (k-1)/k of the traffic of k buckets can hide. The trainer's buckets are 4 MiB; a model
+    of under a million fp32 parameters (``tiny``: 3.5 MB of gradients) fills one, so its
+    all-reduce starts after backward and none of it hides. (On a CPU even the rest hides
+    less than this: gloo's reduction runs on the same cores as the compute.)
+    """
+    args = _trainer_args(argv)
+    if args.zero is not None or args.shard is not None:
+        return None
+    if args.dp == 1 or args.dp_mode != "overlapped":
+        return 0.0
+    from minipar.dp import make_buckets
+    from minipar.model import build
+    from minipar.train import model_config
+    params = list(build(model_config(args)).parameters())
+    buckets = len(make_buckets(params, int(args.bucket_mb * 2**20)))
+    return (buckets - 1) / buckets
+
+
+def calibration_point(hw, model: str, batch_size: int, argv: list[str]) -> bool:
+    """Whether ``argv`` is the run whose step set ``hw``'s compute_efficiency (``calibrate``):
+    one process of the same model and global batch, one micro-batch."""
+    step = (hw.sources or {}).get("calibration_step")
+    if not step or (step["model"], step["batch_size"]) != (model, batch_size):
+        return False
+    lay = layout_of(argv)
+    return (lay.tp, lay.pp, lay.dp, lay.microbatches) == (1, 1, 1, 1)
+
+
 def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: int = 6,
                        batch_size: int = 16, hardware=None, overlap: float | None = None,
-                       quick: bool = True) -> dict:
+                       quick: bool = False) -> dict:
     """Predicted against measured step time of ``minipar.train`` on this machine.
 
     ``hardware``: a preset, file or ``Hardware``; default: ``calibrate`` this machine now
-    (``quick``). ``layouts``: {name: trainer flags}, default ``VALIDATION_LAYOUTS``.
-    Returns {"machine", "hardware", "load_before", "load_after", "rows": [{"layout",
-    "argv", "predicted_s", "measured_s", "ratio" (predicted / measured), "times"}]}.
+    (all sizes unless ``quick``: a few seconds, and collectives this noisy need the
+    points), with its training step on ``model`` and ``batch_size``. ``layouts``:
+    {name: trainer flags}, default ``VALIDATION_LAYOUTS``. ``overlap``: the fraction of
+    data-parallel traffic hidden behind compute; default what minipar's engine allows
+    (``minipar_overlap``).
+
+    Returns {"machine", "hardware", "load_before", "load_after", "calibration_point" (the
+    layout whose step set compute_efficiency, or None), "rows": [{"layout", "argv",
+    "predicted_s", "measured_s", "ratio" (predicted / measured), "calibration", "overlap",
+    "times"}]}.
     """
     from minipar.bench import machine
     from .estimate import DEFAULT_OVERLAP, estimate
@@ -197,7 +316,8 @@ def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: 
     from .shapes import model_preset
     load_before = os.getloadavg()
     if hardware is None:
-        data = calibrate(nprocs=2, quick=quick, name="laptop-cpu, calibrated here")
+        data = calibrate(nprocs=2, quick=quick, name="laptop-cpu, calibrated here",
+                         model=model, batch_size=batch_size)
         hw = hardware_from_dict(data, where="calibration")
     else:
         hw = load_hardware(hardware)
@@ -209,13 +329,16 @@ def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: 
         history = train_history(argv)
         timed = sorted(h["step_time_s"] for h in history[1:] or history)   # step 1 warms up
         measured = timed[len(timed) // 2]
-        e = estimate(shape, hw, layout_of(argv), dtype="fp32",
-                     overlap=DEFAULT_OVERLAP if overlap is None else overlap)
+        hides = overlap if overlap is not None else minipar_overlap(argv)
+        hides = DEFAULT_OVERLAP if hides is None else hides
+        e = estimate(shape, hw, layout_of(argv), dtype="fp32", overlap=hides)
         rows.append({"layout": name, "argv": argv, "predicted_s": e.step_time,
                      "measured_s": measured, "ratio": e.step_time / measured,
-                     "times": dict(e.times)})
+                     "calibration": calibration_point(hw, model, batch_size, argv),
+                     "overlap": hides, "times": dict(e.times)})
+    point = next((r["layout"] for r in rows if r["calibration"]), None)
     return {"machine": machine(), "hardware": hw.to_dict(), "load_before": load_before,
-            "load_after": os.getloadavg(), "rows": rows}
+            "load_after": os.getloadavg(), "calibration_point": point, "rows": rows}
 
 
 def model_states_vs_plan(flags: list[str], model: str = "tiny", steps: int = 2,

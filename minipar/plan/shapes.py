@@ -175,6 +175,27 @@ def training_flops(shape: ModelShape, batch: int, recompute: str = "none",
     return float(total)
 
 
+def stage_flops(shape: ModelShape, batch: int, pp: int = 1, recompute: str = "none",
+                seq_len: int | None = None) -> float:
+    """Hardware FLOPs of the heaviest of ``pp`` pipeline stages on ``batch`` sequences.
+
+    The last stage: its ceil(l/pp) layers and the logits (the first stage's extra work, the
+    embedding, is a table lookup, no matmul). A pipeline runs at its slowest stage's pace,
+    so this, not training_flops / pp, sets a stage's compute time. ``pp=1``: training_flops.
+    """
+    if pp == 1:
+        return training_flops(shape, batch, recompute, seq_len)
+    layers = -(-shape.layers // pp)
+    f = forward_flops(shape, batch, seq_len)
+    per_layer = f["dense"] + f["attention"]
+    total = 3 * (layers * per_layer + f["logits"])
+    if recompute == "full":
+        total += layers * per_layer
+    elif recompute == "selective":
+        total += layers * f["attention"]
+    return float(total)
+
+
 # --------------------------------------------------------------------------------------
 # Presets
 # --------------------------------------------------------------------------------------
