@@ -7,7 +7,6 @@ each minipar variant recorded next to the formula 2(d-1)/d x gradient bytes.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -72,7 +71,7 @@ def measure(model_name="tiny", steps=12, warmup=3, batch_per_rank=8, bucket_mb=1
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minipar.bench dp")
+    p = dist.ArgumentParser(prog="python -m minipar.bench dp")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", default="tiny")
     p.add_argument("--steps", type=int, default=20)

@@ -12,7 +12,6 @@ compute the same losses and gradients.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 
@@ -118,7 +117,7 @@ def bubbles(p=2, ms=(1, 2, 4, 8), model_name="small", micro_batch=2, steps=4,
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m minipar.bench pp")
+    ap = dist.ArgumentParser(prog="python -m minipar.bench pp")
     ap.add_argument("--model", default="small", help="model preset (default small: 8 layers)")
     ap.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--bubble-steps", type=int, default=5, help="timed steps per bubble point")

@@ -14,7 +14,6 @@ runs on every rank inside ``minipar.dist.launch``.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 
@@ -104,7 +103,7 @@ def measure(kind: str = "mlp", d_model: int = 256, batch: int = 8, seq_len: int 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minipar.bench tp")
+    p = dist.ArgumentParser(prog="python -m minipar.bench tp")
     p.add_argument("--nproc", type=int, default=2, help="TP degree (gloo ranks)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)

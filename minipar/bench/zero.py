@@ -17,7 +17,6 @@ communication buffers do not), and for minipar the bytes sent next to the formul
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -432,7 +431,7 @@ def draw_amsp(points, current=None, ax=None, unit: float = 2**30):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minipar.bench zero")
+    p = dist.ArgumentParser(prog="python -m minipar.bench zero")
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4],
                    help="rank counts to measure (default: 2 then 4)")
     p.add_argument("--model", default="tiny")

@@ -1,4 +1,3 @@
-import argparse
 import sys
 
 from .. import dist
@@ -6,7 +5,7 @@ from . import check, get, make, registry, student_path
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minipar.exercises",
+    p = dist.ArgumentParser(prog="python -m minipar.exercises",
                                 description="List, make and check the workshop exercises.")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the exercises and their files")
