@@ -413,6 +413,13 @@ class Stage(nn.Module):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
 
+    def parts(self) -> list[nn.Module]:
+        """The model parts this stage holds, in order (what ZeRO wraps as units, like GPT.parts)."""
+        out = []
+        for chunk in self.chunks:
+            out += [m for m in (chunk.embed, *chunk.blocks.values(), chunk.head) if m is not None]
+        return out
+
 
 def split(model, p: int, r: int, v: int = 1) -> Stage:
     """Stage r's chunks: chunk c holds the (c p + r)-th of v p equal slices of the blocks."""

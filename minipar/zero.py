@@ -198,9 +198,9 @@ def units_of(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
 
     Parameters outside every part (none in our GPT) form a unit of their own, on the root.
     """
-    if hasattr(module, "parts"):     # the GPT, serial or tensor-parallel
+    if hasattr(module, "parts"):     # the GPT (serial or tensor-parallel), a pipeline Stage
         parts = module.parts()
-    else:                            # e.g. a pipeline stage: the parts it holds
+    else:
         parts = [m for m in module.modules() if isinstance(m, (Embedding, Block, LMHead))]
     units, seen = [], set()
     for part in parts:

@@ -196,10 +196,16 @@ def test_nested_factors_are_required():
 ])
 def test_composes_with_tensor_and_pipeline_parallelism(flags):
     """dp = 2 lines of 2 ranks each: the shard groups live inside each DP line of the grid."""
-    pytest.importorskip("minipar.pp" if "--pp" in flags else "minipar.tp")
     got = run_state(NANO + flags, nproc=D)
     assert_same_training(got, serial_state())
     assert got["history"][-1]["comm_bytes"]["reduce_scatter"] > 0
+
+
+def test_zero3_under_tensor_and_pipeline_parallelism():
+    """All three at once (dp2 x pp2 x tp2): the TP embedding is a unit of the stage too."""
+    got = run_state(NANO + ["--tp", "2", "--pp", "2", "--dp", "2", "--zero", "3"], nproc=8)
+    assert_same_training(got, serial_state())
+    assert got["history"][-1]["comm_bytes"]["all_gather"] > 0
 
 
 def test_invalid_spec_exits_2_with_one_line():
