@@ -45,16 +45,23 @@ def _timeout_s() -> float:
 # --------------------------------------------------------------------------------------
 # Backend and device
 # --------------------------------------------------------------------------------------
+def _gpus_fit(n_gpu: int, local_world_size: int) -> bool:
+    """Every local process can own a GPU: one per local rank, or exactly one visible per
+    process (Slurm's ``--gpus-per-task 1`` / ``--gpu-bind``, as on Frontier, binds each task to
+    its own GPU, which it then sees as device 0)."""
+    return n_gpu >= 1 and (n_gpu >= local_world_size or n_gpu == 1)
+
+
 def resolve_backend(backend: str = "auto", local_world_size: int = 1) -> str:
     """``auto``: NCCL (RCCL on ROCm builds) when every local process can own a GPU, else gloo."""
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        return "nccl" if n_gpu >= local_world_size and n_gpu > 0 else "gloo"
+        return "nccl" if _gpus_fit(n_gpu, local_world_size) else "gloo"
     if backend == "nccl":
         if n_gpu == 0:
             raise UsageError("--backend nccl needs a GPU but torch sees none; use --backend gloo "
                              "(or auto), or install a CUDA/ROCm build of torch")
-        if n_gpu < local_world_size:
+        if not _gpus_fit(n_gpu, local_world_size):
             raise UsageError(f"--backend nccl needs one GPU per local process: {local_world_size} "
                              f"processes but {n_gpu} GPUs; use fewer processes or --backend gloo")
         return "nccl"
@@ -64,10 +71,11 @@ def resolve_backend(backend: str = "auto", local_world_size: int = 1) -> str:
 
 
 def device_for(backend: str, local_rank: int) -> torch.device:
-    """One GPU per process under NCCL (by local rank); the CPU under gloo."""
+    """One GPU per process under NCCL: by local rank, or the only one a bound task sees."""
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank if local_rank < torch.cuda.device_count() else 0
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -96,3 +96,16 @@ def test_backend_auto_is_gloo_without_gpu():
     assert dist.resolve_backend("auto", 2) == "gloo"
     with pytest.raises(dist.UsageError, match="needs a GPU"):
         dist.resolve_backend("nccl", 1)
+
+
+def test_backend_with_one_bound_gpu_per_task(monkeypatch):
+    """srun --gpus-per-task 1 (Frontier): each of 8 tasks sees one GPU; that is NCCL's case."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert dist.resolve_backend("auto", 8) == "nccl"
+    assert dist.resolve_backend("nccl", 8) == "nccl"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert dist.resolve_backend("auto", 8) == "gloo"          # 4 GPUs for 8 processes: no
+    with pytest.raises(dist.UsageError, match="one GPU per local process"):
+        dist.resolve_backend("nccl", 8)
+    assert dist.resolve_backend("auto", 4) == "nccl"
