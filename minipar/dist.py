@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .errors import UsageError  # noqa: F401  (re-exported: dist.UsageError)
 
-class UsageError(ValueError):
-    """Bad input from the user: reported as one line with exit status 2, before training."""
+
 
 
 def _timeout_s() -> float:
@@ -340,6 +340,17 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
     return [results[r] for r in range(nprocs)]
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a count of ranks, steps, sequences...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line and exit status 2, like every other bad input."""
 
@@ -355,6 +366,6 @@ def main_guard(fn, argv=None):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except RankFailed as e:
+    except (RankFailed, TimeoutError) as e:
         print(str(e), file=sys.stderr)
         sys.exit(1)

@@ -66,6 +66,17 @@ class Bucket:
         for p in self.params:
             p.grad = self.views[p]
 
+    def adopt(self, p: nn.Parameter):
+        """Make ``p.grad`` the bucket's view again if someone replaced it (``optimizer.zero_grad()``
+        sets grads to None, and backward then allocates a fresh tensor): copy it in first."""
+        view = self.views[p]
+        if p.grad is not view:
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
     """Group parameters into buckets in reverse order, roughly the order backward finishes them."""
@@ -141,8 +152,9 @@ class DataParallel:
 
     def _on_grad_ready(self, p: nn.Parameter):
         self._count[p] = self._count.get(p, 0) + 1
+        b = self._bucket_of[p]
+        b.adopt(p)
         if self._count[p] == self.microbatches:
-            b = self._bucket_of[p]
             b.ready += 1
             if b.ready == len(b.params):
                 b.handle = comm.all_reduce(b.buffer, self.group, op="avg", async_op=True)
@@ -155,6 +167,9 @@ class DataParallel:
                     p.grad = torch.zeros_like(p)
                 comm.all_reduce(p.grad, self.group, op="avg")
         elif self.mode == "bucketed":
+            for b in self.buckets:
+                for p in b.params:
+                    b.adopt(p)
             sync_buckets(self.buckets, self.group)
         else:
             for b in self.buckets:

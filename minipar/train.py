@@ -110,11 +110,20 @@ def validate(args) -> None:
                          f"{args.dp * args.microbatches}")
     if args.zero is not None and args.shard is not None:
         raise UsageError("give --zero or --shard, not both (--zero Z is a preset of --shard)")
+    if args.log_every < 1:
+        raise UsageError(f"--log-every must be >= 1, got {args.log_every}")
+    if args.metrics and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
+        raise UsageError(f"--metrics {args.metrics}: its folder does not exist; create it first")
     if args.data is not None and not os.path.isfile(args.data):
         raise UsageError(f"--data {args.data}: no such file")
     cfg = model_config(args)
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
+    corpus = (os.path.getsize(args.data) if args.data is not None
+              else len(data.load_text(None).encode("utf-8")))
+    if corpus < cfg.seq_len + 2:
+        raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of {cfg.seq_len} "
+                         f"tokens; use a longer --data file or a smaller --seq-len")
     if args.backend == "nccl" or (args.backend == "auto" and args.nproc is not None):
         local = args.nproc if args.nproc is not None else 1
         dist.resolve_backend(args.backend, local)

@@ -91,11 +91,12 @@ def test_overlapped_launches_during_backward():
     assert n > 3 and in_flight == n
 
 
-def _hand_driven_without_begin_step(steps):
-    """A reader driving the engine by hand may never call begin_step: grads must still average."""
+def _hand_driven_without_begin_step(steps, mode="overlapped", set_to_none=False):
+    """A reader driving the engine by hand may never call begin_step, or may zero the grads
+    with the optimizer (set_to_none) instead of the engine: grads must still average."""
     r, d = tdist.get_rank(), tdist.get_world_size()
     model = build("nano", seed=0)
-    engine = dp.DataParallel(model, comm.WORLD, mode="overlapped", bucket_mb=0.01)
+    engine = dp.DataParallel(model, comm.WORLD, mode=mode, bucket_mb=0.01)
     worst = 0.0
     for step in range(steps):
         xs = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(10 * step + k))
@@ -103,7 +104,10 @@ def _hand_driven_without_begin_step(steps):
         ref = build("nano", seed=0)
         for k in range(d):
             (ref(xs[k], xs[k]) / d).backward()
-        engine.zero_grad()
+        if set_to_none:
+            model.zero_grad(set_to_none=True)
+        else:
+            engine.zero_grad()
         model(xs[r], xs[r]).backward()
         engine.finish_grad_sync()
         worst = max(worst, max((p.grad - q.grad).abs().max().item()
@@ -113,3 +117,8 @@ def _hand_driven_without_begin_step(steps):
 
 def test_overlapped_without_begin_step_still_averages():
     assert max(dist.launch(_hand_driven_without_begin_step, 2, 3)) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["bucketed", "overlapped"])
+def test_grads_zeroed_to_none_by_the_optimizer_still_average(mode):
+    assert max(dist.launch(_hand_driven_without_begin_step, 2, 3, mode, True)) < 1e-6

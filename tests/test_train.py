@@ -26,7 +26,7 @@ def test_cli_two_processes_match_one(tmp_path):
         assert r.returncode == 0, r.stderr
         assert "summary:" in r.stdout
     a, b = _losses(one), _losses(two)
-    assert [m["step"] for m in a] == list(range(1, 21))
+    assert [m["step"] for m in a] == list(range(1, 21)) == [m["step"] for m in b]
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= 1e-5, (x["step"], x["loss"], y["loss"])
     # the metrics line carries what CONTRACTS.md promises
@@ -49,6 +49,9 @@ BAD = [
     (["--steps", "0"], "--steps must be >= 1"),
     (["--sp"], "needs --tp > 1"),
     (["--lr", "-1"], "--lr must be positive"),
+    (["--log-every", "0"], "--log-every must be >= 1"),
+    (["--metrics", "/no/such/dir/m.jsonl"], "folder does not exist"),
+    (["--seq-len", "100000000"], "too few for sequences"),
 ]
 
 
@@ -104,6 +107,7 @@ def test_torchrun_launch(tmp_path):
                        capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     ref = train.run(["--steps", "3", "--model", "nano", "--quiet"])
+    assert len(_losses(path)) == len(ref) == 3
     for a, b in zip(_losses(path), ref):
         assert abs(a["loss"] - b["loss"]) <= 1e-5
 

@@ -1,21 +1,22 @@
 import importlib
 import sys
 
+from .. import dist
 from . import BENCHES
+
+USAGE = f"usage: python -m minipar.bench {{{','.join(BENCHES)}}} [options]  (each takes --help)"
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
     if not argv or argv[0] not in BENCHES:
-        print(f"usage: python -m minipar.bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
-        sys.exit(2)
-    try:
-        module = importlib.import_module(f"minipar.bench.{argv[0]}")
-    except ModuleNotFoundError:
-        print(f"error: the {argv[0]} benchmark is not available in this version", file=sys.stderr)
-        sys.exit(2)
-    module.main(argv[1:])
+        raise dist.UsageError(f"choose a benchmark: {', '.join(BENCHES)} ({USAGE})")
+    module = importlib.import_module(f"minipar.bench.{argv[0]}")
+    return module.main(argv[1:])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(dist.main_guard(main))

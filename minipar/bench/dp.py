@@ -13,7 +13,7 @@ import torch
 import torch.distributed as tdist
 
 from .. import comm, data, dp, dist
-from ..model import build, config, num_params
+from ..model import PRESETS, build, config, num_params
 from . import machine, median
 
 VARIANTS = ("naive", "bucketed", "overlapped", "ddp")
@@ -72,11 +72,11 @@ def measure(model_name="tiny", steps=12, warmup=3, batch_per_rank=8, bucket_mb=1
 
 def main(argv=None):
     p = dist.ArgumentParser(prog="python -m minipar.bench dp")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--nproc", type=dist.positive_int, default=2)
+    p.add_argument("--model", default="tiny", choices=list(PRESETS))
+    p.add_argument("--steps", type=dist.positive_int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-per-rank", type=int, default=8)
+    p.add_argument("--batch-per-rank", type=dist.positive_int, default=8)
     p.add_argument("--bucket-mb", type=float, default=1.0)
     args = p.parse_args(argv)
     rows = dist.launch(measure, args.nproc, args.model, args.steps, args.warmup,

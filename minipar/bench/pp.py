@@ -20,7 +20,7 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from .. import comm, dist, pp
-from ..model import CrossEntropy, build, config
+from ..model import PRESETS, CrossEntropy, build, config
 from . import machine, median
 
 
@@ -118,11 +118,11 @@ def bubbles(p=2, ms=(1, 2, 4, 8), model_name="small", micro_batch=2, steps=4,
 
 def main(argv=None):
     ap = dist.ArgumentParser(prog="python -m minipar.bench pp")
-    ap.add_argument("--model", default="small", help="model preset (default small: 8 layers)")
-    ap.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
-    ap.add_argument("--bubble-steps", type=int, default=5, help="timed steps per bubble point")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps of the torch comparison")
-    ap.add_argument("--microbatches", type=int, default=4, help="m for the torch comparison")
+    ap.add_argument("--model", default="small", choices=list(PRESETS), help="model preset (default small: 8 layers)")
+    ap.add_argument("--micro-batch", type=dist.positive_int, default=2, help="sequences per micro-batch")
+    ap.add_argument("--bubble-steps", type=dist.positive_int, default=5, help="timed steps per bubble point")
+    ap.add_argument("--steps", type=dist.positive_int, default=20, help="timed steps of the torch comparison")
+    ap.add_argument("--microbatches", type=dist.positive_int, default=4, help="m for the torch comparison")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(machine())

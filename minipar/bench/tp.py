@@ -104,11 +104,11 @@ def measure(kind: str = "mlp", d_model: int = 256, batch: int = 8, seq_len: int 
 
 def main(argv=None):
     p = dist.ArgumentParser(prog="python -m minipar.bench tp")
-    p.add_argument("--nproc", type=int, default=2, help="TP degree (gloo ranks)")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--nproc", type=dist.positive_int, default=2, help="TP degree (gloo ranks)")
+    p.add_argument("--d-model", type=dist.positive_int, default=256)
+    p.add_argument("--batch", type=dist.positive_int, default=8)
+    p.add_argument("--seq-len", type=dist.positive_int, default=128)
+    p.add_argument("--reps", type=dist.positive_int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args(argv)
     print(f"minipar.bench tp: {args.nproc} gloo ranks, activations (b={args.batch}, "

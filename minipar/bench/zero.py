@@ -23,7 +23,7 @@ import torch
 import torch.distributed as tdist
 
 from .. import comm, data, dist, zero
-from ..model import build, config
+from ..model import PRESETS, build, config
 from . import machine, median
 
 TWINS = {"zero0": "ddp", "zero1": "zro", "zero2": "zro", "zero3": "fsdp2",
@@ -432,12 +432,12 @@ def draw_amsp(points, current=None, ax=None, unit: float = 2**30):
 
 def main(argv=None):
     p = dist.ArgumentParser(prog="python -m minipar.bench zero")
-    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4],
+    p.add_argument("--nproc", type=dist.positive_int, nargs="+", default=[2, 4],
                    help="rank counts to measure (default: 2 then 4)")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--model", default="tiny", choices=list(PRESETS))
+    p.add_argument("--steps", type=dist.positive_int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-per-rank", type=int, default=8)
+    p.add_argument("--batch-per-rank", type=dist.positive_int, default=8)
     args = p.parse_args(argv)
     for n in args.nproc:
         rows = dist.launch(measure, n, args.model, args.steps, args.warmup,

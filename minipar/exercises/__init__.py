@@ -202,5 +202,12 @@ def check(ex_id: str, path=None, solution: bool = False) -> list[str]:
         if not path.exists():
             raise dist.UsageError(f"{path}: no such file; run `python -m minipar.exercises make "
                                   f"{ex_id}` to create it")
-        student = load(path)
+        if path.suffix != ".py":
+            raise dist.UsageError(f"{path}: not a Python file; give the exercise's .py file")
+        try:
+            student = load(path)
+        except Exception:  # noqa: BLE001 - a syntax error is the most common student mistake
+            tb = traceback.format_exc()
+            last = [ln for ln in tb.strip().splitlines() if ln.strip()][-1]
+            return [f"your file does not load: {last}", tb]
     return run_check(ex_id, student)

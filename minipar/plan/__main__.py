@@ -13,6 +13,7 @@ import os
 import re
 import sys
 
+from ..errors import UsageError
 from .errors import PlanError
 from .estimate import DEFAULT_OVERLAP, estimate
 from .hardware import load_hardware
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.func(args)
-    except PlanError as e:
+    except UsageError as e:              # PlanError, or the trainer's own (validate, calibrate)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:              # the reader left early (| head): not an error
