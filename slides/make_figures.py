@@ -21,12 +21,11 @@ sys.path.insert(0, str(HERE.parent))      # run from a checkout without installi
 
 import torch  # noqa: E402
 
-from minipar import plan, pp  # noqa: E402
+from minipar import plan, plots, pp  # noqa: E402
 
 OUT = HERE / "figures"
 DPI = 90
 RANKS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]     # one colour per TP rank
-FWD, BWD = "#4c72b0", "#55a868"
 
 
 def save(fig, name: str) -> None:
@@ -66,42 +65,33 @@ def memory_zero():
 # --------------------------------------------------------------------------------------
 # 2. Pipeline schedules as ideal timelines (pp.ideal_timeline)
 # --------------------------------------------------------------------------------------
-def draw_timeline(ax, tl: pp.Timeline, title: str, span: float):
-    p = len(tl.stages)
-    for r, events in enumerate(tl.stages):
-        for e in events:
-            color = FWD if e.op == "forward" else BWD
-            alpha = 1.0 if e.chunk == 0 else 0.55
-            ax.barh(r, e.end - e.start, left=e.start, color=color, alpha=alpha, ec="white", lw=0.6)
-            if e.end - e.start >= 0.45:
-                ax.text((e.start + e.end) / 2, r, str(e.mb), ha="center", va="center",
-                        fontsize=6.5, color="white")
-    ax.set_yticks(range(p), [f"stage {r}" for r in range(p)], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlim(0, span)
-    ax.tick_params(axis="x", labelsize=7)
-    ax.set_title(title, fontsize=8.5, loc="left")
-
-
 def pipeline_schedules():
     p, m = 4, 8
     rows = [("naive (m = 1)", "gpipe", 1, 1), ("GPipe, m = 8", "gpipe", m, 1),
             ("1F1B, m = 8", "1f1b", m, 1), ("interleaved 1F1B, v = 2, m = 8", "interleaved", m, 2)]
-    timelines = [(label, v, pp.ideal_timeline(name, p, mm, v, t_fwd=1 / v, t_bwd=2 / v))
-                 for label, name, mm, v in rows]
+    # ideal_timeline divides t_fwd, t_bwd by v itself: a chunk of L/(p v) layers takes 1/v, 2/v
+    timelines = [(label, v, pp.ideal_timeline(name, p, mm, v)) for label, name, mm, v in rows]
     span = max(tl.makespan for _, _, tl in timelines)
     fig, axes = plt.subplots(len(rows), 1, figsize=(11, 5.0), sharex=True)
     for ax, (label, v, tl) in zip(axes, timelines):
         stash = ", ".join(str(s) for s in tl.peak_stash)
         unit = " chunk-micro-batches" if v > 1 else ""
-        draw_timeline(ax, tl, f"{label}: bubble {tl.bubble:.1%}, peak stash per stage "
-                                 f"[{stash}]{unit}", span)
+        plots.pipeline_timeline(tl, ax=ax, title=f"{label}: bubble {tl.bubble:.1%}, makespan "
+                                f"{tl.makespan:g}, peak stash per stage [{stash}]{unit}")
+        ax.title.set(fontsize=8.5, ha="left", x=0.0)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("")
+        ax.get_legend().remove()
+    axes[-1].set_xlim(0, span)            # one time axis for all rows (sharex)
     axes[-1].set_xlabel("time (forward of one micro-batch on one stage = 1, backward = 2)",
                         fontsize=8)
-    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=FWD), plt.Rectangle((0, 0), 1, 1, color=BWD)],
-               labels=["forward (number: micro-batch)", "backward"], loc="upper right",
-               fontsize=8, ncol=2, frameon=False, bbox_to_anchor=(0.98, 1.02))
-    fig.suptitle("p = 4 stages, minipar.pp.ideal_timeline", fontsize=9, x=0.02, ha="left", y=1.0)
+    colors = [plots.FORWARD[0], plots.BACKWARD[0], plots.FORWARD[1], plots.BACKWARD[1]]
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors],
+               labels=["forward (number: micro-batch)", "backward", "forward, chunk 1",
+                       "backward, chunk 1"], loc="upper right",
+               fontsize=8, ncol=4, frameon=False, bbox_to_anchor=(0.98, 1.02))
+    fig.suptitle("p = 4 stages: pp.ideal_timeline, drawn by plots.pipeline_timeline",
+                 fontsize=9, x=0.02, ha="left", y=1.0)
     fig.tight_layout()
     save(fig, "pipeline_schedules.png")
 
@@ -115,7 +105,7 @@ def bubble():
         ax.plot(dots, [100 * pp.ideal_timeline("1f1b", p, m).bubble for m in dots], "o",
                 color=color, ms=4)
     dots = [4, 8, 16, 32]
-    ax.plot(dots, [100 * pp.ideal_timeline("interleaved", 4, m, 2, 0.5, 1.0).bubble for m in dots],
+    ax.plot(dots, [100 * pp.ideal_timeline("interleaved", 4, m, 2).bubble for m in dots],
             "s--", color="C1", ms=4, lw=1, label="p = 4, interleaved v = 2")
     ax.set_xscale("log", base=2)
     ax.set_xticks([1, 2, 4, 8, 16, 32], ["1", "2", "4", "8", "16", "32"])
