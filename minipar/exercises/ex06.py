@@ -46,6 +46,8 @@ def check_training(student, patch: str, runs) -> list[str]:
         where = " ".join(flags)
         out = launch_student(_train, 4, student, ARGV + flags, patch)
         losses = [h["loss"] for h in out[0]["history"]]
+        if len(losses) != len(ref["losses"]):
+            failures.append(f"{where}: {len(losses)} steps ran, {len(ref['losses'])} expected")
         for step, (a, b) in enumerate(zip(losses, ref["losses"]), 1):
             if abs(a - b) > 1e-5:
                 failures.append(f"{where}: the loss at step {step} is {a:.6f}, one process gets "
