@@ -99,6 +99,7 @@ from . import comm
 from .dist import UsageError
 from .dp import optimizer_state_bytes
 from .model import Block, Embedding, LMHead
+from .plan import sharding
 
 
 # --------------------------------------------------------------------------------------
@@ -110,36 +111,20 @@ class Spec(NamedTuple):
     os: int   # s_os: the optimizer states, over groups of s_os ranks
 
 
+# The rules live in the planner (torch-free), so the engine and the planner cannot disagree
+# about which specs exist; here they only get the engine's Spec type.
 def zero_spec(stage: int, d: int) -> Spec:
     """ZeRO stage 0-3 over d data-parallel ranks."""
-    return Spec(*{0: (1, 1, 1), 1: (1, 1, d), 2: (1, d, d), 3: (d, d, d)}[stage])
+    return Spec(*sharding.zero_shard(stage, d))
 
 
 def parse_shard(text: str) -> Spec:
-    try:
-        parts = [int(x) for x in text.split(",")]
-    except ValueError:
-        parts = []
-    if len(parts) != 3:
-        raise UsageError(f"--shard {text!r} is not three integers; write P,G,OS such as 1,2,4")
-    return Spec(*parts)
+    return Spec(*sharding.parse_shard(text))
 
 
 def spec_violation(spec: Spec, d: int) -> str | None:
     """Why ``spec`` cannot shard d ranks (one line: what is wrong; what would fix it), or None."""
-    s_p, s_g, s_os = spec
-    text = f"{s_p},{s_g},{s_os}"
-    if not 1 <= s_p <= s_g <= s_os <= d:
-        return (f"shard {text} breaks 1 <= s_p <= s_g <= s_os <= dp={d}; order the factors "
-                f"and keep them at most the data-parallel size {d}")
-    bad = [s for s in spec if d % s]
-    if bad:
-        return (f"shard factor {bad[0]} does not divide dp={d}; use divisors of {d} "
-                f"({', '.join(str(k) for k in range(1, d + 1) if d % k == 0)})")
-    if s_g % s_p or s_os % s_g:
-        return (f"shard {text}: minipar nests the shards, so s_p must divide s_g and s_g "
-                f"must divide s_os; try {s_p},{s_p},{s_os} or {s_p},{s_os},{s_os}")
-    return None
+    return sharding.shard_violation(tuple(spec), d)
 
 
 def spec_from_args(args) -> Spec:

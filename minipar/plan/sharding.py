@@ -71,7 +71,8 @@ def shard_violation(shard: Shard, dp: int, per_node: int | None = None,
                 f"order the factors and keep them at most the data-parallel size")
     bad = [s for s in shard if dp % s]
     if bad:
-        return f"shard factor {bad[0]} does not divide dp={dp}; use divisors of {dp}"
+        return (f"shard factor {bad[0]} does not divide dp={dp}; use divisors of {dp} "
+                f"({', '.join(map(str, divisors(dp)))})")
     if s_g % s_p or s_os % s_g:
         return (f"shard {s_p},{s_g},{s_os}: the shards nest, so s_p must divide s_g and s_g "
                 f"must divide s_os; try {s_p},{s_p},{s_os} or {s_p},{s_os},{s_os}")
