@@ -1,8 +1,15 @@
-"""The one error type for bad input (no torch import, so the planner can use it too).
+"""The error types for bad input (no torch import, so the planner can use them too).
 
-Every command line turns it into one line on stderr and exit status 2, before any work starts.
+Every command line turns them into one line on stderr and exit status 2, before any work starts.
 """
 
 
 class UsageError(ValueError):
     """Bad input from the user: what is wrong, and what would fix it."""
+
+
+class PlanError(UsageError):
+    """Bad input to the planner (or a shard spec): one line, exit status 2.
+
+    Messages say what is wrong and what would fix it.
+    """

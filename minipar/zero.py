@@ -99,7 +99,7 @@ from . import comm
 from .dist import UsageError
 from .dp import optimizer_state_bytes
 from .model import Block, Embedding, LMHead
-from .plan import sharding
+from . import sharding
 
 
 # --------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from .memory import model_state_bytes
 from .search import explain, search
 from .shapes import (RECOMPUTE_MODES, ModelShape, megatron_flops, megatron_params,
                      model_preset, training_flops)
-from .sharding import parse_shard, zero_shard
+from ..sharding import parse_shard, zero_shard
 
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 

@@ -1,10 +1,3 @@
-"""The one exception the planner raises for bad input: minipar's UsageError, by another name."""
+"""The planner's error type: minipar's UsageError, by another name (see ``minipar.errors``)."""
 
-from ..errors import UsageError
-
-
-class PlanError(UsageError):
-    """Bad input: the CLI prints the message as one line and exits with status 2.
-
-    Messages say what is wrong and what would fix it.
-    """
+from ..errors import PlanError, UsageError  # noqa: F401

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 from .hardware import Hardware
 from .memory import ACTIVATION_BYTES, BYTES_PER_PARAM
-from .sharding import Shard, resolve_shard
+from ..sharding import Shard, resolve_shard
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 

@@ -37,7 +37,7 @@ from .layout import ORDERS, Layout, dp_per_node
 from .memory import (DEFAULT_RESERVE, activation_bytes, gather_bytes, model_state_bytes,
                      stage_params, temporary_bytes)
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
-from .sharding import Shard, divisors, parse_shard, shard_specs, shard_violation, zero_shard
+from ..sharding import Shard, divisors, parse_shard, shard_specs, shard_violation, zero_shard
 
 
 def _gib(x: float) -> str:
