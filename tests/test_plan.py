@@ -350,6 +350,16 @@ def test_scaling_weak_flat_strong_falls_with_the_bubble():
     assert effs[0] == 1 and effs[1] < 1 and effs[2] < effs[1]
 
 
+def test_scaling_from_one_replica_keeps_the_spec():
+    from minipar.plan import scaled_layout
+    one = Layout(tp=8, pp=8, dp=1, micro_batch=1, microbatches=64)
+    assert scaled_layout(one, 16).shard == (1, 1, 1)            # plain DP stays plain DP
+    zero1 = Layout(tp=8, pp=8, dp=4, micro_batch=1, microbatches=64, shard=(1, 1, 4))
+    assert scaled_layout(zero1, 16).shard == (1, 1, 16)         # ZeRO-1 stays ZeRO-1
+    mics = Layout(dp=16, micro_batch=1, microbatches=4, shard=(8, 8, 8))
+    assert scaled_layout(mics, 64).shard == (8, 8, 8)
+
+
 def plan_scaling(shape, layout, counts, weak):
     from minipar.plan import scaling
     return scaling(shape, "frontier-mi250x", layout, counts, weak=weak)

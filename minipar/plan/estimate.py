@@ -167,7 +167,10 @@ def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
     """``layout`` with ``dp`` replicas: weak scaling keeps each replica's work (the global
     batch grows), strong scaling keeps the global batch (fewer micro-batches per replica).
     A shard factor equal to the old dp follows the new one (ZeRO-1 over d stays ZeRO-1 over
-    d'); the others become their gcd with it. None when the batch does not divide."""
+    d'); the others become their gcd with it. From a single replica (dp = 1) every factor is
+    1 and says nothing about the stage, so the spec stays (1, 1, 1), plain data parallelism
+    (scaling ZeRO from one replica needs the spec given at the target width). None when
+    the batch does not divide."""
     from dataclasses import replace
     from math import gcd
     m = layout.microbatches
@@ -178,7 +181,10 @@ def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
         m = per_replica
     if layout.v > 1 and m % layout.pp:
         return None
-    shard = tuple(dp if s == layout.dp else gcd(s, dp) for s in layout.shard)
+    if layout.dp == 1:
+        shard = (1, 1, 1)
+    else:
+        shard = tuple(dp if s == layout.dp else gcd(s, dp) for s in layout.shard)
     return replace(layout, dp=dp, microbatches=m, shard=shard)
 
 
