@@ -15,11 +15,12 @@ import sys
 
 from ..errors import UsageError
 from .errors import PlanError
-from .estimate import DEFAULT_OVERLAP, estimate
+from .estimate import estimate
+from .frameworks import FRAMEWORKS
 from .hardware import load_hardware
 from .layout import ORDERS, Layout, check_layout
 from .memory import model_state_bytes
-from .search import explain, search
+from .search import OBJECTIVES, SCHEDULES, explain, search
 from .shapes import (RECOMPUTE_MODES, ModelShape, megatron_flops, megatron_params,
                      model_preset, training_flops)
 from ..sharding import parse_shard, zero_shard
@@ -177,10 +178,11 @@ def cmd_memory(args) -> None:
             "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
             "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
             "shard": {"p": spec[0], "g": spec[1], "os": spec[2]}}
-    rows = [[k, f"{out[k]:,}", _gib(out[k])] for k in ("params", "grads", "optimizer", "total")]
+    rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"]
+            for k in ("params", "grads", "optimizer", "total")]
     text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp} dp={dp}, "
             f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
-            + _table(rows, ["part", "bytes", ""]))
+            + _table(rows, ["part", "bytes", "GiB"]))
     _emit(args, data, text)
 
 
@@ -192,8 +194,15 @@ def _results_table(results) -> str:
                      "{},{},{}".format(*lay.shard), lay.recompute,
                      _human(e.memory["total"]), f"{e.step_time:.4g}",
                      f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
-    return _table(rows, ["#", "tp", "pp", "v", "dp", "b", "m", "shard", "recompute",
-                         "memory", "step s", "tokens/s", "MFU"])
+    return (_table(rows, ["#", "tp", "pp", "v", "dp", "b", "m", "shard", "recompute",
+                          "memory", "step s", "tokens/s", "MFU"])
+            + "\n" + LEGEND)
+
+
+LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); b: micro-batch size "
+          "in sequences; m: micro-batches per step per pipeline; shard: s_p,s_g,s_os, the "
+          "data-parallel ranks that share parameters, gradients, optimizer states; memory: "
+          "per device")
 
 
 def cmd_search(args) -> None:
@@ -202,33 +211,68 @@ def cmd_search(args) -> None:
                      micro_batch=args.micro_batch, shard=args.shard, zero=args.zero,
                      recompute=args.recompute, top=args.top, max_tp=args.max_tp,
                      order=args.order, overlap=args.overlap, flash=args.flash_attention,
-                     dtype=args.dtype)
+                     dtype=args.dtype, framework=args.framework, sp=args.sp,
+                     v=args.chunks, schedule=args.schedule, objective=args.objective,
+                     reserve=args.reserve)
     why = explain(results[0], results[1] if len(results) > 1 else None)
     data = [e.to_json() for e in results]
     data[0]["explain"] = why
     first = results[0].layout
-    header = (f"{args.model} on {args.gpus} x {args.hardware}, global batch "
-              f"{first.global_batch} sequences; predicted, best first\n")
+    ranked = ("data-parallel communication time, nothing hidden (AMSP's objective)"
+              if args.objective == "amsp" else "predicted step time")
+    header = (f"{args.model} on {args.gpus} x {args.hardware} with {args.framework}, global "
+              f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
     _emit(args, data, header + _results_table(results) + "\n\n" + why)
 
 
 def cmd_estimate(args) -> None:
     shape = model_preset(args.model, args.seq_len)
     hw = load_hardware(args.hardware)
-    dp = args.dp or args.gpus // (args.tp * args.pp) if (args.dp or args.gpus) else None
-    if not dp:
+    if not (args.dp or args.gpus):
         raise PlanError("give --dp or --gpus")
+    if args.gpus and args.gpus % (args.tp * args.pp):
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp = "
+                        f"{args.tp * args.pp}")
+    dp = args.dp or args.gpus // (args.tp * args.pp)
     spec = _spec(args, dp)
+    batch = shape.global_batch_tokens // shape.seq_len if args.global_batch is None \
+        else args.global_batch
+    notes = []
+    if args.microbatches is None:
+        if batch % (dp * args.micro_batch):
+            raise PlanError(f"the global batch of {batch} sequences does not divide into "
+                            f"dp={dp} replicas of micro-batches of {args.micro_batch}; give "
+                            f"--microbatches or --global-batch")
+        microbatches = batch // (dp * args.micro_batch)
+        notes.append(f"micro-batches: {microbatches} per step, from the global batch of "
+                     f"{batch} sequences / (dp {dp} x micro-batch {args.micro_batch})")
+    else:
+        microbatches = args.microbatches
+        notes.append(f"micro-batches: {microbatches} per step (given), so a global batch of "
+                     f"{dp * args.micro_batch * microbatches} sequences")
+    v = args.chunks
+    schedule = args.schedule
+    if schedule == "interleaved":
+        if v < 2:
+            raise PlanError("--schedule interleaved needs --chunks of 2 or more")
+        schedule = "1f1b"
+    elif v > 1:
+        raise PlanError("--chunks > 1 needs --schedule interleaved")
     layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
-                    microbatches=args.microbatches, shard=spec, recompute=args.recompute,
-                    v=args.v, sp=args.sp, schedule=args.schedule)
-    check_layout(shape, layout, gpus=args.gpus, order=args.order,
+                    microbatches=microbatches, shard=spec, recompute=args.recompute,
+                    v=v, sp=args.sp, schedule=schedule)
+    fw = FRAMEWORKS[args.framework]
+    order = args.order or fw.order
+    check_layout(shape, layout, gpus=args.gpus, order=order,
                  gpus_per_node=hw.gpus_per_node)
-    e = estimate(shape, hw, layout, order=args.order, overlap=args.overlap,
-                 flash=args.flash_attention, dtype=args.dtype)
+    e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
+                 flash=args.flash_attention, dtype=args.dtype, framework=fw,
+                 reserve=args.reserve)
     data = e.to_json()
-    data["explain"] = explain(e)
-    _emit(args, data, _results_table([e]) + "\n\n" + data["explain"]
+    data["explain"] = explain(e, label="layout")
+    data["notes"] = notes
+    _emit(args, data, f"{args.model} on {layout.gpus} x {args.hardware} with {fw.name}; "
+          + "; ".join(notes) + "\n" + _results_table([e]) + "\n\n" + data["explain"]
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))
 
 
@@ -255,7 +299,8 @@ def cmd_validate(args) -> None:
                  f"one process (not among these rows)")
     else:
         point = f"calibration point: none ({hw['name']}'s compute_efficiency is an assumption)"
-    hidden = sorted({f"{r['overlap']:.0%}" for r in out["rows"] if r["times"]["dp_comm"] > 0})
+    hidden = sorted({f"{r['times']['dp_hidden'] / r['times']['dp_comm']:.0%}"
+                     for r in out["rows"] if r["times"]["dp_comm"] > 0})
     text = (f"{out['machine']}\nload average before {out['load_before'][0]:.2f}, after "
             f"{out['load_after'][0]:.2f} (1 min)\nhardware {hw['name']}: "
             f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s matmul peak per process x "
@@ -298,7 +343,23 @@ def cmd_calibrate(args) -> None:
 # --------------------------------------------------------------------------------------
 # Parser
 # --------------------------------------------------------------------------------------
+class _Formatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (unless the help says it, or there is
+    none to say)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" not in text and action.option_strings
+                and action.default not in (None, False, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):            # one line, exit 2 (argparse prints the usage too)
         raise PlanError(f"{self.prog}: {message} (see --help)")
 
@@ -329,15 +390,25 @@ def _add_spec(p, searching: bool = False) -> None:
 
 
 def _add_costs(p) -> None:
-    p.add_argument("--order", choices=ORDERS, default="tp,pp,dp", metavar="ORDER",
+    p.add_argument("--framework", choices=list(FRAMEWORKS), default="minipar",
+                   help="what runs the layout: its rank order, schedules, shardings and how "
+                        "its engine issues data-parallel collectives")
+    p.add_argument("--order", choices=ORDERS, default=None, metavar="ORDER",
                    help="how the grid maps onto devices, innermost axis first: tp,pp,dp "
-                        "(minipar's Grid, the default) or tp,dp,pp (Megatron-LM's)")
-    p.add_argument("--overlap", type=fraction, default=DEFAULT_OVERLAP,
-                   help="fraction of data-parallel traffic hidden behind compute")
+                        "(minipar's Grid) or tp,dp,pp (Megatron-LM's, DeepSpeed's); "
+                        "default: the framework's")
+    p.add_argument("--overlap", type=fraction, default=None,
+                   help="replace each collective's overlap window by a fraction of what it "
+                        "could hide: 0 hides nothing, 1 everything hideable; default: the "
+                        "engine's windows (backward, prefetch, next forward)")
     p.add_argument("--flash-attention", action="store_true",
-                   help="attention scores are never stored")
+                   help="a fused attention kernel: scores never stored, the core timed at "
+                        "the hardware's attention_efficiency")
     p.add_argument("--dtype", choices=["mixed", "fp32"], default=None,
                    help="default: the hardware's")
+    p.add_argument("--reserve", type=fraction, default=None,
+                   help="fraction of device memory kept free for fragmentation; default: the "
+                        "hardware's 'fragmentation'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -385,6 +456,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tp", type=positive,
                    help="largest TP degree to try (default: one node)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="fix the recomputation")
+    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="force sequence parallelism on or off (default: on whenever tp > 1 "
+                        "and the framework has it)")
+    p.add_argument("--chunks", type=positive, default=None,
+                   help="fix the model chunks per stage, v (interleaving when > 1)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="fix the pipeline schedule (default: 1f1b, interleaved where the "
+                        "framework has it)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="step",
+                   help="rank by step time, or as AMSP does: data-parallel communication "
+                        "time with nothing hidden, under the memory limit")
     _add_spec(p, searching=True)
     _add_costs(p)
     p.set_defaults(func=cmd_search)
@@ -396,13 +478,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=positive, default=1)
     p.add_argument("--pp", type=positive, default=1)
     p.add_argument("--dp", type=positive)
-    p.add_argument("--v", type=positive, default=1, help="model chunks per stage (interleaving)")
-    p.add_argument("--micro-batch", type=positive, default=1)
-    p.add_argument("--microbatches", type=positive, default=1)
+    p.add_argument("--chunks", "--v", type=positive, default=1, dest="chunks",
+                   help="model chunks per stage, v (needs --schedule interleaved when > 1)")
+    p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")
+    p.add_argument("--microbatches", type=positive, default=None,
+                   help="micro-batches per step per pipeline; default: the preset's global "
+                        "batch / (dp x micro-batch), printed")
+    p.add_argument("--global-batch", type=positive, default=None,
+                   help="global batch in sequences (default: the preset's)")
     p.add_argument("--seq-len", type=positive)
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
-    p.add_argument("--sp", action="store_true")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     _add_spec(p)
     _add_costs(p)
     p.set_defaults(func=cmd_estimate)

@@ -311,7 +311,7 @@ def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: 
     "times"}]}.
     """
     from minipar.bench import machine
-    from .estimate import DEFAULT_OVERLAP, estimate
+    from .estimate import estimate
     from .hardware import hardware_from_dict, load_hardware
     from .shapes import model_preset
     load_before = os.getloadavg()
@@ -329,8 +329,7 @@ def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: 
         history = train_history(argv)
         timed = sorted(h["step_time_s"] for h in history[1:] or history)   # step 1 warms up
         measured = timed[len(timed) // 2]
-        hides = overlap if overlap is not None else minipar_overlap(argv)
-        hides = DEFAULT_OVERLAP if hides is None else hides
+        hides = overlap
         e = estimate(shape, hw, layout_of(argv), dtype="fp32", overlap=hides)
         rows.append({"layout": name, "argv": argv, "predicted_s": e.step_time,
                      "measured_s": measured, "ratio": e.step_time / measured,
