@@ -22,7 +22,7 @@ import torch
 
 from minipar import plan
 from minipar.model import build
-from minipar.plan.measure import minipar_overlap, model_states_vs_plan, validate_step_time
+from minipar.bench.calibrate import minipar_overlap, model_states_vs_plan, validate_step_time
 from minipar.train import run
 
 MODEL = "nano"

@@ -100,10 +100,10 @@ from ..sharding import check_shard, parse_shard, shard_specs, zero_shard
 
 def calibrate(nprocs: int = 2, quick: bool = False, path=None, name: str = "calibrated",
               model: str = "tiny", batch_size: int = 16):
-    """Measure this machine and write a hardware file (see ``minipar.plan.measure``): matmul
+    """Measure this machine and write a hardware file (see ``minipar.bench.calibrate``, which needs torch): matmul
     peak, a real training step of ``model`` (its achieved rate sets compute_efficiency: the
     calibration point) and the gloo all-reduce's alpha and beta."""
-    from .measure import calibrate as _calibrate
+    from minipar.bench.calibrate import calibrate as _calibrate
     return _calibrate(nprocs=nprocs, quick=quick, path=path, name=name, model=model,
                       batch_size=batch_size)
 

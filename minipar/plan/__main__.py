@@ -277,7 +277,7 @@ def cmd_estimate(args) -> None:
 
 
 def cmd_validate(args) -> None:
-    from .measure import VALIDATION_LAYOUTS, validate_step_time
+    from minipar.bench.calibrate import VALIDATION_LAYOUTS, validate_step_time
     unknown = [n for n in args.layouts if n not in _LAYOUT_KEYS]
     if unknown:
         raise PlanError(f"unknown layout {unknown[0]!r}; use some of {', '.join(_LAYOUT_KEYS)}")
@@ -319,25 +319,31 @@ _LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2"}
 
 
 def cmd_calibrate(args) -> None:
-    from .measure import calibrate
+    from minipar.bench.calibrate import calibrate
     hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out, model=args.model,
                    batch_size=args.batch_size)
     step = hw["sources"]["calibration_step"]
     rows = [["matmul FLOP/s (one thread)", f"{hw['peak_flops']:.3g}"],
+            ["memory bandwidth, copy (bytes/s)", f"{hw['hbm_bandwidth']:.3g}"],
+            ["GEMM shapes timed", len(hw["matmul_table"])],
             [f"training step of {step['model']}, batch {step['batch_size']} (s)",
              f"{step['seconds']:.3g}"],
             ["  its model FLOP/s", f"{step['flops_per_s']:.3g}"],
-            ["  compute_efficiency (achieved / matmul)", f"{hw['compute_efficiency']:.3f}"],
-            ["all-reduce bandwidth (bytes/s)", f"{hw['intra_node_bandwidth']:.3g}"],
-            ["latency per ring step (s)", f"{hw['intra_node_latency']:.3g}"],
+            ["  step_calibration (measured / predicted)", f"{hw['step_calibration']:.3f}"],
+            ["all-reduce bandwidth, alpha-beta fit (bytes/s)",
+             f"{hw['intra_node_bandwidth']:.3g}"],
+            ["latency per ring step, alpha-beta fit (s)", f"{hw['intra_node_latency']:.3g}"],
             ["devices (cores)", hw["gpus_per_node"]],
             ["memory per device", _gib(hw["memory_bytes"])]]
-    sizes = [[f"{m['bytes']:,}", f"{m['seconds'] * 1e3:.3f}"]
-             for m in hw["sources"]["measurements"]]
+    table = {}
+    for row in hw["collective_table"]:
+        table.setdefault(row["bytes"], {})[row["op"]] = row["seconds"]
+    ops = ["all_reduce", "all_gather", "reduce_scatter"]
+    sizes = [[f"{b:,}", *(f"{table[b][op] * 1e3:.3f}" for op in ops)] for b in sorted(table)]
     _emit(args, hw, _table(rows, ["measured", "value"]) + "\n\n"
-          + _table(sizes, ["all-reduce bytes", "ms"]) + f"\n\nwrote {args.out}: use it as "
-          f"--hardware {args.out}; the calibration point is one process of {step['model']} "
-          f"at global batch {step['batch_size']}")
+          + _table(sizes, ["bytes", *(f"{op} ms" for op in ops)])
+          + f"\n\nwrote {args.out}: use it as --hardware {args.out}; the calibration point "
+          f"is one process of {step['model']} at global batch {step['batch_size']}")
 
 
 # --------------------------------------------------------------------------------------
