@@ -641,3 +641,91 @@ def test_cli_calibrate_quick(tmp_path):
     assert any(re.match(r"\s*1 rank \*\s+--nproc 1\s", line) for line in lines), r.stdout
     assert any(re.match(r"\s*DP 2\s+--nproc 2\s", line) for line in lines), r.stdout
     assert "* the calibration point" in r.stdout
+
+
+# --------------------------------------------------------------------------------------
+# At scale: calls, overlap, frameworks, ties
+# --------------------------------------------------------------------------------------
+def test_latency_is_paid_per_call():
+    hw = load_hardware("a800-ib")
+    n = 1 << 30
+    for op, size in (("all_gather", 1024), ("reduce_scatter", 64), ("all_gather", 8)):
+        one = collective_time(op, n, size, 1, hw)
+        latency = collective_time(op, 0, size, 1, hw)         # no bytes: latency alone
+        for k in (2, 10, 100):
+            assert k * collective_time(op, n / k, size, 1, hw) == pytest.approx(
+                one + (k - 1) * latency)
+    # a ring's latency grows with its steps: 1023 for a gather over 1024 ranks
+    assert collective_time("all_gather", 0, 1024, 1, hw) > 100 * collective_time(
+        "all_gather", 0, 8, 1, hw)
+
+
+def test_engines_cut_collectives_into_their_calls():
+    from minipar.plan.frameworks import FRAMEWORKS
+    from minipar.plan.network import engine_collectives
+    phi = 1_000_000_000
+    # FSDP: one gather and one reduce-scatter per unit (34 units), per micro-batch
+    fsdp = engine_collectives(phi, 64, (64, 64, 64), FRAMEWORKS["fsdp"], units=34,
+                              microbatches=2)
+    assert {(c.kind, c.calls, c.count) for c in fsdp} == {("gather", 34, 4), ("grad", 34, 2)}
+    # Megatron-LM: buckets of max(40M, 1M x dp) parameters, reduced in fp32
+    mega = engine_collectives(phi, 64, (1, 1, 64), FRAMEWORKS["megatron-lm"], units=34,
+                              reduce_bytes=4)
+    reduce = next(c for c in mega if c.kind == "step_reduce")
+    assert reduce.calls == 16 and reduce.nbytes == 4 * phi and reduce.window == "backward"
+    gather = next(c for c in mega if c.kind == "step_gather")                # 1e9 / 64M
+    assert gather.calls == 16 and gather.window == "forward"
+    narrow = engine_collectives(phi, 16, (1, 1, 16), FRAMEWORKS["megatron-lm"], units=34)
+    assert {c.calls for c in narrow} == {25}                                  # 1e9 / 40M
+    # Megatron-DeepSpeed's pipeline engine reduces after the flush: nothing hides
+    ds = engine_collectives(phi, 64, (1, 1, 64), FRAMEWORKS["megatron-deepspeed"], units=34)
+    assert {c.window for c in ds} == {"none"} and {c.calls for c in ds} == {2}
+
+
+def test_framework_profiles_limit_the_search():
+    for e in search("gpt-175b", 1024, "frontier-mi250x", framework="megatron-deepspeed",
+                    top=10):
+        assert e.layout.v == 1 and not e.layout.sp and e.layout.recompute in ("none", "full")
+        if e.layout.pp > 1:
+            assert e.layout.shard[0] == e.layout.shard[1] == 1     # ZeRO-0/1 under PP
+    with pytest.raises(PlanError, match="no sequence parallelism"):
+        search("gpt-175b", 1024, "frontier-mi250x", framework="megatron-deepspeed", sp=True)
+    with pytest.raises(PlanError, match="no interleaved schedule"):
+        search("gpt-175b", 1024, "frontier-mi250x", framework="megatron-deepspeed", v=2)
+    # the flags narrow the search
+    best = search("gpt-175b", 1024, "frontier-mi250x", tp=8, pp=8, v=2, sp=False, top=3)
+    assert all(e.layout.v == 2 and not e.layout.sp for e in best)
+    gpipe = search("gpt-22b", 64, "frontier-mi250x", pp=4, schedule="gpipe", top=3)
+    assert all(e.layout.schedule == "gpipe" and e.layout.v == 1 for e in gpipe)
+
+
+def test_megatron_distributed_optimizer_holds_6_plus_12_over_d_bytes():
+    # Megatron-LM's docs: bf16 parameters, fp32 gradient buffers, distributed optimizer
+    from minipar.plan.frameworks import FRAMEWORKS
+    from minipar.plan.memory import stage_params
+    shape = model_preset("gpt-22b")
+    layout = Layout(tp=8, pp=4, dp=16, shard=(1, 1, 16))
+    mem = device_memory(shape, layout, framework=FRAMEWORKS["megatron-lm"])
+    phi = stage_params(shape, 8, 4)
+    assert mem["params"] + mem["grads"] + mem["optimizer"] == pytest.approx(
+        6 * phi + 12 * phi / 16, rel=1e-6)
+
+
+def test_extremes_of_overlap_still_rank_by_what_cannot_hide():
+    kw = dict(tp=1, pp=1, micro_batch=1, recompute="full", specs_per_layout=50, top=50)
+    for overlap in (0.0, 1.0):
+        results = search("llama-7b", 1024, "a800-ib", overlap=overlap, **kw)
+        steps = [e.step_time for e in results]
+        assert len(set(round(s, 6) for s in steps)) > len(steps) // 2, steps
+    nothing = search("llama-7b", 1024, "a800-ib", overlap=0.0, **kw)
+    assert all(e.times["dp_exposed"] == pytest.approx(e.times["dp_comm"]) for e in nothing)
+
+
+def test_one_tie_rule_before_and_after_the_cut():
+    from minipar.plan.search import rank_key
+    for args in (("tiny", 4, "laptop-cpu"), ("llama-7b", 64, "a800-ib")):
+        results = search(*args, top=10, specs_per_layout=3)
+        keys = [rank_key(e.step_time, e.memory["total"], e.layout) for e in results]
+        assert keys == sorted(keys)
+        again = search(*args, top=10, specs_per_layout=3)
+        assert [e.layout for e in again] == [e.layout for e in results]
