@@ -102,8 +102,9 @@ FRAMEWORKS: dict[str, Framework] = {
                  "--overlap-grad-reduce --overlap-param-gather assumed on, as in its "
                  "published large-scale recipes")),
     "megatron-deepspeed": Framework(
-        "megatron-deepspeed", "Megatron-DeepSpeed as the Frontier study ran it: 1F1B "
-        "pipelines without interleaving, no sequence parallelism, ZeRO-1",
+        "megatron-deepspeed", "Megatron-DeepSpeed (the Frontier study's framework): 1F1B "
+        "pipelines without interleaving, no sequence parallelism, ZeRO-0/1 under pipelines "
+        "(2 and 3 only without)",
         order="tp,dp,pp", interleaving=False, sp=False, recompute=("none", "full"),
         spec_family="zero01", grad_bucket=5e8, grad_overlap=False,
 
