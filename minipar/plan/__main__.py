@@ -372,14 +372,14 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_shape(p) -> None:
     p.add_argument("--model", help="a preset: gpt-22b, gpt-175b, gpt-1t, llama-7b, ...")
-    p.add_argument("--layers", type=positive)
-    p.add_argument("--hidden", type=positive)
-    p.add_argument("--heads", type=positive)
-    p.add_argument("--vocab", type=positive)
-    p.add_argument("--seq-len", type=positive)
+    p.add_argument("--layers", type=positive, help="transformer layers (with no --model)")
+    p.add_argument("--hidden", type=positive, help="hidden size h")
+    p.add_argument("--heads", type=positive, help="attention heads")
+    p.add_argument("--vocab", type=positive, help="vocabulary size V")
+    p.add_argument("--seq-len", type=positive, help="sequence length s")
     p.add_argument("--ffn-hidden", type=positive,
                    help="MLP width (default 4h; LLaMA: 2/3 of 4h rounded up to 256)")
-    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt", help="layer design")
     p.add_argument("--untied-head", action="store_true", help="GPT with its own output matrix")
     p.add_argument("--no-bias", action="store_true", help="GPT without biases")
 
@@ -426,11 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(split evenly over tp*pp)")
     p.add_argument("--model", help="take the shape of a preset (split exactly over tp and pp: "
                    "norms, row biases and positions stay whole on every TP rank)")
-    p.add_argument("--gpus", type=positive, required=True)
-    p.add_argument("--tp", type=positive, default=1)
-    p.add_argument("--pp", type=positive, default=1)
+    p.add_argument("--gpus", type=positive, required=True, help="devices in all (tp x pp x dp)")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree")
     _add_spec(p)
-    p.add_argument("--dtype", choices=["mixed", "fp32"], default="mixed")
+    p.add_argument("--dtype", choices=["mixed", "fp32"], default="mixed", help="mixed: bf16 + fp32 Adam (2+2+12 bytes); fp32: 4+4+8")
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("params", help="parameter count of a shape")
@@ -440,17 +440,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("flops", help="training FLOPs per iteration")
     _add_shape(p)
     p.add_argument("--batch", type=positive, help="global batch in sequences")
-    p.add_argument("--global-batch-tokens", type=count)
+    p.add_argument("--global-batch-tokens", type=count, help="global batch in tokens (instead of --batch)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="full",
                    help="default full, as Megatron-LM's formula assumes")
     p.add_argument("--step-time", type=float, help="measured seconds per iteration")
-    p.add_argument("--gpus", type=positive)
-    p.add_argument("--hardware")
+    p.add_argument("--gpus", type=positive, help="devices, with --step-time")
+    p.add_argument("--hardware", help="a preset or JSON file, with --step-time (its peak)")
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("search", help="rank the layouts that fit")
-    p.add_argument("--model", required=True)
-    p.add_argument("--gpus", type=positive, required=True)
+    p.add_argument("--model", required=True, help="a model preset (gpt-22b, gpt-175b, gpt-1t, llama-7b, ...)")
+    p.add_argument("--gpus", type=positive, required=True, help="devices in all")
     p.add_argument("--hardware", required=True, help="a preset name or a JSON file")
     p.add_argument("--tp", type=positive, help="fix the tensor-parallel degree")
     p.add_argument("--pp", type=positive, help="fix the pipeline-parallel degree")
@@ -478,12 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("estimate", help="predict one given layout")
-    p.add_argument("--model", required=True)
-    p.add_argument("--hardware", required=True)
-    p.add_argument("--gpus", type=positive)
-    p.add_argument("--tp", type=positive, default=1)
-    p.add_argument("--pp", type=positive, default=1)
-    p.add_argument("--dp", type=positive)
+    p.add_argument("--model", required=True, help="a model preset")
+    p.add_argument("--hardware", required=True, help="a preset name or a JSON file")
+    p.add_argument("--gpus", type=positive, help="devices in all (or give --dp)")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree")
+    p.add_argument("--dp", type=positive, help="data-parallel degree (default: gpus / (tp x pp))")
     p.add_argument("--chunks", "--v", type=positive, default=1, dest="chunks",
                    help="model chunks per stage, v (needs --schedule interleaved when > 1)")
     p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")
@@ -492,18 +492,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch / (dp x micro-batch), printed")
     p.add_argument("--global-batch", type=positive, default=None,
                    help="global batch in sequences (default: the preset's)")
-    p.add_argument("--seq-len", type=positive)
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    p.add_argument("--seq-len", type=positive, help="sequence length (default: the preset's)")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (interleaved needs --chunks >= 2)")
     _add_spec(p)
     _add_costs(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("calibrate", help="measure this machine into a hardware file")
-    p.add_argument("--nproc", type=positive, default=2)
+    p.add_argument("--nproc", type=positive, default=2, help="gloo processes for the collective measurements")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
-    p.add_argument("--out", default="calibrated-hardware.json")
+    p.add_argument("--out", default="calibrated-hardware.json", help="the hardware file to write")
     p.add_argument("--model", default="tiny",
                    help="the minipar.model preset whose training step (one process, one "
                         "thread) sets compute_efficiency: the calibration point (default tiny)")
@@ -513,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="predicted vs measured step time of minipar.train here")
     p.add_argument("--model", default="tiny", help="a minipar.model preset (default tiny)")
-    p.add_argument("--steps", type=positive, default=6)
+    p.add_argument("--steps", type=positive, default=6, help="training steps per layout (the first is warm-up)")
     p.add_argument("--batch-size", type=positive, default=16, help="global, in sequences")
     p.add_argument("--layouts", type=lambda t: t.split(","), default=list(_LAYOUT_KEYS),
                    help=f"comma-separated, from {','.join(_LAYOUT_KEYS)} (default: all)")
