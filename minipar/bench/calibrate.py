@@ -314,6 +314,7 @@ VALIDATION_LAYOUTS = {          # name -> minipar.train flags
     "DP 2": ["--nproc", "2"],
     "TP 2": ["--nproc", "2", "--tp", "2"],
     "PP 2": ["--nproc", "2", "--pp", "2"],
+    "ZeRO-3 2": ["--nproc", "2", "--zero", "3"],
 }
 
 

@@ -315,7 +315,7 @@ def cmd_validate(args) -> None:
     _emit(args, out, text)
 
 
-_LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2"}
+_LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2", "z3": "ZeRO-3 2"}
 
 
 def cmd_calibrate(args) -> None:
