@@ -292,19 +292,19 @@ def cmd_validate(args) -> None:
     step = hw["sources"].get("calibration_step")
     if out["calibration_point"]:
         point = (f"* the calibration point: its step ({step['seconds'] * 1e3:.1f} ms when "
-                 f"calibrated) set compute_efficiency, so its ratio is 1 by construction up "
+                 f"calibrated) set step_calibration, so its ratio is 1 by construction up "
                  f"to run-to-run noise; only the other rows test the model")
     elif step:
         point = (f"calibration point: {step['model']}, global batch {step['batch_size']}, "
                  f"one process (not among these rows)")
     else:
-        point = f"calibration point: none ({hw['name']}'s compute_efficiency is an assumption)"
+        point = f"calibration point: none ({hw['name']}'s constants are assumptions)"
     hidden = sorted({f"{r['times']['dp_hidden'] / r['times']['dp_comm']:.0%}"
                      for r in out["rows"] if r["times"]["dp_comm"] > 0})
     text = (f"{out['machine']}\nload average before {out['load_before'][0]:.2f}, after "
             f"{out['load_after'][0]:.2f} (1 min)\nhardware {hw['name']}: "
             f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s matmul peak per process x "
-            f"{hw['compute_efficiency']:.2f} achieved in a training step, all-reduce "
+            f"step_calibration {hw.get('step_calibration', 1.0):.2f}, all-reduce "
             f"{hw['intra_node_bandwidth'] / 1e9:.2f} GB/s, "
             f"{hw['intra_node_latency'] * 1e6:.0f} us per ring step\n"
             f"model {args.model}, global batch {args.batch_size}, median of steps "
@@ -506,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="calibrated-hardware.json", help="the hardware file to write")
     p.add_argument("--model", default="tiny",
                    help="the minipar.model preset whose training step (one process, one "
-                        "thread) sets compute_efficiency: the calibration point (default tiny)")
+                        "thread) sets step_calibration: the calibration point (default tiny)")
     p.add_argument("--batch-size", type=positive, default=16,
                    help="its global batch, in sequences (default 16)")
     p.set_defaults(func=cmd_calibrate)
