@@ -23,6 +23,9 @@ planner itself stays torch-free.
   steps x alpha + bytes / beta, 2 (n-1) steps and 2 (n-1)/n N bytes for an N-byte
   all-reduce, fitted to *relative* residuals so the small messages set alpha) is the
   fallback for every other group;
+* interference (``overlap_slowdown``): matmuls timed alone and while an asynchronous
+  all-reduce runs beside them; the planner charges hidden communication this fraction of
+  its time in compute;
 * a real training step (``step_calibration``): ``minipar.train`` on one process and one
   thread, as every rank here runs, on a small model (the trainer's ``tiny`` preset, global
   batch 16, by default): the median of a few steps after warm-up, over what the planner
@@ -129,6 +132,32 @@ def collective_times(sizes: list[int], repeats: int, work_s: float = WORK_S,
                 times.append(time.perf_counter() - t0)
             out[op].append(sum(times) / len(times))
     return out
+
+
+def overlap_slowdown(nbytes: int = 16 * 2**20, matmuls: int = 40) -> float:
+    """Run on every rank: how much slower compute runs while a collective runs beside it.
+    Times ``matmuls`` 256 x 256 matmuls alone, then again just after starting an
+    asynchronous all-reduce of ``nbytes`` (sized to last about as long); returns
+    with / alone - 1."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    x = torch.zeros(nbytes // 4)
+
+    def compute():
+        t0 = time.perf_counter()
+        for _ in range(matmuls):
+            a @ a
+        return time.perf_counter() - t0
+    compute()
+    alone = min(compute() for _ in range(3))
+    dist.barrier()
+    work = dist.all_reduce(x, async_op=True)
+    beside = compute()
+    work.wait()
+    dist.barrier()
+    return max(0.0, beside / alone - 1)
 
 
 def allreduce_times(sizes: list[int], repeats: int, work_s: float = WORK_S) -> list[float]:
@@ -255,6 +284,7 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
                       ops=COLLECTIVES, backend="gloo", timeout=180.0)
     seconds = {op: [max(rank[op][i] for rank in per_rank) for i in range(len(sizes))]
                for op in COLLECTIVES}
+    slowdown = min(0.95, max(launch(overlap_slowdown, nprocs, backend="gloo", timeout=120.0)))
     alpha, beta = fit_alpha_beta(sizes, seconds["all_reduce"], nprocs)
     devices = os.cpu_count() or nprocs
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -276,6 +306,7 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
                               "seconds": t} for op in COLLECTIVES
                              for b, t in zip(sizes, seconds[op])],
         "fragmentation": 0.1,
+        "overlap_slowdown": slowdown,
     }
     shape = model_preset(model)
     predicted = compute_parts(shape, hardware_from_dict(dict(hw), where="calibration"),
@@ -298,6 +329,9 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
                              f"compute, as the trainer issues them; mean over repeats"),
         "intra_node_bandwidth": "fitted to the measured all-reduces (alpha-beta fallback)",
         "fragmentation": "assumption: 10% of RAM lost to the allocator and the runtime",
+        "overlap_slowdown": "measured: 256 x 256 matmuls while a 4 MiB gloo all-reduce runs "
+                            "beside them, over the same matmuls alone, minus 1 (the slower "
+                            "rank, at most 0.95)",
         "measurements": [{"bytes": s, "seconds": t}
                          for s, t in zip(sizes, seconds["all_reduce"])],
     }

@@ -303,7 +303,7 @@ def cmd_validate(args) -> None:
                      for r in out["rows"] if r["times"]["dp_comm"] > 0})
     text = (f"{out['machine']}\nload average before {out['load_before'][0]:.2f}, after "
             f"{out['load_after'][0]:.2f} (1 min)\nhardware {hw['name']}: "
-            f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s matmul peak per process x "
+            f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s matmul peak per process, "
             f"step_calibration {hw.get('step_calibration', 1.0):.2f}, all-reduce "
             f"{hw['intra_node_bandwidth'] / 1e9:.2f} GB/s, "
             f"{hw['intra_node_latency'] * 1e6:.0f} us per ring step\n"
