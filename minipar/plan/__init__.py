@@ -80,7 +80,7 @@ trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
 ``zero_comm_bytes``, ``tp_comm_bytes(..., ends=True)``, ``pp_comm_bytes`` and
 ``model_state_bytes(shape, ..., step_counters=...)`` directly, and they agree byte for byte,
 under TP, SP and PP too (tests/test_plan_measured.py, tests/test_zero.py). Step times agree
-only roughly (``python -m minipar.plan validate``).
+only roughly (``python -m minipar.bench validate``).
 
 The command line, ``python -m minipar.plan memory|params|flops|search|estimate|calibrate|
 validate``,

@@ -104,7 +104,7 @@ def hardware_from_dict(data: dict, where: str = "hardware") -> Hardware:
     missing = sorted(required - set(data))
     if missing:
         raise PlanError(f"{where} lacks {', '.join(missing)}; copy a preset from {PRESET_DIR} "
-                        f"or run 'python -m minipar.plan calibrate' to write a complete file")
+                        f"or run 'python -m minipar.bench calibrate' to write a complete file")
     unknown = sorted(set(data) - names)
     if unknown:
         raise PlanError(f"{where} has unknown field(s) {', '.join(unknown)}; "
@@ -147,7 +147,7 @@ def load_hardware(name_or_path: str | Path | Hardware) -> Hardware:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"cannot read hardware file {path}: {e}; fix the JSON or "
-                        f"write a new one with 'python -m minipar.plan calibrate'") from None
+                        f"write a new one with 'python -m minipar.bench calibrate'") from None
     if not isinstance(data, dict):
         raise PlanError(f"hardware file {path} must hold a JSON object")
     return hardware_from_dict(data, where=str(path))
