@@ -729,3 +729,24 @@ def test_one_tie_rule_before_and_after_the_cut():
         assert keys == sorted(keys)
         again = search(*args, top=10, specs_per_layout=3)
         assert [e.layout for e in again] == [e.layout for e in results]
+
+
+def test_cli_wording_estimate_memory_search():
+    r = run_cli("estimate", "--model", "gpt-175b", "--hardware", "frontier-mi250x", "--gpus",
+                1024, "--tp", 4, "--pp", 16, "--zero", 1, "--recompute", "full",
+                "--framework", "megatron-deepspeed")
+    assert r.returncode == 0, r.stderr
+    assert "winner" not in r.stdout and "\nlayout: tp=4 pp=16" in r.stdout
+    assert "micro-batches: 96 per step, from the global batch of 1536" in r.stdout
+    r = run_cli("estimate", "--model", "gpt-175b", "--hardware", "frontier-mi250x", "--gpus",
+                1024, "--tp", 4, "--pp", 16, "--sp", "--framework", "megatron-deepspeed")
+    assert r.returncode == 2 and "no sequence parallelism" in r.stderr
+    r = run_cli("memory", "--params", "7B", "--gpus", 8, "--zero", 3)
+    header = r.stdout.splitlines()[1].split()
+    assert header == ["part", "bytes", "GiB"]
+    r = run_cli("search", "--model", "gpt-22b", "--gpus", 64, "--hardware", "frontier-mi250x",
+                "--top", 2)
+    assert "v: model chunks per pipeline stage" in r.stdout and "m: micro-batches" in r.stdout
+    for sub in ("memory", "params", "flops", "search", "estimate", "calibrate", "validate"):
+        r = run_cli(sub, "--help")
+        assert r.returncode == 0 and "(default: " in r.stdout, sub

@@ -16,9 +16,9 @@ import sys
 from ..errors import UsageError
 from .errors import PlanError
 from .estimate import estimate
-from .frameworks import FRAMEWORKS
+from .frameworks import FRAMEWORKS, check_framework
 from .hardware import load_hardware
-from .layout import ORDERS, Layout, check_layout
+from .layout import ORDERS, Layout, check_layout, dp_per_node
 from .memory import model_state_bytes
 from .search import OBJECTIVES, SCHEDULES, explain, search
 from .shapes import (RECOMPUTE_MODES, ModelShape, megatron_flops, megatron_params,
@@ -265,6 +265,7 @@ def cmd_estimate(args) -> None:
     order = args.order or fw.order
     check_layout(shape, layout, gpus=args.gpus, order=order,
                  gpus_per_node=hw.gpus_per_node)
+    check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order))
     e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
                  flash=args.flash_attention, dtype=args.dtype, framework=fw,
                  reserve=args.reserve)

@@ -139,3 +139,21 @@ def load_framework(name: str | Framework) -> Framework:
     except KeyError:
         raise PlanError(f"unknown framework {name!r}; use one of "
                         f"{', '.join(FRAMEWORKS)}") from None
+
+
+def check_framework(fw: Framework, layout, dp_per_node: int | None = None) -> None:
+    """PlanError unless ``fw`` can run ``layout`` (schedule, SP, recomputation, spec)."""
+    if layout.sp and not fw.sp:
+        raise PlanError(f"{fw.name} has no sequence parallelism; leave out --sp or choose "
+                        f"another --framework")
+    if layout.v > 1 and not fw.interleaving:
+        raise PlanError(f"{fw.name} has no interleaved schedule; use --chunks 1 or another "
+                        f"--framework")
+    if layout.recompute not in fw.recompute:
+        raise PlanError(f"{fw.name} has no {layout.recompute!r} recomputation; it has "
+                        f"{', '.join(fw.recompute)}")
+    specs = fw.specs(layout.dp, layout.pp, dp_per_node)
+    if fw.spec_family != "amsp" and tuple(layout.shard) not in specs:
+        raise PlanError(f"{fw.name} does not run shard spec {tuple(layout.shard)} with "
+                        f"dp={layout.dp}, pp={layout.pp}; it runs "
+                        f"{', '.join(str(s) for s in specs)}")
