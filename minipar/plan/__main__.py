@@ -340,9 +340,15 @@ def cmd_calibrate(args) -> None:
     for row in hw["collective_table"]:
         table.setdefault(row["bytes"], {})[row["op"]] = row["seconds"]
     ops = ["all_reduce", "all_gather", "reduce_scatter"]
-    sizes = [[f"{b:,}", *(f"{table[b][op] * 1e3:.3f}" for op in ops)] for b in sorted(table)]
+    # the alpha-beta fallback (fitted to the all-reduces only) beside each measurement
+    from dataclasses import replace
+    from .hardware import hardware_from_dict
+    from .network import ring_time
+    model = replace(hardware_from_dict(dict(hw), where="calibration"), collective_table=None)
+    sizes = [[f"{b:,}", *(f"{table[b][op] * 1e3:.3f} / {ring_time(op, b, args.nproc, 1, model) * 1e3:.3f}"
+                          for op in ops)] for b in sorted(table)]
     _emit(args, hw, _table(rows, ["measured", "value"]) + "\n\n"
-          + _table(sizes, ["bytes", *(f"{op} ms" for op in ops)])
+          + _table(sizes, ["bytes", *(f"{op} ms (measured / alpha-beta)" for op in ops)])
           + f"\n\nwrote {args.out}: use it as --hardware {args.out}; the calibration point "
           f"is one process of {step['model']} at global batch {step['batch_size']}")
 
