@@ -125,6 +125,7 @@ def test_torchrun_launch(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_3d_with_zero1_matches_serial_on_tiny():
     """The equivalence promise (docs/reference.md) on the README demo's layout: dp2 x pp2 x tp2 (+SP, ZeRO-1) on the
     `tiny` model gives the serial losses within 1e-4 at each of 20 steps."""
