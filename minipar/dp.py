@@ -323,6 +323,7 @@ class DataParallel(nn.Module):
                 else:
                     p.grad.zero_()
         _UNSYNCED.discard(self)
+        self._in_backward = False     # a backward that raised never ran its end callback
         self._rearm()
 
     def begin_step(self, microbatches: int = 1):
@@ -331,6 +332,7 @@ class DataParallel(nn.Module):
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"begin_step: microbatches must be a whole number >= 1, got {microbatches!r}")
         self.microbatches = microbatches
+        self._in_backward = False
         self._rearm()
 
     def finish_grad_sync(self):
