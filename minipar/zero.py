@@ -85,6 +85,21 @@ pairs pipelines with ZeRO-1, whose traffic does not grow with m.
 
 The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
 ``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``.
+
+Outside the trainer, on any model in a plain loop (group=None: the whole world; rank 0's
+parameters are broadcast first, so ranks may start from different seeds)::
+
+    opt = zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
+    for x, y in batches:                     # ZeRO-1/2: a torch optimizer's shape
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()        # stage 2: gradients reduce-scattered here
+        opt.step()                           # stage 1: here; then the all-gather
+
+    engine = zero.ShardedEngine(net, None, zero.zero_spec(3, d), lambda ps: torch.optim.AdamW(ps))
+    ...  engine.zero_grad(); loss_fn(net(x), y).backward(); engine.step()     # ZeRO-3
+
+``ShardedOptimizer`` makes one unit per parameter group; the engine one per child module
+that owns parameters (``units_of``: or a list, or a policy).
 """
 from __future__ import annotations
 
