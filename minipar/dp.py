@@ -163,7 +163,12 @@ def broadcast_from_first(tensors, group) -> None:
     src = comm.global_ranks(group)[0]
     with torch.no_grad():
         for t in tensors:
-            comm.broadcast(t.detach(), src, group)
+            if t.is_contiguous():
+                comm.broadcast(t.detach(), src, group)
+            else:                          # collectives need contiguous memory
+                c = t.detach().contiguous()
+                comm.broadcast(c, src, group)
+                t.detach().copy_(c)
 
 
 def broadcast_module(module: nn.Module, group) -> None:
