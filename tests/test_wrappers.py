@@ -166,6 +166,22 @@ def _zero_runs():
             zro = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
             train(kind, ddp, zro, micro, r, d, ddp.no_sync)
             out[(kind, micro, "zro")] = (params_of(ddp.module), None)
+    # a checkpoint in torch's layout: saved at stage 1, loaded at stage 2, one more step on both
+    a = make("mlp", SEED + r)
+    opt_a = zero.ShardedOptimizer(a.parameters(), torch.optim.AdamW, stage=1, lr=1e-2)
+    train("mlp", a, opt_a, 1, r, d)
+    saved = opt_a.state_dict()
+    b = make("mlp", 0)
+    b.load_state_dict(a.state_dict())
+    opt_b = zero.ShardedOptimizer(b.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    opt_b.load_state_dict(saved)
+    reloaded = opt_b.state_dict()
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        x, y = batch("mlp", 7)
+        opt.zero_grad()
+        loss_fn("mlp", model(x.chunk(d)[r]), y.chunk(d)[r]).backward()
+        opt.step()
+    out["resume"] = (saved, reloaded, params_of(a), params_of(b))
     # SGD with momentum and two parameter groups, stage 2
     model = make("mlp", SEED + r)
     groups = [{"params": model.fc1.parameters(), "lr": 0.05},
@@ -196,6 +212,15 @@ def test_zero_equals_serial_and_torch(kind, stage, micro):
             for i, s in ref_state["state"].items():
                 assert_close(state["state"][i], s)
             assert_close(got, rank_out[(kind, micro, "zro")][0], tol=1e-6)
+
+
+def test_sharded_optimizer_resumes_from_its_state_dict_across_stages():
+    for rank_out in launched("zero", _zero_runs):
+        saved, reloaded, a, b = rank_out["resume"]
+        assert saved["param_groups"] == reloaded["param_groups"]
+        for i, s in saved["state"].items():
+            assert_close(reloaded["state"][i], s, tol=0)
+        assert_close(a, b, tol=1e-6)
 
 
 def test_sharded_optimizer_param_groups_and_sgd():
