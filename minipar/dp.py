@@ -274,6 +274,8 @@ class DataParallel(nn.Module):
         self._count = dict.fromkeys(self.params, 0)
         self._next = 0                # buckets start in order: the next one to start
         for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()       # never leave an average in flight behind
             b.ready, b.handle = 0, None
 
     def _on_grad_ready(self, p: nn.Parameter):
@@ -316,9 +318,8 @@ class DataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients and start a new step. The bucketed modes zero their buffers in
         place (each ``.grad`` stays a view into one); ``naive`` follows ``set_to_none``."""
+        self._rearm()
         for b in self.buckets:
-            if b.handle is not None:
-                b.handle.wait()
             b.buffer.zero_()
             b.attach()  # in case someone set .grad to None
         if not self.buckets:
@@ -329,7 +330,6 @@ class DataParallel(nn.Module):
                     p.grad.zero_()
         _UNSYNCED.discard(self)
         self._in_backward = False     # a backward that raised never ran its end callback
-        self._rearm()
 
     def begin_step(self, microbatches: int = 1):
         """The engine's way: each parameter receives ``microbatches`` gradients before
