@@ -6,7 +6,8 @@ rank sent and how long it waited.
 
 Convention: ``group=None`` means *a group of one rank* (the grid hands out ``None`` for an
 axis of size 1), so every op is then a no-op that records nothing. Pass ``WORLD`` for the
-whole world.
+whole world. Torch-style APIs whose default ``group=None`` means the world (``dp.DataParallel``,
+``zero.ShardedOptimizer``) take ``SOLO`` for an explicit group of one.
 
 What "bytes sent" means. gloo and NCCL do not report wire traffic, so each call records the
 bytes this rank sends under the bandwidth-optimal ring algorithm for the tensor it was
@@ -49,6 +50,20 @@ class _World:
 WORLD = _World()
 
 
+class _Solo:
+    """Sentinel for a group of one rank where an API's default (None) means the whole world."""
+
+    def __repr__(self):
+        return "SOLO"
+
+
+SOLO = _Solo()
+
+
+def _alone(group) -> bool:
+    return group is None or group is SOLO or not dist.is_initialized()
+
+
 def _pg(group):
     return None if group is WORLD else group  # torch's own spelling of "the world"
 
@@ -66,7 +81,7 @@ def name_group(group, name: str, ranks=None) -> None:
 def group_name(group) -> str:
     if isinstance(group, str):
         return group
-    if group is None:
+    if group is None or group is SOLO:
         return "solo"
     if group is WORLD:
         return "world"
@@ -74,20 +89,20 @@ def group_name(group) -> str:
 
 
 def size(group) -> int:
-    """Ranks in ``group``; 1 for ``None`` (a group of one) or without a process group."""
-    if group is None or not dist.is_initialized():
+    """Ranks in ``group``; 1 for ``None``/``SOLO`` (a group of one) or without a process group."""
+    if _alone(group):
         return 1
     return dist.get_world_size(_pg(group))
 
 
 def rank(group) -> int:
-    if group is None or not dist.is_initialized():
+    if _alone(group):
         return 0
     return dist.get_rank(_pg(group))
 
 
 def global_ranks(group) -> list[int]:
-    if group is None or not dist.is_initialized():
+    if _alone(group):
         return [dist.get_rank() if dist.is_initialized() else 0]
     if group is WORLD:
         return list(range(dist.get_world_size()))

@@ -300,7 +300,9 @@ def build_engine(cfg: RunConfig, grid: dist.Grid, module) -> Engine:
         from . import zero
         return zero.ShardedEngine(module, grid, cfg.spec,
                                   lambda params: make_optimizer(params, cfg.lr))
-    return dp.DataParallel(module, grid.dp_group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
+    # the grid hands out None for a data-parallel group of one; DataParallel reads None as the world
+    group = comm.SOLO if grid.dp_group is None else grid.dp_group
+    return dp.DataParallel(module, group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
                            optimizer=make_optimizer(module.parameters(), cfg.lr))
 
 
