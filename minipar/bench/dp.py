@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import comm, data, dp, dist
+from .. import cli, comm, data, dp, dist
 from ..model import PRESETS, build, config, num_params
 from . import machine, median
 
@@ -71,16 +71,17 @@ def measure(model_name="tiny", steps=12, warmup=3, batch_per_rank=8, bucket_mb=1
 
 
 def main(argv=None):
-    p = dist.ArgumentParser(prog="python -m minipar.bench dp")
-    p.add_argument("--nproc", type=dist.positive_int, default=2)
+    p = cli.ArgumentParser(prog="python -m minipar.bench dp")
+    p.add_argument("--nproc", type=cli.positive_int, default=2)
     p.add_argument("--model", default="tiny", choices=list(PRESETS))
-    p.add_argument("--steps", type=dist.positive_int, default=20)
+    p.add_argument("--steps", type=cli.positive_int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-per-rank", type=dist.positive_int, default=8)
+    p.add_argument("--batch-per-rank", type=cli.positive_int, default=8)
     p.add_argument("--bucket-mb", type=float, default=1.0)
     args = p.parse_args(argv)
-    rows = dist.launch(measure, args.nproc, args.model, args.steps, args.warmup,
-                       args.batch_per_rank, args.bucket_mb, timeout=1800)[0]
+    rows = dist.launch(measure, args.nproc, model_name=args.model, steps=args.steps,
+                       warmup=args.warmup, batch_per_rank=args.batch_per_rank,
+                       bucket_mb=args.bucket_mb, timeout=1800)[0]
     print(f"minipar.bench dp: {args.nproc} gloo ranks, model {args.model}, "
           f"{args.batch_per_rank} sequences per rank, buckets {args.bucket_mb} MB, "
           f"median of {args.steps} steps after {args.warmup} warm-up")
@@ -97,4 +98,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

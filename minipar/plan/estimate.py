@@ -93,6 +93,12 @@ class Estimate:
         }
 
 
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Idle share of an ideal pipeline: (p-1)/(v m + p - 1) of p stages x the step time, for
+    p stages, m micro-batches and v model chunks per stage (GPipe and 1F1B: v = 1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
 def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
                dtype: str = "mixed") -> dict:
     """Seconds per step of everything but data-parallel traffic: compute, tp_comm, bubble,
@@ -109,7 +115,8 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     tp_comm = (tp_calls * collective_time("all_reduce", activation_msg, t, strides["tp"], hw)
                + 3 * m * collective_time("all_reduce", b * s * 4, t, strides["tp"], hw))  # loss
 
-    bubble = (p - 1) / (m * v) * (compute + tp_comm)
+    idle = bubble_fraction(p, m, v)                    # of the step: (p-1)/(m v) of the work
+    bubble = idle / (1 - idle) * (compute + tp_comm)
 
     pp_comm = 0.0
     if p > 1:
