@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from . import comm, data, dist, dp
+from . import cli, comm, data, dist, dp
 from .dist import UsageError
 from .model import PRESETS, build, config
 
@@ -31,8 +31,8 @@ from .model import PRESETS, build, config
 # --------------------------------------------------------------------------------------
 # Arguments and validation
 # --------------------------------------------------------------------------------------
-def parser() -> dist.ArgumentParser:
-    p = dist.ArgumentParser(prog="python -m minipar.train",
+def parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m minipar.train",
                                 description="Train a small GPT with any mix of DP, TP, PP and "
                                             "ZeRO/AMSP sharding (CONTRACTS.md section 1).")
     p.add_argument("--nproc", type=int, default=None,
@@ -374,7 +374,7 @@ def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    dist.main_guard(run, argv)
+    cli.main_guard(run, argv)
 
 
 if __name__ == "__main__":
