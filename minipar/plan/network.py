@@ -62,6 +62,10 @@ Traffic per training step, per rank:
   cheap: ``2,2,4`` over 4 ranks sends no all-reduce at all, where all-reducing the whole
   G shard across the 2 replicas would send Psi/2. With one micro-batch this gives the ZeRO
   paper's volumes: 2 Psi for DP, ZeRO-1 and ZeRO-2, 3 Psi for ZeRO-3, each x (n-1)/n.
+  Given the sizes of ``minipar.zero``'s units (embedding, blocks, head) instead of one count,
+  each unit is its own buffer padded to a multiple of s_os, as the engine pads it, and the
+  bytes are the engine's to the byte; ``zero_comm_bytes_by_group`` splits them over the
+  engine's mesh groups (zero_p, zero_g, zero_os, zero_rep).
 """
 from __future__ import annotations
 
