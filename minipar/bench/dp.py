@@ -14,6 +14,7 @@ import torch.distributed as tdist
 
 from .. import cli, comm, data, dp, dist
 from ..model import PRESETS, build, config, num_params
+from ..plan.network import ring_bytes
 from . import machine, median
 
 VARIANTS = ("naive", "bucketed", "overlapped", "ddp")
@@ -64,7 +65,7 @@ def measure(model_name="tiny", steps=12, warmup=3, batch_per_rank=8, bucket_mb=1
                 times[v].append(slowest)
                 sent[v].append(comm.stats.bytes_by_op().get("all_reduce", 0))
     grad_bytes = num_params(setups[variants[0]][0]) * 4
-    formula = 2 * (d - 1) * grad_bytes / d
+    formula = ring_bytes("all_reduce", grad_bytes, d)
     return [dict(variant=v, median_s=median(times[v]), times=times[v],
                  sent=(median(sent[v]) if v != "ddp" else None), formula=formula,
                  grad_bytes=grad_bytes, ranks=d) for v in variants]

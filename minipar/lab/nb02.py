@@ -16,7 +16,7 @@ from .. import comm, dist, plan, tp
 from ..bench import median
 from ..dp import optimizer_state_bytes, tensor_bytes
 from ..model import Block, GPTConfig, build, config
-from ..plan import tp_block_comm_bytes
+from ..plan import ring_bytes, tp_block_comm_bytes
 
 
 def draw_splits():
@@ -150,7 +150,7 @@ def allreduce_bandwidth_experiment(sizes_bytes: list[int], reps: int = 5):
             if i:
                 times.append(time.perf_counter() - t0)
         s = median(times)
-        rows.append(dict(bytes=nbytes, seconds=s, busbw=2 * (n - 1) / n * nbytes / s))
+        rows.append(dict(bytes=nbytes, seconds=s, busbw=ring_bytes("all_reduce", nbytes, n) / s))
     return rows
 
 
