@@ -216,6 +216,12 @@ _DONE.done = True
 # --------------------------------------------------------------------------------------
 # Collectives
 # --------------------------------------------------------------------------------------
+# The flat-tensor collectives: torch 2.6 has only the *_tensor names; newer releases add the
+# *_single names and warn (FutureWarning) on the old ones.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _reduce_op(op: str):
     return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
             "min": dist.ReduceOp.MIN}[op]
@@ -243,9 +249,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, op: str = "
     assert inp.numel() == out.numel() * n, "reduce_scatter: input must be n x output"
     volume = (n - 1) * _nbytes(inp) // n
     after = (lambda: out.div_(n)) if op == "avg" else None
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _run("reduce_scatter", group, volume, volume,
-                lambda a: fn(out, inp, op=_reduce_op(op), group=_pg(group), async_op=a),
+                lambda a: _REDUCE_SCATTER(out, inp, op=_reduce_op(op), group=_pg(group), async_op=a),
                 async_op, after)
 
 
@@ -257,9 +262,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool 
         return _DONE if async_op else None
     assert out.numel() == inp.numel() * n, "all_gather: output must be n x input"
     volume = (n - 1) * _nbytes(out) // n
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return _run("all_gather", group, volume, volume,
-                lambda a: fn(out, inp, group=_pg(group), async_op=a), async_op)
+                lambda a: _ALL_GATHER(out, inp, group=_pg(group), async_op=a), async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -284,10 +288,6 @@ def recv(t: torch.Tensor, src: int) -> None:
 
 def isend(t: torch.Tensor, dst: int) -> Handle:
     return _run("send", "p2p", _nbytes(t), 0, lambda a: dist.isend(t, dst), True)
-
-
-def irecv(t: torch.Tensor, src: int) -> Handle:
-    return _run("recv", "p2p", 0, _nbytes(t), lambda a: dist.irecv(t, src), True)
 
 
 def barrier(group=None) -> None:
