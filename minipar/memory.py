@@ -25,7 +25,7 @@ and micro-batch of b sequences of s tokens, h wide, a heads, e bytes per element
 * full: the Block's input, s b h e: the paper's 2 s b h exactly.
 
 Under tensor parallelism (t ranks) the Q K V, attention output and GELU tensors are split
-(13 s b h e / t) and the LayerNorm inputs and the two first matmuls' inputs are not
+(12 s b h e / t) and the LayerNorm inputs and the two first matmuls' inputs are not
 (4 s b h e); ``tests/test_recompute.py`` holds these and the sequence-parallel case against
 the planner.
 """
