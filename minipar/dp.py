@@ -28,7 +28,8 @@ casts each bf16 bucket to an fp32 copy just before its all-reduce: the sum is ta
 the wire carries 4 bytes per gradient (Ψ = 4 Φ), and the copy (4 Φ bytes in all, transient)
 lives until the optimizer step, which reads it as each parameter's ``main_grad``; the bf16
 ``.grad`` gets the averaged values too. ``reduce_dtype=None`` reduces the bf16 buckets in place
-(Ψ = 2 Φ) and the optimizer casts afterwards. One process (d = 1) reduces nothing, casts nothing.
+(Ψ = 2 Φ) and the optimizer casts afterwards, tensor by tensor. One process (d = 1) reduces
+nothing but still casts bucket by bucket: one kernel per bucket rather than one per tensor.
 
 The engine interface (shared with ``minipar.zero``):
 ``zero_grad()``, ``begin_step(microbatches)``, ``step()``, ``model_state_bytes()``.
@@ -145,8 +146,7 @@ class DataParallel:
         self.d = comm.size(group)
         self.params = [p for p in module.parameters() if p.requires_grad]
         # a wider dtype to reduce in than the gradients' own (None: their own, in place)
-        widen = reduce_dtype is not None and self.d > 1 and any(
-            p.dtype != reduce_dtype for p in self.params)
+        widen = reduce_dtype is not None and any(p.dtype != reduce_dtype for p in self.params)
         self.reduce_dtype = reduce_dtype if widen else None
         self.buckets: list[Bucket] = []
         if mode != "naive":
