@@ -358,6 +358,13 @@ def _autocast_factory(dtype: str, device: torch.device):
     return contextlib.nullcontext
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch to the device; on a GPU from pinned memory, without blocking the host."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def collect_state(grid: dist.Grid, runner: Runner, engine: Engine) -> dict:
     """This rank's parameters and gradients in the serial model's names and full shapes.
 
@@ -435,7 +442,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
     try:
         for step in range(1, cfg.steps + 1):
             x, y = batches.local_batch(step, grid.dp_rank, grid.dp)
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), to_device(y, device)
             comm.reset()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)

@@ -27,6 +27,7 @@ import time
 import torch
 
 from .. import data, dist, mfu, train
+from ..train import to_device
 from ..errors import UsageError
 from ..model import PRESETS, build
 from . import machine, median
@@ -46,7 +47,7 @@ def plain_loop(cfg: train.RunConfig, device: torch.device, steps: int) -> list[f
     times = []
     for step in range(1, steps + 1):
         x, y = batches.local_batch(step, 0, 1)
-        x, y = x.to(device), y.to(device)
+        x, y = to_device(x, device), to_device(y, device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with autocast:
