@@ -89,12 +89,14 @@ class Bucket:
                 view.copy_(p.grad)
             p.grad = view
 
-    def hand_over(self):
-        """After a reduction in a wider dtype: ``.grad`` gets the averaged values and each
-        parameter's ``main_grad`` (what the fp32 master reads) is a view into ``main``."""
+    def hand_over(self, averaged: bool = True):
+        """After a reduction in a wider dtype: ``.grad`` gets the averaged values (if there
+        was an average to take) and each parameter's ``main_grad`` (what the fp32 master
+        reads) is a view into ``main``."""
         if self.main is None:
             return
-        self.buffer.copy_(self.main)
+        if averaged:
+            self.buffer.copy_(self.main)
         offset = 0
         for p in self.params:
             p.main_grad = self.main[offset:offset + p.numel()].view_as(p)
@@ -223,7 +225,7 @@ class DataParallel:
             for b in self.buckets:
                 b.handle.wait()
         for b in self.buckets:
-            b.hand_over()
+            b.hand_over(averaged=self.d > 1)
         self.begin_step(self.microbatches)  # re-arm, so a caller who forgets begin_step is safe
 
     def step(self):

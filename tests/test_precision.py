@@ -48,13 +48,17 @@ LAYOUTS = {  # name -> (flags, ranks, (s_p, s_g, s_os) or None for plain DP)
     "zero3": (["--zero", "3"], 4, (4, 4, 4)),
     "shard1,2,4": (["--shard", "1,2,4"], 4, (1, 2, 4)),
 }
+OTHERS = {  # bf16 under tensor and pipeline parallelism (same tolerance)
+    "tp2+sp": (["--tp", "2", "--sp"], 2, None),
+    "pp2": (["--pp", "2"], 2, None),
+}
 _RUNS = {}
 
 
 def bf16_run(name, *extra):
     key = (name, *extra)
     if key not in _RUNS:
-        flags, n, _ = LAYOUTS[name]
+        flags, n, _ = {**LAYOUTS, **OTHERS}[name]
         _RUNS[key] = run_state(BF16 + flags + list(extra), nproc=n)
     return _RUNS[key]
 
@@ -89,7 +93,7 @@ def test_bf16_model_state_bytes_equal_the_planners_mixed_layout(name):
         assert record["model_state_bytes"] == expected, (name, record["step"])
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "serial"])
+@pytest.mark.parametrize("name", [n for n in {**LAYOUTS, **OTHERS} if n != "serial"])
 def test_bf16_layouts_train_like_bf16_serial(name):
     got, ref = bf16_run(name), bf16_run("serial")
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
@@ -99,6 +103,14 @@ def test_bf16_layouts_train_like_bf16_serial(name):
     theta0 = {k: v.detach().to(torch.bfloat16) for k, v in build("nano").named_parameters()}
     assert distance(got["params"], ref["params"]) <= 0.05 * distance(ref["params"], theta0)
     assert distance(got["grads"], ref["grads"]) <= 4 * 2**-8 * norm(ref["grads"])
+
+
+def test_bf16_tensor_parallel_bytes_equal_the_planner():
+    """Each TP rank keeps the norms, row biases and positions whole (plan.stage_params)."""
+    shape = plan.model_preset("nano")
+    counters = len(list(build("nano").parameters()))    # TP keeps the serial tensors' count
+    predicted = plan.model_state_bytes(shape, 1, tp=2, dtype="mixed", step_counters=counters)
+    assert bf16_run("tp2+sp")["history"][-1]["model_state_bytes"] == predicted
 
 
 def test_master_weights_keep_updates_bf16_would_round_away():
