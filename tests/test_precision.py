@@ -18,7 +18,9 @@ flip sign and move by up to 2 lr a step: single elements are not comparable, nor
 
 * last-step gradients: ||g - g_serial|| <= 4 eps ||g_serial|| (measured: about 1 eps);
 * parameters: ||theta - theta_serial|| <= 5% of ||theta_serial - theta_0||, the distance
-  training moved them (measured: 1 to 2%; bf16 against fp32 serial is about 3%);
+  training moved them (measured: 1 to 2%; bf16 against fp32 serial is about 3%); 10% under
+  tensor parallelism, which also rounds the forward pass elsewhere (each rank's partial sum
+  of a row-parallel matmul is rounded to bf16 before the all-reduce; measured: 5%);
 * loss: |loss - serial bf16 loss| <= 2e-3 at every step (measured: up to 3e-4 in 6 steps).
 
 A wrong average, a missing shard or an update lost in bf16 rounding (what the fp32 masters
@@ -101,7 +103,8 @@ def test_bf16_layouts_train_like_bf16_serial(name):
         assert abs(a - b) <= 2e-3, f"step {step}: loss {a} vs bf16 serial {b}"
     assert all(p.dtype == torch.bfloat16 for p in got["params"].values())
     theta0 = {k: v.detach().to(torch.bfloat16) for k, v in build("nano").named_parameters()}
-    assert distance(got["params"], ref["params"]) <= 0.05 * distance(ref["params"], theta0)
+    moved = 0.10 if name.startswith("tp") else 0.05
+    assert distance(got["params"], ref["params"]) <= moved * distance(ref["params"], theta0)
     assert distance(got["grads"], ref["grads"]) <= 4 * 2**-8 * norm(ref["grads"])
 
 
