@@ -472,7 +472,8 @@ class PipelineRunner:
         return local_name.split(".", 2)[2]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Run the schedule on the local batch; the sum of loss_i / m (last stage; else 0)."""
+        """Run the schedule on the local batch; the sum of loss_i / m (last stage: a 0-d tensor
+        on the device; else 0.0)."""
         self.micro = data.microbatches(x, y, self.m)
         self.shape = (x.shape[0] // self.m, x.shape[1] // self.seq_split, self.d_model)
         self.inputs, self.outputs, self.grad_out, self.grad_in = {}, {}, {}, {}
@@ -501,7 +502,7 @@ class PipelineRunner:
             out = self.module.chunks[ins.chunk](inp, y)
         if k == self.V - 1:
             out = out / self.m
-            self.loss += out.item()
+            self.loss = self.loss + out.detach()     # stays on the device: no host sync
         self.outputs[key] = out      # the activations autograd keeps until the backward
         self.held += 1
         self.peak_stash = max(self.peak_stash, self.held)

@@ -31,9 +31,10 @@ from typing import Protocol
 
 import torch
 
-from . import cli, comm, data, dist, dp, sharding
+from . import cli, comm, data, dist, dp, mfu, sharding
 from .errors import UsageError
-from .model import PRESETS, GPTConfig, build, config
+from .model import PRESETS, RECOMPUTE, GPTConfig, build, config
+from .precision import DTYPES, MixedPrecision
 
 
 # --------------------------------------------------------------------------------------
@@ -72,7 +73,19 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="a text file (default: built-in corpus)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: bf16 parameters and gradients, fp32 master weights and Adam "
+                        "states (2+2+12 bytes per parameter)")
+    p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="with --dtype bf16: the dtype gradients are summed in across ranks")
+    p.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
+                   help="activation recomputation: selective = the attention core, "
+                        "full = each transformer block")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block's forward")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak TFLOP/s for MFU (default: looked up from the GPU's "
+                        "name; none on a CPU)")
     p.add_argument("--metrics", default=None, help="write one JSON line per step (rank 0)")
     p.add_argument("--log-every", type=int, default=1, help="progress line every K steps")
     p.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
@@ -107,6 +120,10 @@ class RunConfig:
     seed: int
     data: str | None
     dtype: str
+    reduce_dtype: str              # the dtype gradients are reduced in (with dtype bf16)
+    recompute: str                 # none, selective, full (also in model_cfg)
+    compile: bool
+    peak_tflops: float | None      # None: from the device's name (minipar.flops)
     metrics: str | None
     log_every: int
     quiet: bool
@@ -177,7 +194,12 @@ def parse_config(argv: list[str]) -> RunConfig:
             raise UsageError(f"--metrics {a.metrics}: its folder is not writable")
     if a.seq_len is not None and a.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {a.seq_len}")
-    model_cfg = config(a.model, **({} if a.seq_len is None else {"seq_len": a.seq_len}))
+    if a.peak_tflops is not None:
+        _positive("peak-tflops", a.peak_tflops)
+    if a.reduce_dtype == "bf16" and a.dtype == "fp32":
+        raise UsageError("--reduce-dtype bf16 reduces bf16 gradients; it needs --dtype bf16")
+    model_cfg = config(a.model, recompute=a.recompute,
+                       **({} if a.seq_len is None else {"seq_len": a.seq_len}))
     corpus = _corpus_bytes(a.data)
     if corpus < model_cfg.seq_len + 2:
         raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of "
@@ -210,8 +232,9 @@ def parse_config(argv: list[str]) -> RunConfig:
                      chunks=a.chunks, microbatches=m, dp_mode=a.dp_mode, bucket_mb=a.bucket_mb,
                      model=a.model, model_cfg=model_cfg, steps=a.steps,
                      batch_size=a.batch_size, lr=a.lr, seed=a.seed, data=a.data,
-                     dtype=a.dtype, metrics=a.metrics, log_every=a.log_every, quiet=a.quiet,
-                     timeout=a.timeout)
+                     dtype=a.dtype, reduce_dtype=a.reduce_dtype, recompute=a.recompute,
+                     compile=a.compile, peak_tflops=a.peak_tflops, metrics=a.metrics,
+                     log_every=a.log_every, quiet=a.quiet, timeout=a.timeout)
 
 
 def _corpus_bytes(path: str | None) -> int:
@@ -232,7 +255,9 @@ class Runner(Protocol):
 
     module: torch.nn.Module
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float: ...
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | float:
+        """The sum of the micro-batches' loss / m, as a 0-d tensor left on the device (read
+        once per step, for the metrics) or 0.0 where this rank holds no loss."""
 
     def serial_name(self, local_name: str) -> str: ...
 
@@ -252,13 +277,21 @@ class Engine(Protocol):
 
 
 def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
-    """The full serial model from the seed (same on every rank), then the TP slice of it."""
+    """The full serial model from the seed (same on every rank), then the TP slice of it, in
+    the run's dtype (bf16: the parameters themselves; ``build_engine`` adds fp32 masters).
+
+    ``cfg.model_cfg.recompute`` is honoured by the Blocks themselves; ``--compile`` compiles
+    each Block's forward (module hooks, such as ZeRO-3's gathers, stay outside the graph)."""
     model = build(cfg.model_cfg, seed=cfg.seed)
     model.full_params = sum(p.numel() for p in model.parameters())
     if grid.tp > 1:
         from . import tp
         model = tp.parallelize(model, grid, sequence_parallel=cfg.sp)
-    return model.to(device)
+    model = model.to(device=device, dtype=DTYPES[cfg.dtype])
+    if cfg.compile:
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward)
+    return model
 
 
 class LocalRunner:
@@ -267,13 +300,13 @@ class LocalRunner:
     def __init__(self, model, microbatches: int, autocast=contextlib.nullcontext):
         self.module, self.m, self.autocast = model, microbatches, autocast
 
-    def forward_backward(self, x, y) -> float:
-        total = 0.0
+    def forward_backward(self, x, y) -> torch.Tensor:
+        total = torch.zeros((), device=x.device)
         for xb, yb in data.microbatches(x, y, self.m):
             with self.autocast():
                 loss = self.module(xb, yb) / self.m
             loss.backward()
-            total += loss.item()
+            total += loss.detach()      # on the device: no host sync per micro-batch
         return total
 
     def serial_name(self, local_name: str) -> str:
@@ -290,27 +323,46 @@ def build_runner(cfg: RunConfig, grid: dist.Grid, model, autocast=contextlib.nul
 
 
 def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    """AdamW; torch's fused CUDA kernel when every parameter is on a GPU (one launch)."""
+    params = list(params)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                             **({"fused": True} if fused else {}))
 
 
 def build_engine(cfg: RunConfig, grid: dist.Grid, module) -> Engine:
+    """DP or ZeRO/AMSP; with bf16, the optimizer updates fp32 masters (``minipar.precision``)
+    and gradients are reduced in ``--reduce-dtype``."""
+    def optimizer(params):
+        if cfg.dtype == "fp32":
+            return make_optimizer(params, cfg.lr)
+        return MixedPrecision(params, lambda masters: make_optimizer(masters, cfg.lr))
+
+    reduce_dtype = DTYPES[cfg.reduce_dtype] if cfg.dtype != "fp32" else None
     if cfg.spec is not None:
         from . import zero
-        return zero.ShardedEngine(module, grid, cfg.spec,
-                                  lambda params: make_optimizer(params, cfg.lr))
+        return zero.ShardedEngine(module, grid, cfg.spec, optimizer, reduce_dtype=reduce_dtype)
     # the grid hands out None for a data-parallel group of one; DataParallel reads None as the world
     group = comm.SOLO if grid.dp_group is None else grid.dp_group
     return dp.DataParallel(module, group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
-                           optimizer=make_optimizer(module.parameters(), cfg.lr))
+                           optimizer=optimizer(module.parameters()), reduce_dtype=reduce_dtype)
 
 
 # --------------------------------------------------------------------------------------
 # The loop (runs on every rank)
 # --------------------------------------------------------------------------------------
 def _autocast_factory(dtype: str, device: torch.device):
-    if dtype == "bf16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    """No autocast: with --dtype bf16 the parameters themselves are bf16 (``build_model``),
+    so every matmul runs in bf16 without casting fp32 weights at each use. (The seam stays
+    for runners that want one.)"""
     return contextlib.nullcontext
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch to the device; on a GPU from pinned memory, without blocking the host."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def collect_state(grid: dist.Grid, runner: Runner, engine: Engine) -> dict:
@@ -379,6 +431,9 @@ def worker(cfg: RunConfig, return_state: bool = False):
     runner = build_runner(cfg, grid, model, autocast)
     engine = build_engine(cfg, grid, runner.module)
 
+    flops = mfu.step_flops(cfg.model_cfg, cfg.batch_size, cfg.recompute)
+    peak = cfg.peak_tflops or (mfu.peak_tflops(torch.cuda.get_device_name(device), cfg.dtype)
+                               if device.type == "cuda" else None)
     log = print if (is_rank0 and not cfg.quiet) else (lambda *a, **k: None)
     log(banner(cfg, backend, device, model.full_params,
                sum(p.numel() for p in runner.module.parameters())))
@@ -387,8 +442,10 @@ def worker(cfg: RunConfig, return_state: bool = False):
     try:
         for step in range(1, cfg.steps + 1):
             x, y = batches.local_batch(step, grid.dp_rank, grid.dp)
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), to_device(y, device)
             comm.reset()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             engine.zero_grad()
             engine.begin_step(cfg.microbatches)
@@ -402,23 +459,30 @@ def worker(cfg: RunConfig, return_state: bool = False):
             # The loss lives on the last stage; every TP rank has the same value.
             holds_loss = grid.is_last_stage and grid.tp_rank == 0
             state = engine.model_state_bytes()
-            loss_sum, = comm.all_reduce_scalars([local_loss if holds_loss else 0.0], comm.WORLD)
+            memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            loss_sum, = comm.all_reduce_scalars([float(local_loss) if holds_loss else 0.0],
+                                                comm.WORLD)
             peaks = comm.all_reduce_scalars([state["params"], state["grads"], state["optimizer"],
-                                             state["total"], step_time], comm.WORLD, op="max")
+                                             state["total"], step_time, memory], comm.WORLD,
+                                            op="max")
             record = dict(step=step, loss=loss_sum / grid.dp, step_time_s=peaks[4],
                           tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
                           model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
                                                  optimizer=int(peaks[2]), total=int(peaks[3])),
-                          comm_bytes=sent)
+                          comm_bytes=sent,
+                          **mfu.utilisation(flops, peaks[4], peak, cfg.world))
+            if device.type == "cuda":
+                record["peak_memory_bytes"] = int(peaks[5])
             if is_rank0:
                 history.append(record)
                 if metrics_file:
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
                 if step % cfg.log_every == 0 or step == cfg.steps:
+                    util = f" | MFU {record['mfu']:5.1%}" if record["mfu"] is not None else ""
                     log(f"step {step:4d}/{cfg.steps} | loss {record['loss']:.4f} | "
                         f"{record['tokens_per_s']:8.0f} tok/s | {record['step_time_s']*1e3:7.1f} ms"
-                        f" | rank 0 sent {sum(sent.values()) / 2**20:6.2f} MiB")
+                        f" | rank 0 sent {sum(sent.values()) / 2**20:6.2f} MiB{util}")
     finally:
         if metrics_file:
             metrics_file.close()
@@ -452,12 +516,20 @@ def summary(history: list[dict]) -> str:
     tps = sum(h["tokens_per_s"] for h in timed) / len(timed)
     ms = last["model_state_bytes"]
     sent = last["comm_bytes"]
+    util = ""
+    if last.get("mfu") is not None:
+        mean = lambda key: sum(h[key] for h in timed) / len(timed)   # noqa: E731
+        util = f", MFU {mean('mfu'):.1%} (HFU {mean('hfu'):.1%})"
     lines = [f"summary: {len(history)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
-             f"{tps:,.0f} tokens/s (mean after step 1)",
+             f"{tps:,.0f} tokens/s (mean after step 1){util}",
              f"  model state per rank (the largest over ranks): params {ms['params']:,} B, "
              f"grads {ms['grads']:,} B, optimizer {ms['optimizer']:,} B, total {ms['total']:,} B",
              "  sent by rank 0 in the last step: " +
              (", ".join(f"{op} {b:,} B" for op, b in sorted(sent.items()) if b) or "nothing")]
+    if "peak_memory_bytes" in last:
+        peak = max(h["peak_memory_bytes"] for h in history)
+        lines.append(f"  peak GPU memory (torch.cuda.max_memory_allocated, the largest over "
+                     f"ranks): {peak / 2**30:.2f} GiB")
     return "\n".join(lines)
 
 
