@@ -190,6 +190,7 @@ def save(root: str, step: int, manifest: dict, grid, runner, engine, keep: int =
         state["trainer.rng"] = torch.get_rng_state()
     with _dcp_call():
         dcp.save(state, checkpoint_id=tmp, planner=DefaultSavePlanner())
+    _maybe_crash(grid.rank, step)
     if grid.rank == 0:
         _fsync_write(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=2) + "\n")
         _fsync_write(os.path.join(tmp, COMPLETE), f"step {step}\n")
@@ -209,6 +210,14 @@ def _dcp_call():
     with comm.untracked(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _maybe_crash(rank: int, step: int) -> None:
+    """Fault injection for the tests: MINIPAR_CRASH_AT="rank:saveK" kills the save of step K
+    after the DCP files are written, before the manifest and the marker."""
+    if os.environ.get("MINIPAR_CRASH_AT") == f"{rank}:save{step}":
+        raise RuntimeError(f"injected crash on rank {rank} while saving step {step} "
+                           f"(MINIPAR_CRASH_AT)")
 
 
 def _barrier():
