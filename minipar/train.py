@@ -273,14 +273,14 @@ def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:
         raise UsageError(f"--eval-batches must be >= 1, got {a.eval_batches}")
     if (a.save_every or a.keep) and not a.save:
         raise UsageError("--save-every and --keep need --save DIR")
-    if a.save:
-        if os.path.exists(a.save) and not os.path.isdir(a.save):
-            raise UsageError(f"--save {a.save} is a file; give a folder")
-        parent = os.path.dirname(os.path.abspath(a.save))
-        if not os.path.isdir(a.save) and not os.path.isdir(parent):
-            raise UsageError(f"--save {a.save}: its parent folder does not exist; create it first")
-        if not os.access(a.save if os.path.isdir(a.save) else parent, os.W_OK):
-            raise UsageError(f"--save {a.save}: not writable")
+    if a.save:   # created when the first checkpoint is written; its nearest existing folder
+        probe = os.path.abspath(a.save)
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            raise UsageError(f"--save {a.save}: {probe} is a file; give a folder")
+        if not os.access(probe, os.W_OK):
+            raise UsageError(f"--save {a.save}: {probe} is not writable")
     if a.resume is None:
         return None, 0
     from . import checkpoint

@@ -65,8 +65,8 @@ BAD = [
     (["--eval-batches", "0"], "--eval-batches must be >= 1"),
     (["--save-every", "5"], "need --save DIR"),
     (["--keep", "2"], "need --save DIR"),
-    (["--save", "/no/such/dir/run"], "parent folder does not exist"),
     (["--save", "/etc/passwd"], "is a file"),
+    (["--save", "/etc/passwd/run"], "/etc/passwd is a file"),
     (["--resume", "/no/such/checkpoint"], "no such folder"),
     (["--resume", "/tmp"], "no complete checkpoint"),
 ]
