@@ -26,6 +26,7 @@ LAYOUTS = {  # name -> (flags, processes)
     "pp": (["--pp", "2"], 2),
     "zero1": (["--zero", "1"], 2),
     "zero3": (["--zero", "3"], 2),
+    "shard1,2,2x2": (["--shard", "1,2,2"], 4),      # G and OS over 2, two replicas of each shard
     "3d": (["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1", "--microbatches", "2"], 8),
 }
 
