@@ -63,11 +63,9 @@ def decays(serial_name: str, ndim: int) -> bool:
 
 def global_grad_norm(grid, runner, engine) -> float:
     """The serial model's gradient norm, from the pieces this rank owns (collective)."""
-    local = 0.0
-    for piece in pieces(grid, runner, engine):
-        g = piece.views.get("grad")
-        if piece.owner and g is not None:
-            local += float(g.double().pow(2).sum())
+    sums = [piece.views["grad"].double().pow(2).sum() for piece in pieces(grid, runner, engine)
+            if piece.owner and "grad" in piece.views]
+    local = float(torch.stack(sums).sum()) if sums else 0.0      # one device sync, not one per piece
     total, = comm.all_reduce_scalars([local], comm.WORLD)
     return math.sqrt(total)
 
