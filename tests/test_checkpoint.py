@@ -87,34 +87,31 @@ def test_pytorch_dcp_loads_it_into_a_plain_model(saved):
         assert float(st["step"]) == 20 and st["exp_avg_sq"].min() >= 0 and st["exp_avg"].abs().sum() > 0
 
 
-def test_info_export_and_sample(saved, tmp_path):
-    r = cli("minipar.checkpoint", "info", saved["root"])
-    assert r.returncode == 0, r.stderr
-    body = r.stdout.split("\n", 1)[1]
-    assert json.loads(body)["step"] == 20
+def test_info_export_and_sample(saved, tmp_path, capsys):
+    from minipar import sample
+    checkpoint.main(["info", saved["root"]])
+    assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["step"] == 20
     out = tmp_path / "model.pt"
-    r = cli("minipar.checkpoint", "export", saved["step10"], str(out))
-    assert r.returncode == 0, r.stderr
-    state = torch.load(out)
+    checkpoint.main(["export", saved["step10"], str(out)])
     model = build("nano")
-    model.load_state_dict(state)           # strict: every serial name, every full shape
-    r = cli("minipar.sample", "--resume", saved["root"], "--prompt", "def ", "--tokens", "30",
-            "--seed", "1")
-    again = cli("minipar.sample", "--resume", saved["root"], "--prompt", "def ", "--tokens", "30",
-                "--seed", "1")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("def ") and len(r.stdout.encode()) >= 30 and r.stdout == again.stdout
+    model.load_state_dict(torch.load(out))   # strict: every serial name, every full shape
+    flags = ["--resume", saved["root"], "--prompt", "def ", "--tokens", "30", "--seed", "1"]
+    text = sample.run(flags)
+    assert text.startswith("def ") and len(text.encode()) >= 30 and sample.run(flags) == text
+    r = cli("minipar.sample", *flags)      # the command itself, as the README runs it
+    assert r.returncode == 0 and r.stdout == text + "\n", r.stderr
 
 
 def test_interrupted_save_is_never_resumed(saved, tmp_path):
     """A rank killed in the middle of saving step 4 (after the DCP files, before the marker):
     no step-4 checkpoint exists, and --resume takes step 2."""
     root = tmp_path / "run"
+    # a fresh process: the launcher's process server keeps the environment it started with
     env = dict(os.environ, MINIPAR_CRASH_AT="0:save4", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-m", "minipar.train", "--nproc", "2", *NANO, "--steps", "6",
-                        "--save", str(root), "--save-every", "2"], capture_output=True, text=True,
-                       timeout=180, cwd=ROOT, env=env)
-    assert r.returncode != 0 and "injected crash" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "minipar.train", "--nproc", "2", *NANO, "--steps",
+                        "4", "--save", str(root), "--save-every", "2"], capture_output=True,
+                       text=True, timeout=180, cwd=ROOT, env=env)
+    assert r.returncode != 0 and "injected crash on rank 0 while saving step 4" in r.stderr
     assert sorted(os.listdir(root)) == [".step-000004.tmp", "step-000002"]
     assert checkpoint.find(str(root)) == checkpoint.step_dir(str(root), 2)
     cfg = train.parse_config(NANO + ["--resume", str(root), "--steps", "6"])

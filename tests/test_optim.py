@@ -78,8 +78,8 @@ def test_serial_run_equals_adamw_with_param_groups():
         torch.testing.assert_close(ours["params"][n], p.detach(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "3d" else n
-                                  for n in LAYOUTS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if LAYOUTS[n][1] > 2
+                                  else n for n in LAYOUTS])
 def test_clipping_equals_serial_in_every_layout(name):
     flags, nproc = LAYOUTS[name]
     ref = serial_state(FULL)
