@@ -9,5 +9,7 @@ Modules, one per paradigm, on shared foundations:
   pp     pipeline parallelism: schedules as data, one executor
   zero   ZeRO-1/2/3 as presets of AMSP's (P, G, OS) sharding
   train  the trainer;  plan  the planner;  bench  benchmarks against torch's own versions
+  optim  LR schedule, global-norm clipping, weight decay;  pieces  a rank's state in serial names
+  checkpoint  DCP checkpoints that move between layouts;  sample  text from a checkpoint
 """
 __version__ = "0.1.0"
