@@ -45,7 +45,8 @@ a parameter no backward reached gets a zero gradient (torch's optimizers would s
 
 The trainer drives it as an engine instead (shared with ``minipar.zero``): ``zero_grad()``,
 ``begin_step(m)``, the m backward passes, ``step()`` (average, then the optimizer), and
-``model_state_bytes()``, ``full_named_parameters()``. ``begin_step(m)`` announces that each
+``model_state_bytes()``, ``full_named_parameters()``, and ``flat_ranges()``/``sync_params()``
+(for clipping and checkpoints). ``begin_step(m)`` announces that each
 parameter receives m gradients this step: an overlapped bucket starts once each of its
 gradients has had all m, and one more gradient into a bucket already being averaged is an
 error, never a silent wrong sum.
@@ -427,6 +428,26 @@ class DataParallel(nn.Module):
     def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """{name: (parameter, gradient)}: every rank holds them whole already."""
         return {n: (p.detach(), p.grad) for n, p in self.module.named_parameters()}
+
+    def flat_ranges(self) -> list[tuple[str, torch.Size, int, dict[str, torch.Tensor], bool]]:
+        """What this rank's optimizer updates, for clipping and checkpoints (``minipar.pieces``):
+        per parameter (local name, shape, first element 0, 1-D views of the parameter, its
+        gradient and optimizer states, owner). Every replica holds whole tensors; rank 0 of
+        the group owns them."""
+        owner = comm.rank(self.group) == 0
+        out = []
+        for name, p in self.module.named_parameters():
+            views = {"param": p.detach().view(-1)}
+            if p.grad is not None:
+                views["grad"] = p.grad.view(-1)
+            state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
+            views.update({k: v.view(-1) for k, v in state.items()
+                          if torch.is_tensor(v) and v.numel() == p.numel()})
+            out.append((name, p.shape, 0, views, owner))
+        return out
+
+    def sync_params(self):
+        """After parameters were set outside ``step()`` (a checkpoint): nothing to gather."""
 
     # -- accounting ----------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:

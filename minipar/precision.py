@@ -69,6 +69,11 @@ class MixedPrecision:
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state)
 
+    def register_step_pre_hook(self, hook):
+        """Hooks run on the fp32 optimizer, after the masters have their fp32 gradients (so
+        ``--clip-grad`` scales those)."""
+        return self.optimizer.register_step_pre_hook(hook)
+
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:
             p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)

@@ -94,7 +94,8 @@ gathers the parameters again, 2 m all-gathers per step: that is why Megatron-Dee
 pairs pipelines with ZeRO-1, whose traffic does not grow with m.
 
 The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
-``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``.
+``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``,
+``flat_ranges()`` and ``sync_params()`` (for clipping and checkpoints).
 
 Outside the trainer, on any model in a plain loop (group=None: the whole world; rank 0's
 parameters are broadcast first, so ranks may start from different seeds)::
@@ -596,6 +597,40 @@ class ShardedEngine:
                     out[names[p]] = (flat[sl].view_as(p), grad[sl].view_as(p))
                     offset += p.numel()
         return out
+
+
+    def flat_ranges(self) -> list[tuple[str, torch.Size, int, dict[str, torch.Tensor], bool]]:
+        """What this rank's optimizer updates, for clipping and checkpoints (``minipar.pieces``):
+        each parameter's part of this rank's OS shard, as (local name, shape, first element,
+        1-D views of the parameter, the averaged gradient and Adam's states, owner). The OS
+        shards of one replica tile each unit; replica 0 (of ``zero_rep``) owns them."""
+        s_p, s_g, s_os = self.spec
+        names = {p: n for n, p in self.module.named_parameters()}
+        owner = comm.rank(self.mesh.rep_group) == 0
+        out = []
+        for u in self.units:
+            # the OS shard is chunk os of chunk g of chunk p of the unit's flat buffer
+            lo = (self.mesh.p_index * (u.N // s_p) + self.mesh.g_index * (u.N // s_g)
+                  + self.mesh.os_index * (u.N // s_os))
+            hi = lo + u.N // s_os
+            flat = {"param": u.os_param.detach(), "grad": u.os_grad}
+            flat.update({k: v for k, v in self.optimizer.state.get(u.os_param, {}).items()
+                         if torch.is_tensor(v) and v.numel() == u.os_param.numel()})
+            offset = 0
+            for p in u.params:
+                a, b = max(lo, offset), min(hi, offset + p.numel())
+                if a < b:
+                    out.append((names[p], p.shape, a - offset,
+                                {k: v[a - lo:b - lo] for k, v in flat.items()}, owner))
+                offset += p.numel()
+        return out
+
+    def sync_params(self):
+        """After the OS shards of the parameters were set outside ``step()`` (a checkpoint):
+        gather them up into every rank's P shard, as the end of a step does."""
+        for u in self.units:
+            all_gather_in_place(u.g_slice, self.mesh.os_group)
+            all_gather_in_place(u.p_shard, self.mesh.g_group)
 
 
 def gather_up(x: torch.Tensor, groups) -> torch.Tensor:
