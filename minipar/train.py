@@ -374,7 +374,9 @@ def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    dist.main_guard(run, argv)
+    # A torchrun/srun rank ends through dist.finish (no interpreter finalization); a
+    # plain process or the --nproc launcher as any CLI does.
+    dist.run_main(run, argv)
 
 
 if __name__ == "__main__":
