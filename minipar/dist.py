@@ -433,8 +433,12 @@ def _die_with(launcher_pid: int) -> None:
     threading.Thread(target=watch, name="minipar-launcher-watch", daemon=True).start()
 
 
-def _worker(payload, rank, world, port, backend, queue, threads, launcher_pid):
+def _worker(payload, rank, world, port, backend, queue, threads, launcher_pid, environ):
     _die_with(launcher_pid)
+    # The forkserver's environment is a snapshot from its start; a rank sees the launcher's
+    # environment as it is now (MINIPAR_TIMEOUT set in a notebook after the first launch).
+    os.environ.clear()
+    os.environ.update(environ)
     # Ctrl-C in a terminal reaches every process of the group; the launcher alone answers
     # it (one line, every rank stopped), so the ranks do not print a traceback each.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -564,7 +568,8 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(payload, r, nprocs, port, backend, q, threads, os.getpid()))
+                         args=(payload, r, nprocs, port, backend, q, threads, os.getpid(),
+                               dict(os.environ)))
              for r in range(nprocs)]
     results: dict[int, object] = {}
     errors: dict[int, str] = {}
