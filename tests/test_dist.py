@@ -382,3 +382,66 @@ def test_sigkilled_launcher_takes_every_rank_with_it():
         if _session(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     _assert_no_semaphore_left(sems)
+
+
+# --------------------------------------------------------------------------------------
+# torchrun: the same trainer, ending cleanly every time
+# --------------------------------------------------------------------------------------
+def _torchrun(*train_args, nproc=2, timeout=180):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(nproc), "--master-port", str(dist.free_port()), "-m",
+                           "minipar.train", *train_args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def _clean_end(r):
+    assert r.returncode == 0, r.stderr[-2000:]
+    for bad in ("terminate called", "destroy_process_group() was not called", "Traceback"):
+        assert bad not in r.stderr, r.stderr[-2000:]
+
+
+def test_torchrun_launch(tmp_path):
+    """The trainer under torchrun reads its environment, gives the serial losses, ends cleanly."""
+    import json
+    from minipar import train
+    path = tmp_path / "m.jsonl"
+    r = _torchrun("--steps", "3", "--model", "nano", "--metrics", str(path))
+    _clean_end(r)
+    got = [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+    ref = [h["loss"] for h in train.run(["--steps", "3", "--model", "nano", "--quiet"])]
+    assert len(got) == len(ref) == 3
+    for a, b in zip(got, ref):
+        assert abs(a - b) <= 1e-5
+
+
+@pytest.mark.slow
+def test_torchrun_ends_cleanly_every_time():
+    """The gloo abort at interpreter shutdown ("terminate called without an active exception")
+    came about 1 run in 4 on a loaded machine before ranks ended through dist.finish: 10 runs
+    in a row, zero aborts, no warning about an undestroyed process group."""
+    for _ in range(10):
+        _clean_end(_torchrun("--steps", "2", "--model", "nano", "--quiet"))
+
+
+def test_torchrun_rank_killed_ends_every_rank():
+    """A rank SIGKILLed under torchrun: torchrun names it, the other rank ends, fast."""
+    proc = _start(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                   str(dist.free_port()), *TRAIN_FOREVER])
+    try:
+        _wait_for_line(proc, r"step\s+2/")
+        table = _proc_table()
+        agent_kids = sorted(p for p in _descendants(proc.pid)
+                            if "minipar.train" in open(f"/proc/{p}/cmdline").read()
+                            and table.get(p, (0,))[0] != 1)
+        t = time.monotonic()
+        os.kill(agent_kids[-1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "-9" in err and "SIGKILL" in err, err[-2000:]
+    assert "terminate called" not in err
+    assert elapsed < 60
+    _assert_all_gone(proc)
