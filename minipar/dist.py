@@ -18,7 +18,6 @@ group from the same ``Grid``.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
@@ -36,7 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import UsageError  # noqa: F401  (re-exported: dist.UsageError)
+from .cli import ArgumentParser, main_guard, positive_int  # noqa: F401  (re-exported)
+from .errors import Stopped, UsageError  # noqa: F401  (re-exported: dist.UsageError)
 
 
 def _timeout_s() -> float:
@@ -299,14 +299,6 @@ class RankFailed(RuntimeError):
     """A rank raised (or died); the message names it and carries its traceback."""
 
 
-class Stopped(BaseException):
-    """The launcher was told to stop (SIGTERM); every rank has been stopped."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}: every rank was stopped")
-        self.signum = signum
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -449,9 +441,9 @@ def _worker(payload, rank, world, port, backend, queue, threads, launcher_pid, e
     try:
         # Unpickled here, not by multiprocessing, so a function that cannot be found in the
         # child (defined in a notebook cell, say) is reported like any other error.
-        fn, args = pickle.loads(payload)
+        fn, args, kwargs = pickle.loads(payload)
         init(backend)
-        result = fn(*args)
+        result = fn(*args, **kwargs)
         # Plain pickle copies tensors into the message; torch's default queue pickling would
         # pass them as shared-memory file descriptors that die with this process.
         message = (rank, "ok", pickle.dumps(result))
@@ -540,8 +532,8 @@ def _warn_if_oversubscribed(nprocs: int) -> None:
 
 
 def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0,
-           threads: int = 1) -> list:
-    """Run ``fn(*args)`` on ``nprocs`` local ranks; return every rank's result, by rank.
+           threads: int = 1, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return every rank's result, by rank.
 
     ``fn`` must be importable (a module-level function in a .py file, not a notebook cell).
     The default process group is initialised before ``fn`` runs, so it can build a ``Grid``
@@ -562,7 +554,7 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
         raise UsageError(f"launch({getattr(fn, '__name__', fn)}, ...): the ranks cannot import "
                          f"a function defined interactively (a notebook cell); put it in a "
                          f".py module and import it")
-    payload = pickle.dumps((fn, args))
+    payload = pickle.dumps((fn, args, kwargs))
     _warn_if_oversubscribed(nprocs)
     ctx = _context()
     q = ctx.Queue()
@@ -637,41 +629,3 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
     if failure is not None:
         raise failure
     return [results[r] for r in range(nprocs)]
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a count of ranks, steps, sequences...)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line and exit status 2, like every other bad input."""
-
-    def error(self, message):
-        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def main_guard(fn, argv=None):
-    """Run a CLI entry point: ``UsageError`` becomes one line on stderr and exit status 2;
-    a failed or timed-out launch its report and 1; Ctrl-C or SIGTERM one line (130, 143)."""
-    try:
-        return fn(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (RankFailed, TimeoutError) as e:
-        print(str(e), file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print("interrupted: every rank was stopped", file=sys.stderr)
-        sys.exit(130)
-    except Stopped as e:
-        print(str(e), file=sys.stderr)
-        sys.exit(128 + e.signum)

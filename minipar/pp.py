@@ -25,7 +25,8 @@ cycle of waits can form. ``validate_schedule`` checks any list set without a pro
 not (an activation's send is finished at its backward, a gradient's at the step's end), and
 each stashed activation is dropped by its backward.
 
-Ideal bubble (idle fraction of p stages x the step time, equal stage times)::
+Ideal bubble (idle fraction of p stages x the step time, equal stage times; the closed form
+is the planner's ``minipar.plan.bubble_fraction``, ``Timeline.bubble`` measures it)::
 
     GPipe, 1F1B:   (p-1) / (m + p - 1)          interleaved:  (p-1) / (v m + p - 1)
 
@@ -348,11 +349,6 @@ def peak_stash(lst: list[Instr]) -> int:
     return peak
 
 
-def bubble_formula(p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of an ideal pipeline: (p-1)/(v m + p - 1)."""
-    return (p - 1) / (v * m + p - 1)
-
-
 # --------------------------------------------------------------------------------------
 # Timelines (ideal or measured)
 # --------------------------------------------------------------------------------------
@@ -476,7 +472,8 @@ class PipelineRunner:
         return local_name.split(".", 2)[2]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Run the schedule on the local batch; the sum of loss_i / m (last stage; else 0)."""
+        """Run the schedule on the local batch; the sum of loss_i / m (last stage: a 0-d tensor
+        on the device; else 0.0)."""
         self.micro = data.microbatches(x, y, self.m)
         self.shape = (x.shape[0] // self.m, x.shape[1] // self.seq_split, self.d_model)
         self.inputs, self.outputs, self.grad_out, self.grad_in = {}, {}, {}, {}
@@ -505,7 +502,7 @@ class PipelineRunner:
             out = self.module.chunks[ins.chunk](inp, y)
         if k == self.V - 1:
             out = out / self.m
-            self.loss += out.item()
+            self.loss = self.loss + out.detach()     # stays on the device: no host sync
         self.outputs[key] = out      # the activations autograd keeps until the backward
         self.held += 1
         self.peak_stash = max(self.peak_stash, self.held)
@@ -568,52 +565,19 @@ class PipelineRunner:
 
 
 # --------------------------------------------------------------------------------------
-# The trainer's checks, and a measured run for the notebook and the bench
+# The trainer's checks
 # --------------------------------------------------------------------------------------
-def validate(cfg, args) -> None:
+def validate(cfg, pp: int, microbatches: int, chunks: int = 1, schedule: str = "1f1b") -> None:
     """Reject, before any process starts, a pipeline that cannot run."""
-    p, m = args.pp, args.microbatches
-    v = args.chunks if args.schedule == "interleaved" else 1
-    if args.schedule == "interleaved" and m % p:
+    p, m = pp, microbatches
+    v = chunks if schedule == "interleaved" else 1
+    if schedule == "interleaved" and m % p:
         near = [k for k in (m - m % p, m - m % p + p) if k >= p]
         raise UsageError(f"--schedule interleaved runs micro-batches in groups of pp={p}, so "
                          f"--microbatches {m} must be a multiple of {p}; use --microbatches "
                          f"{' or '.join(map(str, near))}, or --schedule 1f1b")
     if cfg.n_layer % (p * v):
         what = f"pp={p} x chunks={v} = {p * v}" if v > 1 else f"pp={p}"
-        raise UsageError(f"model {args.model} has {cfg.n_layer} layers, which do not split into "
+        raise UsageError(f"the model has {cfg.n_layer} layers, which do not split into "
                          f"{what} equal stages; use a pp{' x chunks' if v > 1 else ''} that "
                          f"divides {cfg.n_layer}")
-
-
-def measure(model_name: str = "tiny", schedule: str = "1f1b", microbatches: int = 4,
-            micro_batch: int = 2, steps: int = 3, chunks: int = 2, seed: int = 0, warmup: int = 1):
-    """Inside ``dist.launch``, one rank per stage: time ``warmup + steps`` pipeline steps.
-
-    Each step starts after a barrier (t = 0 on every stage) and its timeline is gathered.
-    Returns on rank 0 ``dict(timeline=..., bubble=..., step_times=[...], timelines=[...])``:
-    the timed steps' timelines, the median bubble and the median step's timeline.
-    """
-    import statistics
-    from .dist import Grid
-    from .model import build, config
-    import torch.distributed as tdist
-    grid = Grid(dp=1, pp=tdist.get_world_size(), tp=1)
-    cfg = config(model_name)
-    runner = PipelineRunner(build(cfg, seed), grid, schedule, microbatches, chunks)
-    g = torch.Generator().manual_seed(seed)
-    batch = torch.randint(0, cfg.vocab_size, (micro_batch * microbatches, cfg.seq_len + 1),
-                          generator=g)
-    timelines = []
-    for _ in range(warmup + steps):
-        runner.module.zero_grad(set_to_none=True)
-        comm.barrier(grid.pp_group)   # every stage starts the step together: t = 0
-        runner.forward_backward(batch[:, :-1], batch[:, 1:])
-        timelines.append(runner.gather_timeline())
-    if grid.rank != 0:
-        return None
-    timed = timelines[warmup:]
-    by_time = sorted(timed, key=lambda tl: tl.makespan)
-    return dict(timeline=by_time[len(by_time) // 2], timelines=timed,
-                bubble=statistics.median(tl.bubble for tl in timed),
-                step_times=[tl.makespan for tl in timed])

@@ -1,7 +1,8 @@
 import sys
 
-from .. import dist
-from . import DEFAULT_CHECK_TIMEOUT, check, get, make, registry, student_path
+from .. import cli
+from ..errors import UsageError
+from . import DEFAULT_CHECK_TIMEOUT, check, get, make, registry, student_file, student_path
 
 
 def _seconds(text: str) -> float:
@@ -17,7 +18,7 @@ def _seconds(text: str) -> float:
 
 
 def main(argv=None):
-    p = dist.ArgumentParser(prog="python -m minipar.exercises",
+    p = cli.ArgumentParser(prog="python -m minipar.exercises",
                                 description="List, make and check the workshop exercises.")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the exercises and their files")
@@ -47,7 +48,9 @@ def main(argv=None):
         return 0
     ex = get(args.id)
     if args.solution and args.file:
-        raise dist.UsageError("give --file or --solution, not both")
+        raise UsageError("give --file or --solution, not both")
+    if not args.solution:
+        student_file(args.id, args.file)  # a missing, empty or unreadable file: one line, exit 2
     print(f"checking {args.id}: {ex.TITLE} "
           f"({'package solution' if args.solution else args.file or student_path(args.id)})",
           flush=True)
@@ -62,4 +65,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(dist.main_guard(main))
+    sys.exit(cli.main_guard(main))
