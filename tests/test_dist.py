@@ -448,3 +448,14 @@ def test_torchrun_rank_killed_ends_every_rank():
     assert "terminate called" not in err
     assert elapsed < 60
     _assert_all_gone(proc)
+
+
+def test_full_metrics_destination_mid_run_ends_every_rank_with_the_cause():
+    """/dev/full opens fine and fails every write (ENOSPC): a disk filling up mid-run."""
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, *TRAIN_FOREVER[:2], "--model", "nano", "--steps", "5",
+                        "--nproc", "2", "--metrics", "/dev/full", "--quiet"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("rank 0 failed:") and "No space left on device" in r.stderr, r.stderr
+    assert time.monotonic() - t < 60
