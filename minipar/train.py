@@ -226,6 +226,10 @@ def parse_config(argv: list[str]) -> RunConfig:
             raise UsageError(f"--metrics {a.metrics}: its folder does not exist; create it first")
         if not os.access(folder, os.W_OK):
             raise UsageError(f"--metrics {a.metrics}: its folder is not writable")
+    if a.metrics:
+        cli.check_output_file(a.metrics, "--metrics")   # tried, not guessed from mode bits
+    if not 0 <= a.seed < 2**32:
+        raise UsageError(f"--seed must be from 0 to 2**32 - 1, got {a.seed}")
     if a.seq_len is not None and a.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {a.seq_len}")
     if a.peak_tflops is not None:
@@ -324,7 +328,18 @@ def _corpus_bytes(path: str | None) -> int:
         raise UsageError(f"--data {path} is a folder; give a text file")
     if not os.path.isfile(path):
         raise UsageError(f"--data {path}: no such file")
-    return os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    # The corpus is read as UTF-8 text; a binary or differently encoded file would be
+    # trained on silently as replacement characters.
+    if b"\0" in raw:
+        raise UsageError(f"--data {path} looks binary (it holds NUL bytes); give a UTF-8 text file")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--data {path} is not UTF-8 text (byte {e.start}); convert it, "
+                         f"e.g. iconv -t UTF-8") from None
+    return len(raw)
 
 
 # --------------------------------------------------------------------------------------
@@ -727,7 +742,9 @@ def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    cli.main_guard(run, argv)
+    # A torchrun/srun rank ends through dist.finish (no interpreter finalization); a
+    # plain process or the --nproc launcher as any CLI does.
+    dist.run_main(run, argv)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def main(argv=None):
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--compile", action="store_true", help="torch.compile both")
     p.add_argument("--steps", type=cli.positive_int, default=30)
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="steps left out of the medians")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke test on purpose (no GPU timing)")
     p.add_argument("--peak-tflops", type=float, default=None,
