@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from minipar import dist
+from minipar import cli, dist
 
 
 def _fixtures(tmp):
@@ -44,7 +44,7 @@ def _plan(argv):
 
 def _guarded(module):
     def run(argv):
-        return dist.main_guard(importlib.import_module(module).main, argv)
+        return cli.main_guard(importlib.import_module(module).main, argv)
     return run
 
 
