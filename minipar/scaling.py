@@ -29,7 +29,9 @@ Where each point runs:
   --quiet`` as a subprocess with a timeout; one thread per process (OMP_NUM_THREADS=1), so a
   process is one core, as the planner's ``laptop-cpu`` device is;
 * inside a Slurm allocation (SLURM_JOB_ID set and ``srun`` on the PATH): each point is its own
-  job step, ``srun -n N [--srun-args] python -m minipar.train ...``;
+  job step, ``srun -N ceil(N/K) -n N --ntasks-per-node K [--srun-args] python -m minipar.train
+  ...`` with K = ``--tasks-per-node`` (so N ranks fill whole nodes and TP groups stay inside
+  one), a fresh MASTER_PORT per step, and the metrics in ``--workdir`` (shared by the nodes);
 * ``launcher="inprocess"`` (Python API, used by the notebooks): ``minipar.train.run(argv)``
   in this interpreter, which starts the ranks from a preloaded fork server (fast).
 
@@ -193,26 +195,37 @@ def resolve_launcher(launcher: str) -> str:
 
 
 def command(point: Point, launcher: str, metrics: str, srun_args: str = "",
-            timeout: float = 600.0) -> list[str]:
-    """The command line that runs ``point`` (local subprocess or an srun step)."""
+            timeout: float = 600.0, tasks_per_node: int = 8) -> list[str]:
+    """The command line that runs ``point`` (local subprocess or an srun step).
+
+    An srun step names its nodes and tasks per node (otherwise a step inherits every node of
+    the allocation), so N ranks fill ceil(N / tasks_per_node) nodes, TP groups inside them.
+    """
     trainer = [sys.executable, "-m", "minipar.train", *point.argv, "--metrics", metrics,
                "--quiet"]
     if launcher == "srun":
-        return ["srun", "-n", str(point.processes), *shlex.split(srun_args), *trainer]
+        nodes = -(-point.processes // tasks_per_node)
+        return ["srun", "-N", str(nodes), "-n", str(point.processes), "--ntasks-per-node",
+                str(min(point.processes, tasks_per_node)), *shlex.split(srun_args), *trainer]
     return trainer[:3] + ["--nproc", str(point.processes), "--timeout", str(timeout)] + trainer[3:]
 
 
 def run_point(point: Point, launcher: str = "local", timeout: float = 600.0,
-              workdir: str | None = None, srun_args: str = "") -> list[dict]:
+              workdir: str | None = None, srun_args: str = "", tasks_per_node: int = 8,
+              index: int = 0) -> list[dict]:
     """Run one point; return rank 0's metrics records (one per step)."""
     if launcher == "inprocess":
         return _run_inprocess(point, timeout)
     workdir = workdir or tempfile.mkdtemp(prefix="minipar-scaling-")
-    metrics = os.path.join(workdir, f"metrics-n{point.processes}.jsonl")
-    cmd = command(point, launcher, metrics, srun_args, timeout)
+    metrics = os.path.join(os.path.abspath(workdir), f"metrics-n{point.processes}.jsonl")
+    cmd = command(point, launcher, metrics, srun_args, timeout, tasks_per_node)
     env = dict(os.environ)
     if launcher == "local":
         env.setdefault("OMP_NUM_THREADS", "1")   # one process = one core
+    else:
+        # a fresh rendezvous port per step: the last step's may still be closing
+        base = int(os.environ.get("MASTER_PORT", 29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000))
+        env["MASTER_PORT"] = str(base + 1 + index)
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 30)
     except subprocess.TimeoutExpired:
@@ -258,7 +271,7 @@ def measure(point: Point, history: list[dict], warmup: int) -> dict:
 
 
 def predict(point: Point, model: str, hardware: str, chunks: int = 1, schedule: str = "1f1b",
-            sp: bool = False) -> dict:
+            sp: bool = False, dtype: str = "fp32") -> dict:
     """The planner's step time and tokens/s for the layout that ``point`` runs."""
     from . import plan
     shape = plan.model_preset(model, seq_len=point.seq_len)
@@ -266,7 +279,8 @@ def predict(point: Point, model: str, hardware: str, chunks: int = 1, schedule: 
                          microbatches=point.microbatches, shard=point.shard or (1, 1, 1),
                          v=chunks if schedule == "interleaved" else 1, sp=sp,
                          schedule="gpipe" if schedule == "gpipe" else "1f1b")
-    e = plan.estimate(shape, hardware, layout, check=False, dtype="fp32")
+    e = plan.estimate(shape, hardware, layout, check=False,
+                      dtype="mixed" if dtype == "bf16" else "fp32")
     return dict(step_time_s=e.step_time, tokens_per_s=e.tokens_per_s,
                 comm_s=e.times["tp_comm"] + e.times["pp_comm"] + e.times["dp_exposed"],
                 bubble_s=e.times["bubble"], hardware=e.hardware)
@@ -285,7 +299,7 @@ def efficiencies(records: list[dict], key: str) -> None:
 def sweep(mode: str, nproc_list: list[int] | str, trainer_argv: list[str] = (),
           hardware: str = "laptop-cpu", launcher: str = "auto", warmup: int = 1,
           timeout: float = 600.0, workdir: str | None = None, srun_args: str = "",
-          progress=None, on_point=None) -> list[dict]:
+          tasks_per_node: int | None = None, progress=None, on_point=None) -> list[dict]:
     """Run (or, with ``launcher="srun"``, submit step by step) a scaling sweep.
 
     Returns one record per point, smallest first::
@@ -316,14 +330,21 @@ def sweep(mode: str, nproc_list: list[int] | str, trainer_argv: list[str] = (),
         plan.load_hardware(hardware)
     except (UsageError, OSError, ValueError) as e:
         raise UsageError(f"--hardware {hardware}: {e}") from None
+    if tasks_per_node is None:
+        env_tasks = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        tasks_per_node = int(env_tasks) if env_tasks.isdigit() else 8
+    if workdir is None and launcher == "srun":
+        workdir = f"minipar-scaling-{os.environ.get('SLURM_JOB_ID', 'job')}"  # shared by nodes
+    if workdir is not None:
+        os.makedirs(workdir, exist_ok=True)
     records = []
-    for point in (progress(points) if progress else points):
-        history = run_point(point, launcher, timeout, workdir, srun_args)
+    for i, point in enumerate(progress(points) if progress else points):
+        history = run_point(point, launcher, timeout, workdir, srun_args, tasks_per_node, i)
         record = dict(mode=mode, processes=point.processes, layout=point.layout,
                       model=cfg.model, launcher=launcher, machine=machine(launcher),
                       measured=measure(point, history, warmup),
                       predicted=predict(point, cfg.model, hardware, cfg.chunks,
-                                        cfg.schedule, cfg.sp))
+                                        cfg.schedule, cfg.sp, cfg.dtype))
         records.append(record)
         efficiencies(records, "measured")
         efficiencies(records, "predicted")
@@ -428,6 +449,8 @@ def parser():
                    help="auto: srun inside a Slurm allocation, else local subprocesses")
     p.add_argument("--srun-args", default="",
                    help='extra srun options for each step, e.g. "--gpus-per-task 1 --gpu-bind closest"')
+    p.add_argument("--tasks-per-node", type=int, default=None,
+                   help="srun: ranks per node (default $SLURM_NTASKS_PER_NODE, else 8)")
     p.add_argument("--point-timeout", type=float, default=600.0,
                    help="seconds before a point is killed")
     p.add_argument("--workdir", default=None, help="folder for each point's metrics file "
@@ -446,10 +469,11 @@ def main(argv=None):
 
 def _main(argv: list[str]) -> list[dict]:
     args, trainer_argv = parser().parse_known_args(argv)
-    for path, flag in ((args.out, "--out"), (args.plot, "--plot"), (args.workdir, "--workdir")):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path)) if flag != "--workdir"
-                                      else path):
+    for path, flag in ((args.out, "--out"), (args.plot, "--plot")):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise UsageError(f"{flag} {path}: its folder does not exist; create it first")
+    if args.tasks_per_node is not None and args.tasks_per_node < 1:
+        raise UsageError(f"--tasks-per-node must be >= 1, got {args.tasks_per_node}")
     if args.point_timeout <= 0:
         raise UsageError(f"--point-timeout must be positive, got {args.point_timeout}")
     nproc_list = parse_nproc_list(args.nproc_list)
@@ -462,7 +486,8 @@ def _main(argv: list[str]) -> list[dict]:
 
     records = sweep(args.mode, nproc_list, trainer_argv, hardware=args.hardware,
                     launcher=args.launcher, warmup=args.warmup, timeout=args.point_timeout,
-                    workdir=args.workdir, srun_args=args.srun_args, on_point=report)
+                    workdir=args.workdir, srun_args=args.srun_args,
+                    tasks_per_node=args.tasks_per_node, on_point=report)
     if args.out:
         with open(args.out, "w") as f:
             for r in records:
