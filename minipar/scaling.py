@@ -119,16 +119,7 @@ def strip_flags(argv: list[str], flags=OWNED) -> list[str]:
 def trainer_config(argv: list[str]):
     """The trainer's own parsing and validation of ``argv`` (raises UsageError)."""
     from . import train
-    if hasattr(train, "parse_config"):
-        return train.parse_config(list(argv))
-    # TEMPORARY until the RunConfig trainer is merged
-    from types import SimpleNamespace
-    from .sharding import resolve_shard
-    args = train.parser().parse_args(list(argv))
-    train.validate(args)
-    spec = (resolve_shard(args.dp, args.shard, args.zero)
-            if args.zero is not None or args.shard is not None else None)
-    return SimpleNamespace(**vars(args), spec=spec, model_cfg=train.model_config(args))
+    return train.parse_config(list(argv))
 
 
 def plan_points(mode: str, nproc_list: list[int], trainer_argv: list[str]) -> list[Point]:
@@ -240,17 +231,27 @@ def run_point(point: Point, launcher: str = "local", timeout: float = 600.0,
 
 
 def _run_inprocess(point: Point, timeout: float) -> list[dict]:
+    from . import dist, train
+    cfg = train.parse_config([*point.argv, "--nproc", str(point.processes), "--quiet",
+                              "--timeout", str(timeout)])
+    if point.processes == 1:
+        return quiet_worker(cfg, threads=1)
+    return dist.launch(quiet_worker, cfg.nproc, cfg, backend=cfg.backend, timeout=timeout)[0]
+
+
+def quiet_worker(cfg, threads: int | None = None):
+    """``train.worker`` without its summary lines (they would fill a notebook's output)."""
     import io
     import torch
     from . import train
-    argv = [*point.argv, "--nproc", str(point.processes), "--quiet", "--timeout", str(timeout)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # a single process runs here: one core, like each spawned rank
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)   # a single process here: one core, like each rank
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            return train.run(argv)
+            return train.worker(cfg)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------------------

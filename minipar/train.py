@@ -399,6 +399,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
             sent = comm.stats.bytes_by_op()
+            waited = comm.stats.seconds_by_op()
             # The loss lives on the last stage; every TP rank has the same value.
             holds_loss = grid.is_last_stage and grid.tp_rank == 0
             state = engine.model_state_bytes()
@@ -409,7 +410,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
                           tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
                           model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
                                                  optimizer=int(peaks[2]), total=int(peaks[3])),
-                          comm_bytes=sent)
+                          comm_bytes=sent, comm_seconds=waited)
             if is_rank0:
                 history.append(record)
                 if metrics_file:

@@ -38,7 +38,8 @@ SWEEPS = {
     "3D tp2 x pp2 x dp, ZeRO-1": (["--tp", "2", "--pp", "2", "--zero", "1", "--microbatches", "4",
                                    "--batch-size", "16"], [4, 8]),
 }
-# Measured efficiencies above 1 are timing noise on a shared machine; allow this much.
+# Measured efficiencies a little above 1 are timing noise; allow this much beyond the noise
+# measured by ``repeat_noise``.
 NOISE = 0.05
 
 
@@ -69,6 +70,19 @@ def table(results: dict) -> str:
         lines.append(f"{mode} scaling, {name}:")
         lines.append(scaling.table(records))
     return "\n".join(lines)
+
+
+def repeat_noise(steps: int = 6, warmup: int = 2, sweeps=None) -> float:
+    """Run each sweep's smallest point again: the largest relative change of its median step
+    time is this machine's timing noise (other work on a shared machine shows up here)."""
+    sweeps = sweeps or SWEEPS
+    worst = 0.0
+    for flags, counts in sweeps.values():
+        point = scaling.plan_points("weak", counts[:1], MODEL + flags + ["--steps", str(steps)])[0]
+        times = [scaling.measure(point, scaling.run_point(point, "inprocess", 300), warmup)
+                 ["step_time_s"] for _ in range(2)]
+        worst = max(worst, abs(times[1] - times[0]) / min(times))
+    return worst
 
 
 def check_efficiencies(results: dict, noise: float = NOISE) -> int:
