@@ -9,3 +9,4 @@ A notebook imports its module (``from minipar.lab import nb06``) and the package
 it carries no second copy of the code. The ``draw_*`` functions turn results into figures
 (matplotlib is imported only when drawing).
 """
+from ..bench import machine  # noqa: F401  (every notebook prints its machine)

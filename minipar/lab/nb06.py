@@ -43,7 +43,29 @@ SWEEPS = {
 NOISE = 0.05
 
 
-def run_sweeps(steps: int = 6, warmup: int = 2, hardware: str = "laptop-cpu",
+def calibrated_hardware(timeout: float = 90.0, path: str | None = None) -> str:
+    """Calibrate this machine (``python -m minipar.plan calibrate --quick``) at the sweeps'
+    calibration point (one process of ``tiny``, batch 8); the file's path, or ``laptop-cpu``
+    (and one line saying why) when calibrating fails or takes longer than ``timeout``."""
+    import subprocess
+    import sys
+    import tempfile
+    path = path or os.path.join(tempfile.mkdtemp(prefix="minipar-nb06-"), "this-machine.json")
+    cmd = [sys.executable, "-m", "minipar.plan", "calibrate", "--quick", "--out", path,
+           "--model", "tiny", "--batch-size", "8"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"calibration took longer than {timeout:.0f} s: using the laptop-cpu preset")
+        return "laptop-cpu"
+    if done.returncode != 0:
+        print("calibration failed (" + (done.stderr.strip().splitlines() or ["?"])[-1]
+              + "): using the laptop-cpu preset")
+        return "laptop-cpu"
+    return path
+
+
+def run_sweeps(steps: int = 5, warmup: int = 2, hardware: str = "laptop-cpu",
                modes=("weak", "strong"), sweeps=None, progress=None) -> dict:
     """Every sweep of ``SWEEPS`` in each mode: ``{(name, mode): [record, ...]}``.
 
@@ -72,17 +94,15 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def repeat_noise(steps: int = 6, warmup: int = 2, sweeps=None) -> float:
-    """Run each sweep's smallest point again: the largest relative change of its median step
-    time is this machine's timing noise (other work on a shared machine shows up here)."""
-    sweeps = sweeps or SWEEPS
-    worst = 0.0
-    for flags, counts in sweeps.values():
-        point = scaling.plan_points("weak", counts[:1], MODEL + flags + ["--steps", str(steps)])[0]
-        times = [scaling.measure(point, scaling.run_point(point, "inprocess", 300), warmup)
-                 ["step_time_s"] for _ in range(2)]
-        worst = max(worst, abs(times[1] - times[0]) / min(times))
-    return worst
+def repeat_noise(steps: int = 5, warmup: int = 2, repeats: int = 2) -> float:
+    """Run the DP sweep's smallest point ``repeats`` more times: the largest relative spread
+    of its median step time is this machine's timing noise right now (other programs on a
+    shared machine show up here)."""
+    flags, counts = SWEEPS["DP"]
+    point = scaling.plan_points("weak", counts[:1], MODEL + flags + ["--steps", str(steps)])[0]
+    times = [scaling.measure(point, scaling.run_point(point, "inprocess", 300), warmup)
+             ["step_time_s"] for _ in range(repeats)]
+    return (max(times) - min(times)) / min(times)
 
 
 def check_efficiencies(results: dict, noise: float = NOISE) -> int:
@@ -95,6 +115,19 @@ def check_efficiencies(results: dict, noise: float = NOISE) -> int:
             assert 0 < p <= r["ideal"] + 1e-9, f"{mode} {name} predicted at {r['processes']}: {p}"
             n += 1
     return n
+
+
+def takeaway(results: dict, cores: int) -> str:
+    """One line: what the weak-scaling sweep of DP shows, inside and beyond the cores."""
+    records = results.get(("DP", "weak")) or next(iter(results.values()))
+    inside = [r for r in records if r["processes"] <= cores][-1]
+    beyond = [r for r in records if r["processes"] > cores]
+    text = (f"weak DP: {inside['efficiency']:.0%} at {inside['processes']} processes "
+            f"(predicted {inside['predicted_efficiency']:.0%})")
+    if beyond:
+        text += (f"; {beyond[-1]['efficiency']:.0%} at {beyond[-1]['processes']}, where "
+                 f"{beyond[-1]['processes']} processes share {cores} cores")
+    return text
 
 
 def draw_efficiency(results: dict, cores: int | None = None):
@@ -150,7 +183,7 @@ def draw_time_split(results: dict, mode: str = "weak"):
 # --------------------------------------------------------------------------------------
 # 2. The pipeline lesson: micro-batches against bubble and global batch
 # --------------------------------------------------------------------------------------
-def pipeline_sweep(ms=(1, 2, 4, 8, 16), pp: int = 2, micro_batch: int = 2, steps: int = 6,
+def pipeline_sweep(ms=(1, 2, 4, 8, 16), pp: int = 2, micro_batch: int = 2, steps: int = 5,
                    warmup: int = 2, hardware: str = "laptop-cpu", progress=None) -> list[dict]:
     """One pipeline of ``pp`` stages (``pp`` processes), micro-batches of ``micro_batch``
     sequences, m of them per step: the global batch is micro_batch x m. Measured and
