@@ -32,8 +32,9 @@ Where each point runs:
   job step, ``srun -N ceil(N/K) -n N --ntasks-per-node K [--srun-args] python -m minipar.train
   ...`` with K = ``--tasks-per-node`` (so N ranks fill whole nodes and TP groups stay inside
   one), a fresh MASTER_PORT per step, and the metrics in ``--workdir`` (shared by the nodes);
-* ``launcher="inprocess"`` (Python API, used by the notebooks): ``minipar.train.run(argv)``
-  in this interpreter, which starts the ranks from a preloaded fork server (fast).
+* ``launcher="inprocess"`` (used by the notebooks): ``train.worker`` on N ranks started by
+  ``minipar.dist.launch`` from this interpreter's preloaded fork server (fast), with the
+  trainer's summary lines silenced.
 
 Beside each measured point the planner predicts the same layout
 (``minipar.plan.estimate`` on ``--hardware``, the ``laptop-cpu`` preset unless a calibrated
@@ -366,7 +367,8 @@ def flatten(r: dict) -> dict:
 def machine(launcher: str) -> str:
     if launcher == "srun":
         return f"Slurm job {os.environ.get('SLURM_JOB_ID')} ({os.environ.get('SLURM_CLUSTER_NAME', 'cluster')})"
-    return f"{os.cpu_count()}-core CPU, gloo"
+    import platform
+    return f"{platform.node() or 'this host'} ({os.cpu_count()} CPU cores)"
 
 
 # --------------------------------------------------------------------------------------
