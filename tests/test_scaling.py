@@ -102,3 +102,18 @@ sys.exit(subprocess.call(trainer[:3] + ["--nproc", n] + trainer[3:]))
     assert steps[0].startswith("-N 1 -n 1 --ntasks-per-node 1 --gpu-bind closest ")
     assert steps[1].startswith("-N 2 -n 2 --ntasks-per-node 1 --gpu-bind closest ")
     assert all("-m minipar.train" in s and "--metrics" in s for s in steps)
+
+
+def test_the_smallest_point_rerun_keeps_its_fastest_run(monkeypatch):
+    """With base_repeats=2 a slow first run of the baseline (load from other programs) cannot
+    push another point's efficiency above the ideal."""
+    step_times = iter([0.30, 0.20, 0.10])          # base (slowed down), N=2, base again
+
+    def fake_run(point, *args, **kwargs):
+        t = next(step_times)
+        return [dict(step=s, loss=1.0, step_time_s=t, comm_bytes={}, comm_seconds={},
+                     model_state_bytes=dict(total=0)) for s in (1, 2, 3)]
+    monkeypatch.setattr(scaling, "run_point", fake_run)
+    records = scaling.sweep("weak", [1, 2], NANO, launcher="local", base_repeats=2)
+    assert records[0]["step_time_s"] == 0.10 and records[0]["base_runs_s"] == [0.30, 0.10]
+    assert records[1]["efficiency"] == pytest.approx(0.5)      # 0.10 / 0.20, not 0.30 / 0.20
