@@ -8,7 +8,6 @@ import sys
 import pytest
 
 from minipar import plan, scaling
-from minipar.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NANO = ["--model", "nano", "--steps", "3"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from .. import plan, scaling, train
+from .. import plan, scaling
 from ..pp import bubble_formula
 
 # --------------------------------------------------------------------------------------
