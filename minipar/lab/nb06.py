@@ -22,7 +22,6 @@ configurations.
 from __future__ import annotations
 
 import os
-import statistics
 
 from .. import plan, scaling
 from ..pp import bubble_formula
@@ -138,13 +137,17 @@ def draw_efficiency(results: dict, cores: int | None = None):
                     label=f"{name}, measured")
             ax.plot(n, [r["predicted_efficiency"] for r in records], "x--", color=f"C{i}",
                     alpha=0.6, label=f"{name}, predicted")
-        ax.set(xlabel="processes (gloo, one thread each)", xticks=counts, ylim=(0, 1.2),
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.set(xlabel="processes (gloo, one thread each)", ylim=(0, 1.2),
                title=f"{mode} scaling" + (" (work per process fixed)" if mode == "weak"
                                            else " (global batch fixed)"))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("efficiency: tokens/s per process\nrelative to the smallest run")
-    axes[-1].legend(fontsize=7, loc="lower left")
+    handles, labels = axes[0].get_legend_handles_labels()
     fig.tight_layout()
+    fig.legend(handles, labels, fontsize=7, ncol=4, loc="upper center",
+               bbox_to_anchor=(0.5, 0.02))
     return fig
 
 
@@ -189,10 +192,11 @@ def pipeline_sweep(ms=(1, 2, 4, 8, 16), pp: int = 2, micro_batch: int = 2, steps
                          predicted_tokens_per_s=r["predicted"]["tokens_per_s"],
                          predicted_bubble_s=r["predicted"]["bubble_s"],
                          predicted_step_s=r["predicted"]["step_time_s"]))
-    # Time per micro-batch without a bubble: the slope of step time against m + p - 1
+    # Time per micro-batch without a bubble: fit step time = t_mb (m + p - 1) (least squares
+    # through the origin), then the bubble is what the m micro-batches do not fill.
     xs = [r["m"] + pp - 1 for r in rows]
     ys = [r["step_time_s"] for r in rows]
-    slope = statistics.linear_regression(xs, ys).slope if len(rows) > 1 else ys[0] / xs[0]
+    slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
     for r in rows:
         r["measured_bubble"] = max(0.0, 1 - r["m"] * slope / r["step_time_s"])
     return rows
@@ -309,6 +313,8 @@ def draw_frontier_scaling(weak_rows: dict, strong_rows: dict):
                         label=f"{model} study, {s['gcds']} GCDs")
         ax.set(xscale="log", xlabel="GCDs", title=f"{kind} scaling on Frontier")
         ax.set_xscale("log", base=2)
+        ticks = [32, 128, 512, 1024, 3072]
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("efficiency (% of the smallest run)")
     axes[0].set_ylim(60, 105)
