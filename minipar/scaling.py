@@ -38,7 +38,7 @@ Where each point runs:
 
 Beside each measured point the planner predicts the same layout
 (``minipar.plan.estimate`` on ``--hardware``, the ``laptop-cpu`` preset unless a calibrated
-file from ``python -m minipar.plan calibrate`` is given), and its efficiency by the same rule.
+file from ``python -m minipar.bench calibrate`` is given), and its efficiency by the same rule.
 Bad input (a count that is not a multiple of tp x pp, a batch that does not divide, a flag the
 trainer rejects at some point) exits with status 2 and one line before any point runs.
 """
@@ -448,7 +448,7 @@ def describe(record: dict) -> str:
 # Command line
 # --------------------------------------------------------------------------------------
 def parser():
-    from .dist import ArgumentParser
+    from .cli import ArgumentParser
     p = ArgumentParser(prog="python -m minipar.scaling",
                        description="Weak or strong scaling sweep of the trainer, measured and "
                                    "predicted. Unknown flags go to python -m minipar.train.")
@@ -479,7 +479,7 @@ def parser():
 
 
 def main(argv=None):
-    from .dist import main_guard
+    from .cli import main_guard
     try:
         main_guard(_main, sys.argv[1:] if argv is None else argv)
     except PointFailed as e:

@@ -19,7 +19,6 @@ Bad input exits with status 2 and one line, before any process starts.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -32,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from . import comm, data, dist, dp, sharding
+from . import cli, comm, data, dist, dp, sharding
 from .errors import UsageError
 from .model import PRESETS, GPTConfig, build, config
 
@@ -40,11 +39,10 @@ from .model import PRESETS, GPTConfig, build, config
 # --------------------------------------------------------------------------------------
 # The command line
 # --------------------------------------------------------------------------------------
-def parser() -> argparse.ArgumentParser:
-    p = dist.ArgumentParser(prog="python -m minipar.train",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                            description="Train a small GPT with any mix of DP, TP, PP and "
-                                        "ZeRO/AMSP sharding (reference: docs/reference.md).")
+def parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m minipar.train",
+                           description="Train a small GPT with any mix of DP, TP, PP and "
+                                       "ZeRO/AMSP sharding (reference: docs/reference.md).")
     p.add_argument("--nproc", type=int, default=None,
                    help="start N local processes (omit under torchrun or srun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
@@ -300,7 +298,9 @@ def build_engine(cfg: RunConfig, grid: dist.Grid, module) -> Engine:
         from . import zero
         return zero.ShardedEngine(module, grid, cfg.spec,
                                   lambda params: make_optimizer(params, cfg.lr))
-    return dp.DataParallel(module, grid.dp_group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
+    # the grid hands out None for a data-parallel group of one; DataParallel reads None as the world
+    group = comm.SOLO if grid.dp_group is None else grid.dp_group
+    return dp.DataParallel(module, group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
                            optimizer=make_optimizer(module.parameters(), cfg.lr))
 
 
@@ -490,7 +490,7 @@ def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    dist.main_guard(run, argv)
+    cli.main_guard(run, argv)
 
 
 if __name__ == "__main__":

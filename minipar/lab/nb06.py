@@ -43,14 +43,14 @@ NOISE = 0.05
 
 
 def calibrated_hardware(timeout: float = 90.0, path: str | None = None) -> str:
-    """Calibrate this machine (``python -m minipar.plan calibrate --quick``) at the sweeps'
+    """Calibrate this machine (``python -m minipar.bench calibrate --quick``) at the sweeps'
     calibration point (one process of ``tiny``, batch 8); the file's path, or ``laptop-cpu``
     (and one line saying why) when calibrating fails or takes longer than ``timeout``."""
     import subprocess
     import sys
     import tempfile
     path = path or os.path.join(tempfile.mkdtemp(prefix="minipar-nb06-"), "this-machine.json")
-    cmd = [sys.executable, "-m", "minipar.plan", "calibrate", "--quick", "--out", path,
+    cmd = [sys.executable, "-m", "minipar.bench", "calibrate", "--quick", "--out", path,
            "--model", "tiny", "--batch-size", "8"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -60,23 +60,29 @@ layers per stage it holds m micro-batches (GPipe), min(m, p) (1F1B), or, interle
 chunks, up to p(v+1) - 1 chunk-micro-batches of layers/(p v) layers each, which is
 L (1 + (p-1)/(p v)) layers' worth.
 
-Temporary buffers (our assumptions, said here once)
----------------------------------------------------
+Temporary buffers and what the engine allocates (our assumptions, said here once)
+---------------------------------------------------------------------------------
 * the logits of one micro-batch on the last stage: 16-bit logits plus an fp32 copy for the
   softmax and the loss, b s V / t x (2 + 4) bytes (x (4 + 4) in fp32);
 * with full recomputation, one layer's complete activations while it is being recomputed;
 * with sharded parameters (s_p > 1), two gathered layers (the one computing and the next,
   prefetched) and one layer's full gradient before its reduce-scatter;
-* gradient buckets in flight: two of PyTorch DDP's default 25 MiB (or of the whole
-  gradient, if smaller).
+* gradient buckets in flight: two of the framework's buckets (Megatron-LM's 40M
+  parameters, DeepSpeed's 5e8 elements; minipar and FSDP reduce one unit at a time, and
+  PyTorch DDP's default 25 MiB stands in for them), or of the whole gradient, if smaller;
+* the gradient buffer in the framework's precision (``frameworks``: Megatron-LM and
+  DeepSpeed's BF16 optimizer accumulate into fp32, 4 bytes per parameter of the G shard,
+  in place of the 2 of the 16-bit gradient).
 We add the stash of the first stage and the logits of the last as if one device held both,
-which is exact for pp = 1 and a little pessimistic otherwise. A device counts as full at
-``1 - reserve`` of its memory (default reserve 10% for allocator fragmentation, workspaces
-and the runtime's context).
+which is exact for pp = 1 and a little pessimistic otherwise. What the device can give to
+all of this is ``Hardware.usable_bytes``: its memory less the runtime's share (context,
+communication buffers, library workspaces: ``runtime_bytes``), less a fragmentation margin
+(``fragmentation``; the presets cite where theirs comes from; ``reserve`` overrides it).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from .layout import Layout
 from .shapes import ModelShape
@@ -85,7 +91,7 @@ from ..sharding import Shard, resolve_shard
 BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}   # weight, gradient, optimizer
 ACTIVATION_BYTES = {"mixed": 2, "fp32": 4}
 BUCKET_BYTES = 25 * 2**20
-DEFAULT_RESERVE = 0.10
+DEFAULT_RESERVE = None        # the hardware's fragmentation margin
 
 
 def _check_dtype(dtype: str) -> None:
@@ -97,7 +103,17 @@ def _check_dtype(dtype: str) -> None:
 STEP_COUNTER_BYTES = 4       # torch.optim.Adam(W): one fp32 scalar "step" tensor per tensor
 
 
-def model_state_bytes(n_params: int | ModelShape, dp: int = 1,
+def padded_params(units: int | Sequence[int], multiple: int) -> int:
+    """Phi': each unit's flat buffer padded up to a multiple of ``multiple``, summed.
+
+    ``minipar.zero`` keeps every unit (the embedding, each block, the head) in one flat buffer
+    padded to a multiple of s_os, so each shard is whole. An int is one buffer.
+    """
+    units = units if isinstance(units, (list, tuple)) else [units]
+    return sum(math.ceil(n / multiple) * multiple for n in units)
+
+
+def model_state_bytes(n_params: int | Sequence[int] | ModelShape, dp: int = 1,
                       shard: Shard | str | None = None, zero: int | None = None, tp: int = 1,
                       pp: int = 1, dtype: str = "mixed", step_counters: int = 0) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states one device holds.
@@ -105,7 +121,10 @@ def model_state_bytes(n_params: int | ModelShape, dp: int = 1,
     ``n_params`` is a ``ModelShape`` or the whole model's parameter count. A shape is split
     exactly (``stage_params``: the heaviest pipeline stage, with the copies every TP rank
     keeps and the padded vocabulary); a bare count, with no shape to say what is
-    replicated, is split evenly, ceil(Phi / (tp pp)). ``shard`` (s_p, s_g, s_os) or
+    replicated, is split evenly, ceil(Phi / (tp pp)). A list is the parameter counts of the
+    units one rank's ``minipar.zero`` engine shards (already this rank's TP/PP part; tp and
+    pp are ignored), each padded to a multiple of s_os as the engine pads it: the storage
+    that engine allocates, byte for byte. ``shard`` (s_p, s_g, s_os) or
     ``zero`` (0-3) says how the dp ranks shard each part: any spec with
     1 <= s_p <= s_g <= s_os <= dp, each dividing the next and dp (not only AMSP's search
     space). ``step_counters``: how many tensors this rank's optimizer updates, each with
@@ -115,6 +134,8 @@ def model_state_bytes(n_params: int | ModelShape, dp: int = 1,
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
     if isinstance(n_params, ModelShape):
         phi = stage_params(n_params, tp, pp)
+    elif isinstance(n_params, (list, tuple)):
+        phi = padded_params(n_params, s_os)
     else:
         phi = math.ceil(n_params / (tp * pp))
     w, g, o = BYTES_PER_PARAM[dtype]
@@ -211,7 +232,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
 
 
 def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
-                    dtype: str = "mixed") -> float:
+                    dtype: str = "mixed", framework=None) -> float:
     """The transient buffers listed in the module docstring."""
     t, b, s = layout.tp, layout.micro_batch, shape.seq_len
     act = ACTIVATION_BYTES[dtype]
@@ -220,8 +241,11 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
         total += layer_activation_bytes(shape, b, t, layout.sp, "none", flash, dtype)
     total += gather_bytes(shape, t, layout.shard, dtype)
     if layout.dp > 1:
-        gradient = stage_params(shape, t, layout.pp) * BYTES_PER_PARAM[dtype][1]
-        total += 2 * min(BUCKET_BYTES, gradient)
+        g = (framework.grad_bytes if framework and framework.grad_bytes
+             else BYTES_PER_PARAM[dtype][1])
+        gradient = stage_params(shape, t, layout.pp) * g
+        bucket = framework.bucket_params(layout.dp) if framework else None
+        total += 2 * min(bucket * g if bucket else BUCKET_BYTES, gradient)
     return total
 
 
@@ -232,14 +256,25 @@ def gather_bytes(shape: ModelShape, tp: int, shard, dtype: str = "mixed") -> flo
     return 3 * tp_rank_params(shape, tp)["layer"] * ACTIVATION_BYTES[dtype]
 
 
+def grad_buffer_bytes(shape: ModelShape, layout: Layout, dtype: str, framework=None) -> float:
+    """The gradient buffer in the framework's precision (4 bytes per parameter of the G
+    shard for fp32 buffers)."""
+    g = (framework.grad_bytes if framework and framework.grad_bytes
+         else BYTES_PER_PARAM[dtype][1])
+    return g * math.ceil(stage_params(shape, layout.tp, layout.pp) / layout.shard[1])
+
+
 def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
-                  dtype: str = "mixed") -> dict[str, float]:
+                  dtype: str = "mixed", framework=None) -> dict[str, float]:
     """Everything one device holds at its peak: params, grads, optimizer, activations,
-    temporary, total (bytes)."""
+    temporary, total (bytes). ``framework`` (a ``frameworks.Framework``) sets the gradient
+    buffer's precision and the bucket size."""
     states = model_state_bytes(shape, layout.dp, shard=layout.shard, tp=layout.tp,
                                pp=layout.pp, dtype=dtype)
     out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
+    if framework is not None and framework.grad_bytes:
+        out["grads"] = float(grad_buffer_bytes(shape, layout, dtype, framework))
     out["activations"] = activation_bytes(shape, layout, flash, dtype)
-    out["temporary"] = temporary_bytes(shape, layout, flash, dtype)
+    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework)
     out["total"] = sum(out.values())
     return out
