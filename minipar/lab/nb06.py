@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from .. import plan, scaling
-from ..pp import bubble_formula
+
 
 # --------------------------------------------------------------------------------------
 # 1. Measured weak and strong scaling on this machine
@@ -188,7 +188,7 @@ def pipeline_sweep(ms=(1, 2, 4, 8, 16), pp: int = 2, micro_batch: int = 2, steps
             hardware=hardware, launcher="inprocess", warmup=warmup, timeout=300)
         r = records[0]
         rows.append(dict(m=m, global_batch=micro_batch * m, step_time_s=r["step_time_s"],
-                         tokens_per_s=r["tokens_per_s"], bubble=bubble_formula(pp, m),
+                         tokens_per_s=r["tokens_per_s"], bubble=plan.bubble_fraction(pp, m),
                          predicted_tokens_per_s=r["predicted"]["tokens_per_s"],
                          predicted_bubble_s=r["predicted"]["bubble_s"],
                          predicted_step_s=r["predicted"]["step_time_s"]))
