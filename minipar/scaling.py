@@ -18,7 +18,7 @@ Efficiency is throughput per process against the smallest point N0, so 1 is idea
     efficiency(N) = (tokens/s at N / N) / (tokens/s at N0 / N0)
 
 For weak scaling that is T(N0) / T(N), for strong scaling T(N0) N0 / (T(N) N), with T the step
-time. Each point's step time is the median over the steps after ``--warmup`` (the first steps
+time. Each point's step time is the median over the steps after ``--discard`` (the first steps
 pay for connections and allocator growth). Communication is what rank 0 spent inside
 ``minipar.comm``'s collectives per step (the trainer's ``comm_seconds``): time blocked in
 collectives, which includes waiting for slower ranks; the rest of the step is called compute.
@@ -324,14 +324,14 @@ def sweep(mode: str, nproc_list: list[int] | str, trainer_argv: list[str] = (),
     nproc_list = sorted(nproc_list)
     launcher = resolve_launcher(launcher)
     if warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {warmup}")
+        raise UsageError(f"--discard must be >= 0, got {warmup}")
     if base_repeats < 1:
         raise UsageError(f"--base-repeats must be >= 1, got {base_repeats}")
     points = plan_points(mode, nproc_list, list(trainer_argv))
     cfg = trainer_config([*points[0].argv, "--nproc", str(points[0].processes),
                           "--backend", "gloo"])
     if cfg.steps <= warmup:
-        raise UsageError(f"--steps {cfg.steps} leaves no step after --warmup {warmup}; "
+        raise UsageError(f"--steps {cfg.steps} leaves no step after --discard {warmup}; "
                          f"use --steps {warmup + 3} or more")
     try:
         plan.load_hardware(hardware)
@@ -461,7 +461,9 @@ def parser():
     p.add_argument("--json", action="store_true", help="print the records as a JSON list")
     p.add_argument("--hardware", default="laptop-cpu",
                    help="planner hardware preset or calibrated JSON file for the prediction")
-    p.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
+    p.add_argument("--discard", type=int, default=1, metavar="K",
+                   help="steps left out of the median step time (warm-up); the trainer's "
+                        "--warmup is its learning-rate warm-up and passes through")
     p.add_argument("--base-repeats", type=int, default=1,
                    help="run the smallest point this many times (again after the others) "
                         "and keep its fastest run; 2 on a shared machine")
@@ -505,7 +507,7 @@ def _main(argv: list[str]) -> list[dict]:
                   f"(predicted {r['predicted']['efficiency']:.1%})", file=sys.stderr, flush=True)
 
     records = sweep(args.mode, nproc_list, trainer_argv, hardware=args.hardware,
-                    launcher=args.launcher, warmup=args.warmup, timeout=args.point_timeout,
+                    launcher=args.launcher, warmup=args.discard, timeout=args.point_timeout,
                     workdir=args.workdir, srun_args=args.srun_args,
                     tasks_per_node=args.tasks_per_node, base_repeats=args.base_repeats,
                     on_point=report)

@@ -33,5 +33,5 @@ torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PE
 if [ "$NODE_RANK" -eq 0 ]; then
     python -m minipar.scaling weak --nproc-list 1,2,4,"$NPROC_PER_NODE" --launcher local \
         --model gpt2-medium --dtype bf16 --zero 1 --microbatches 4 --batch-size 8 \
-        --steps 10 --warmup 3 --out "$OUT/weak.jsonl" --plot "$OUT/weak.png"
+        --steps 10 --discard 3 --out "$OUT/weak.jsonl" --plot "$OUT/weak.png"
 fi

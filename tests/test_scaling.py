@@ -37,7 +37,7 @@ def test_efficiency_is_throughput_per_process_against_the_smallest_point():
     (["strong", "--nproc-list", "1,3", "--batch-size", "16"], "strong scaling at 3 processes"),
     (["weak", "--nproc-list", "1,2", "--dp", "2"], "--dp is set by the sweep"),
     (["weak", "--nproc-list", "1,x"], "--nproc-list wants process counts"),
-    (["weak", "--nproc-list", "1,2", "--steps", "1"], "leaves no step after --warmup"),
+    (["weak", "--nproc-list", "1,2", "--steps", "1"], "leaves no step after --discard"),
     (["weak", "--nproc-list", "1,2", "--hardware", "no-such-machine"], "--hardware"),
     (["weak", "--nproc-list", "1,2", "--launcher", "srun"], "needs a Slurm allocation"),
     (["sideways", "--nproc-list", "1,2"], "invalid choice"),

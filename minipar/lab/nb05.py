@@ -256,3 +256,19 @@ def draw_layouts(histories: dict[str, list[dict]], reference: str, warmup: int =
         a.set_xlabel(label, fontsize=8)
     fig.tight_layout()
     return fig
+
+
+# --------------------------------------------------------------------------------------
+# 4. A checkpoint saved in one layout, resumed in another
+# --------------------------------------------------------------------------------------
+def save_then_resume(common: list[str], save_layout: list[str], resume_layout: list[str],
+                     root: str, save_at: int, steps: int) -> dict[str, list[dict]]:
+    """Train ``save_layout`` to step ``save_at`` and save (``--save``); resume that checkpoint
+    in ``resume_layout`` up to ``steps`` (``--resume``). Rank 0's metrics of both runs."""
+    import os
+    saved = train_layouts({"saved": save_layout + ["--steps", str(save_at), "--save", root]},
+                          common)["saved"]
+    checkpoint = os.path.join(root, f"step-{save_at:06d}")
+    resumed = train_layouts({"resumed": resume_layout + ["--steps", str(steps), "--resume",
+                                                         checkpoint]}, common)["resumed"]
+    return dict(saved=saved, resumed=resumed, checkpoint=checkpoint)
