@@ -583,6 +583,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
             sent = comm.stats.bytes_by_op()
+            waited = comm.stats.seconds_by_op()
             # The loss lives on the last stage; every TP rank has the same value.
             holds_loss = grid.is_last_stage and grid.tp_rank == 0
             state = engine.model_state_bytes()
@@ -596,7 +597,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
                           tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
                           model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
                                                  optimizer=int(peaks[2]), total=int(peaks[3])),
-                          comm_bytes=sent, grad_norm=hook.grad_norm, lr=lr,
+                          comm_bytes=sent, comm_seconds=waited, grad_norm=hook.grad_norm, lr=lr,
                           **mfu.utilisation(flops, peaks[4], peak, cfg.world))
             if device.type == "cuda":
                 record["peak_memory_bytes"] = int(peaks[5])
