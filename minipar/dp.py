@@ -22,6 +22,10 @@ Communication per step, each rank (Ψ = gradient bytes, ring all-reduce over d r
 
 gloo has no AVG for every collective: each all-reduce sums, then divides by d.
 
+Parameters with their own reduction group (``p.grad_group``: MoE experts, ``minipar.moe``)
+are summed over that group instead, still divided by d, in buckets of their own that are
+reduced after backward, in the same order on every rank.
+
 The engine interface (shared with ``minipar.zero``):
 ``zero_grad()``, ``begin_step(microbatches)``, ``step()``, ``model_state_bytes()``.
 """
@@ -122,6 +126,13 @@ class DataParallel:
         self.d = comm.size(group)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buckets: list[Bucket] = []
+        # -- MoE: parameters tagged with their own reduction group get buckets of their own
+        self.tagged = [p for p in self.params if hasattr(p, "grad_group")]
+        self.params = [p for p in self.params if not hasattr(p, "grad_group")]
+        self.tagged_buckets = make_buckets(self.tagged, int(bucket_mb * 2**20)) if self.tagged else []
+        for b in self.tagged_buckets:
+            b.attach()
+        # --
         if mode != "naive":
             self.buckets = make_buckets(self.params, int(bucket_mb * 2**20))
             for b in self.buckets:
@@ -135,6 +146,9 @@ class DataParallel:
 
     # -- the step ------------------------------------------------------------------------
     def zero_grad(self):
+        for b in self.tagged_buckets:
+            b.buffer.zero_()
+            b.attach()
         if self.buckets:
             for b in self.buckets:
                 b.buffer.zero_()
@@ -177,7 +191,16 @@ class DataParallel:
                     b.handle = comm.all_reduce(b.buffer, self.group, op="avg", async_op=True)
             for b in self.buckets:
                 b.handle.wait()
+        self.sync_tagged()
         self.begin_step(self.microbatches)  # re-arm, so a caller who forgets begin_step is safe
+
+    def sync_tagged(self):
+        """MoE experts: sum over each parameter's own group (its replicas), divide by d."""
+        for b in self.tagged_buckets:
+            for p in b.params:
+                b.adopt(p)
+            comm.all_reduce(b.buffer, b.params[0].grad_group, op="sum")
+            b.buffer.div_(self.d)
 
     def step(self):
         self.finish_grad_sync()
@@ -186,11 +209,12 @@ class DataParallel:
 
     # -- accounting ----------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
-        params = tensor_bytes(self.params)
+        params = tensor_bytes(self.params) + tensor_bytes(self.tagged)
         if self.buckets:
             grads = tensor_bytes(b.buffer for b in self.buckets)
         else:
             grads = tensor_bytes(p.grad for p in self.params)
+        grads += tensor_bytes(b.buffer for b in self.tagged_buckets)
         optimizer = optimizer_state_bytes(self.optimizer)
         return dict(params=params, grads=grads, optimizer=optimizer,
                     total=params + grads + optimizer)

@@ -83,6 +83,10 @@ every spec composes with both. Under a pipeline, each micro-batch's forward and 
 gathers the parameters again, 2 m all-gathers per step: that is why Megatron-DeepSpeed
 pairs pipelines with ZeRO-1, whose traffic does not grow with m.
 
+MoE experts (``minipar.moe``) differ from one expert-parallel rank to the next, so they stay
+out of the shards: parameters tagged with ``p.grad_group`` are kept whole, as in plain DP,
+summed over that group (the expert's replicas) at the step and divided by d.
+
 The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
 ``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``.
 """
@@ -187,7 +191,8 @@ def units_of(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         parts = module.parts()
     else:
         parts = [m for m in module.modules() if isinstance(m, (Embedding, Block, LMHead))]
-    units, seen = [], set()
+    units = []
+    seen = {id(p) for p in module.parameters() if hasattr(p, "grad_group")}  # MoE experts: not sharded
     for part in parts:
         params = [p for p in part.parameters() if p.requires_grad and id(p) not in seen]
         seen.update(map(id, params))
@@ -342,7 +347,9 @@ class ShardedEngine:
         self.mesh = Mesh(grid, self.spec)
         self.units = [Unit(m, params, self.mesh) for m, params in units_of(module)]
         self._unit_of = {p: u for u in self.units for p in u.params}
-        self.optimizer = make_optimizer([u.os_param for u in self.units])
+        # -- MoE: experts (tagged with their own reduction group) stay whole, as in plain DP
+        self.tagged = [p for p in module.parameters() if hasattr(p, "grad_group")]
+        self.optimizer = make_optimizer([u.os_param for u in self.units] + self.tagged)
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if self.spec.p > 1:
@@ -411,6 +418,8 @@ class ShardedEngine:
     def zero_grad(self):
         """Zero the gradients; a G shard's memory is released until backward refills it
         (as ``set_to_none`` does), so the forward pass runs without any gradient storage."""
+        for p in self.tagged:
+            p.grad = None
         for u in self.units:
             if self.spec.g == 1:
                 u.grad_shard.zero_()
@@ -433,6 +442,11 @@ class ShardedEngine:
             if self.spec.g > 1 and (storage_bytes(u.grad_shard) == 0
                                     or any(p.grad is not None for p in u.params)):
                 self._reduce(u)                 # a unit whose backward never finished
+        for p in self.tagged:                   # MoE experts: sum over their replicas, / d
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, p.grad_group)
+            p.grad.div_(self.mesh.d)
         sharded_optimizer_step(self.units, self.optimizer, self.mesh)
 
     def model_state_bytes(self) -> dict[str, int]:
@@ -443,6 +457,8 @@ class ShardedEngine:
         grads = sum(storage_bytes(u.grad_shard) for u in self.units)
         if self.spec.g > 1:
             grads += sum(storage_bytes(p.grad) for u in self.units for p in u.params)
+        params += sum(p.numel() * p.element_size() for p in self.tagged)
+        grads += sum(storage_bytes(p.grad) for p in self.tagged)
         optimizer = optimizer_state_bytes(self.optimizer)
         return dict(params=params, grads=grads, optimizer=optimizer,
                     total=params + grads + optimizer)
@@ -464,6 +480,8 @@ class ShardedEngine:
                     sl = slice(offset, offset + p.numel())
                     out[names[p]] = (flat[sl].view_as(p), grad[sl].view_as(p))
                     offset += p.numel()
+        for p in self.tagged:
+            out[names[p]] = (p.detach(), p.grad)
         return out
 
 
