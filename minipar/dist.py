@@ -238,14 +238,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, args, rank, world, port, backend, queue, threads):
+def _worker(fn, args, kwargs, rank, world, port, backend, queue, threads):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     try:
         init(backend)
-        result = fn(*args)
+        result = fn(*args, **kwargs)
         # Plain pickle copies tensors into the message; torch's default queue pickling would
         # pass them as shared-memory file descriptors that die with this process.
         queue.put((rank, "ok", pickle.dumps(result)))
@@ -280,8 +280,8 @@ def _context():
 
 
 def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0,
-           threads: int = 1) -> list:
-    """Run ``fn(*args)`` on ``nprocs`` local ranks; return every rank's result, by rank.
+           threads: int = 1, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return every rank's result, by rank.
 
     ``fn`` must be importable (a module-level function). The default process group is
     initialised before ``fn`` runs, so it can build a ``Grid`` or call collectives. If a rank
@@ -292,7 +292,7 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
     ctx = _context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, args, r, nprocs, port, backend, q, threads),
+    procs = [ctx.Process(target=_worker, args=(fn, args, kwargs, r, nprocs, port, backend, q, threads),
                          daemon=True) for r in range(nprocs)]
     for p in procs:
         p.start()

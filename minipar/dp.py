@@ -207,6 +207,10 @@ class DataParallel:
         if self.optimizer is not None:
             self.optimizer.step()
 
+    def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """{name: (parameter, gradient)}: every rank holds them whole already."""
+        return {n: (p.detach(), p.grad) for n, p in self.module.named_parameters()}
+
     # -- accounting ----------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
         params = tensor_bytes(self.params) + tensor_bytes(self.tagged)

@@ -570,18 +570,18 @@ class PipelineRunner:
 # --------------------------------------------------------------------------------------
 # The trainer's checks, and a measured run for the notebook and the bench
 # --------------------------------------------------------------------------------------
-def validate(cfg, args) -> None:
+def validate(cfg, pp: int, microbatches: int, chunks: int = 1, schedule: str = "1f1b") -> None:
     """Reject, before any process starts, a pipeline that cannot run."""
-    p, m = args.pp, args.microbatches
-    v = args.chunks if args.schedule == "interleaved" else 1
-    if args.schedule == "interleaved" and m % p:
+    p, m = pp, microbatches
+    v = chunks if schedule == "interleaved" else 1
+    if schedule == "interleaved" and m % p:
         near = [k for k in (m - m % p, m - m % p + p) if k >= p]
         raise UsageError(f"--schedule interleaved runs micro-batches in groups of pp={p}, so "
                          f"--microbatches {m} must be a multiple of {p}; use --microbatches "
                          f"{' or '.join(map(str, near))}, or --schedule 1f1b")
     if cfg.n_layer % (p * v):
         what = f"pp={p} x chunks={v} = {p * v}" if v > 1 else f"pp={p}"
-        raise UsageError(f"model {args.model} has {cfg.n_layer} layers, which do not split into "
+        raise UsageError(f"the model has {cfg.n_layer} layers, which do not split into "
                          f"{what} equal stages; use a pp{' x chunks' if v > 1 else ''} that "
                          f"divides {cfg.n_layer}")
 

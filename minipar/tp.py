@@ -61,20 +61,20 @@ from .model import GPT, Block, GPTConfig
 # --------------------------------------------------------------------------------------
 # Checks before any process starts
 # --------------------------------------------------------------------------------------
-def validate(cfg: GPTConfig, args) -> None:
-    """Shapes that must divide by the TP degree; raises UsageError with the fix."""
-    t = args.tp
+def validate(cfg: GPTConfig, tp: int, sp: bool = False) -> None:
+    """Shapes that must divide by the TP degree ``tp``; raises UsageError with the fix."""
+    t = tp
     if cfg.n_head % t:
-        raise UsageError(f"--tp {t} does not divide the {cfg.n_head} attention heads of model "
-                         f"{getattr(args, 'model', '')!r} (each rank owns whole heads); "
-                         f"use a --tp that divides {cfg.n_head}")
+        raise UsageError(f"--tp {t} does not divide the {cfg.n_head} attention heads of the "
+                         f"model (each rank owns whole heads); use a --tp that divides "
+                         f"{cfg.n_head}")
     if cfg.d_model % t:
         raise UsageError(f"--tp {t} does not divide the hidden size d_model={cfg.d_model}; "
                          f"use a --tp that divides {cfg.d_model}")
     if cfg.ffn % t:
         raise UsageError(f"--tp {t} does not divide the MLP width {cfg.ffn}; "
                          f"use a --tp that divides {cfg.ffn}")
-    if getattr(args, "sp", False) and cfg.seq_len % t:
+    if sp and cfg.seq_len % t:
         raise UsageError(f"--sp splits each sequence over the {t} tensor-parallel ranks, but the "
                          f"sequence length {cfg.seq_len} is not divisible by {t}; use a --seq-len "
                          f"that is a multiple of {t}, or drop --sp")

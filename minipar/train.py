@@ -1,4 +1,4 @@
-"""The GPT trainer: ``python -m minipar.train`` (flags and metrics: CONTRACTS.md section 1).
+"""The GPT trainer: ``python -m minipar.train`` (flags and metrics: docs/reference.md).
 
 One training step, whatever the layout::
 
@@ -6,7 +6,10 @@ One training step, whatever the layout::
     loss = runner.forward_backward(x, y)     # m micro-batches; a pipeline if --pp > 1
     engine.step()                            # gradient sync (DP, ZeRO/AMSP) + optimizer
 
-The paradigms meet here and nowhere else:
+The flags are parsed and checked once, in ``parse_config``, into a frozen ``RunConfig`` that
+every rank receives; nothing below the command line sees argparse. The paradigms meet here
+and nowhere else, through three seams that take values:
+
   * ``build_model``  the full serial GPT from the seed, then tensor-parallel (``minipar.tp``);
   * ``build_runner`` forward/backward over micro-batches: local, or a pipeline stage (``minipar.pp``);
   * ``build_engine`` the model-state engine: data parallel (``minipar.dp``) or sharded (``minipar.zero``).
@@ -16,25 +19,32 @@ Bad input exits with status 2 and one line, before any process starts.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from . import comm, data, dist, dp
-from .dist import UsageError
-from .model import PRESETS, build, config
+from . import comm, data, dist, dp, sharding
+from .errors import UsageError
+from .model import PRESETS, GPTConfig, build, config
 
 
 # --------------------------------------------------------------------------------------
-# Arguments and validation
+# The command line
 # --------------------------------------------------------------------------------------
-def parser() -> dist.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = dist.ArgumentParser(prog="python -m minipar.train",
-                                description="Train a small GPT with any mix of DP, TP, PP and "
-                                            "ZeRO/AMSP sharding (CONTRACTS.md section 1).")
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                            description="Train a small GPT with any mix of DP, TP, PP and "
+                                        "ZeRO/AMSP sharding (reference: docs/reference.md).")
     p.add_argument("--nproc", type=int, default=None,
                    help="start N local processes (omit under torchrun or srun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
@@ -46,7 +56,8 @@ def parser() -> dist.ArgumentParser:
     p.add_argument("--shard", type=str, default=None, metavar="P,G,OS",
                    help="AMSP shard-group sizes for parameters, gradients, optimizer states")
     p.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: nccl when every process can own a GPU, else gloo on CPU")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"],
                    help="pipeline schedule")
     p.add_argument("--chunks", type=int, default=2,
@@ -55,12 +66,12 @@ def parser() -> dist.ArgumentParser:
                    help="micro-batches per step per pipeline (default 1, or 2*pp with --pp)")
     p.add_argument("--dp-mode", default="overlapped", choices=list(dp.MODES),
                    help="data-parallel variant when not sharding")
-    p.add_argument("--bucket-mb", type=float, default=4.0, help="DP gradient bucket size")
+    p.add_argument("--bucket-mb", type=float, default=4.0, help="DP gradient bucket size, MB")
     p.add_argument("--model", default="tiny", help=f"size preset: {', '.join(PRESETS)}")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="a text file (default: built-in corpus)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -72,100 +83,190 @@ def parser() -> dist.ArgumentParser:
     return p
 
 
-def world_size_from(args) -> int:
-    if args.nproc is not None:
-        return args.nproc
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs, checked: what every rank receives (picklable, immutable)."""
+
+    nproc: int | None
+    tp: int
+    pp: int
+    dp: int                        # resolved: world size / (tp * pp) unless given
+    zero: int | None
+    shard: str | None
+    spec: tuple[int, int, int] | None   # (s_p, s_g, s_os); None = plain data parallelism
+    sp: bool
+    backend: str
+    schedule: str
+    chunks: int
+    microbatches: int              # resolved: 1, or 2 * pp under a pipeline
+    dp_mode: str
+    bucket_mb: float
+    model: str
+    model_cfg: GPTConfig           # the preset with --seq-len applied
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    data: str | None
+    dtype: str
+    metrics: str | None
+    log_every: int
+    quiet: bool
+    timeout: float
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def seq_len(self) -> int:
+        return self.model_cfg.seq_len
+
+
+def world_size_from(nproc: int | None) -> int:
+    if nproc is not None:
+        return nproc
     env = dist.env_from_os()
     return env.world_size if env else 1
 
 
-def validate(args) -> None:
-    """Every check that can be made before a process starts; raises UsageError."""
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
-    for name in ("tp", "pp", "steps", "batch_size", "chunks"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.lr <= 0:
-        raise UsageError(f"--lr must be positive, got {args.lr}")
-    if args.model not in PRESETS:
-        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}")
-    world = world_size_from(args)
-    if world % (args.tp * args.pp):
-        raise UsageError(f"{world} processes do not divide into tp={args.tp} x pp={args.pp}; "
-                         f"use a process count that is a multiple of {args.tp * args.pp}")
-    if args.dp is None:
-        args.dp = world // (args.tp * args.pp)
-    if args.dp < 1 or args.dp * args.tp * args.pp != world:
-        raise UsageError(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} = "
-                         f"{args.dp * args.tp * args.pp}, but there are {world} processes; "
-                         f"omit --dp or make the product equal the process count")
-    if args.microbatches is None:
-        args.microbatches = 2 * args.pp if args.pp > 1 else 1
-    if args.microbatches < 1:
-        raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
-    if args.batch_size % (args.dp * args.microbatches):
-        raise UsageError(f"--batch-size {args.batch_size} is not divisible by dp={args.dp} x "
-                         f"microbatches={args.microbatches}; use a multiple of "
-                         f"{args.dp * args.microbatches}")
-    if args.zero is not None and args.shard is not None:
+def _positive(name: str, value, strict: bool = True) -> None:
+    ok = value is not None and math.isfinite(value) and (value > 0 if strict else value >= 0)
+    if not ok:
+        raise UsageError(f"--{name} must be a positive finite number, got {value}")
+
+
+def parse_config(argv: list[str]) -> RunConfig:
+    """Parse and check the flags; every check that can be made before a process starts.
+
+    Raises UsageError (one line: what is wrong, what would fix it).
+    """
+    a = parser().parse_args(argv)
+    if a.nproc is not None and a.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {a.nproc}")
+    for name in ("tp", "pp", "steps", "batch_size", "chunks", "log_every"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    _positive("lr", a.lr)
+    _positive("bucket-mb", a.bucket_mb)
+    _positive("timeout", a.timeout)
+    if a.model not in PRESETS:
+        raise UsageError(f"unknown --model {a.model!r}; choose one of {', '.join(PRESETS)}")
+    world = world_size_from(a.nproc)
+    if world % (a.tp * a.pp):
+        raise UsageError(f"{world} processes do not divide into tp={a.tp} x pp={a.pp}; "
+                         f"use a process count that is a multiple of {a.tp * a.pp}")
+    d = a.dp if a.dp is not None else world // (a.tp * a.pp)
+    if d < 1 or d * a.tp * a.pp != world:
+        raise UsageError(f"--dp {d} x --tp {a.tp} x --pp {a.pp} = {d * a.tp * a.pp}, but there "
+                         f"are {world} processes; omit --dp or make the product equal the "
+                         f"process count")
+    m = a.microbatches if a.microbatches is not None else (2 * a.pp if a.pp > 1 else 1)
+    if m < 1:
+        raise UsageError(f"--microbatches must be >= 1, got {m}")
+    if a.batch_size % (d * m):
+        raise UsageError(f"--batch-size {a.batch_size} is not divisible by dp={d} x "
+                         f"microbatches={m}; use a multiple of {d * m}")
+    if a.zero is not None and a.shard is not None:
         raise UsageError("give --zero or --shard, not both (--zero Z is a preset of --shard)")
-    if args.log_every < 1:
-        raise UsageError(f"--log-every must be >= 1, got {args.log_every}")
-    if args.metrics and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
-        raise UsageError(f"--metrics {args.metrics}: its folder does not exist; create it first")
-    if args.data is not None and not os.path.isfile(args.data):
-        raise UsageError(f"--data {args.data}: no such file")
-    cfg = model_config(args)
-    if args.seq_len is not None and args.seq_len < 1:
-        raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
-    corpus = (os.path.getsize(args.data) if args.data is not None
-              else len(data.load_text(None).encode("utf-8")))
-    if corpus < cfg.seq_len + 2:
-        raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of {cfg.seq_len} "
-                         f"tokens; use a longer --data file or a smaller --seq-len")
-    if args.backend == "nccl" or (args.backend == "auto" and args.nproc is not None):
-        local = args.nproc if args.nproc is not None else 1
-        dist.resolve_backend(args.backend, local)
-    if args.tp > 1:
+    if a.metrics:
+        folder = os.path.dirname(os.path.abspath(a.metrics))
+        if os.path.isdir(a.metrics):
+            raise UsageError(f"--metrics {a.metrics} is a folder; give a file name")
+        if not os.path.isdir(folder):
+            raise UsageError(f"--metrics {a.metrics}: its folder does not exist; create it first")
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"--metrics {a.metrics}: its folder is not writable")
+    if a.seq_len is not None and a.seq_len < 1:
+        raise UsageError(f"--seq-len must be >= 1, got {a.seq_len}")
+    model_cfg = config(a.model, **({} if a.seq_len is None else {"seq_len": a.seq_len}))
+    corpus = _corpus_bytes(a.data)
+    if corpus < model_cfg.seq_len + 2:
+        raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of "
+                         f"{model_cfg.seq_len} tokens; use a longer --data file or a smaller "
+                         f"--seq-len")
+    if a.backend == "nccl" or (a.backend == "auto" and a.nproc is not None):
+        dist.resolve_backend(a.backend, a.nproc if a.nproc is not None else 1)
+    if a.tp > 1:
         from . import tp
-        tp.validate(cfg, args)
-    elif args.sp:
+        tp.validate(model_cfg, a.tp, a.sp)
+    elif a.sp:
         raise UsageError("--sp splits the sequence inside the tensor-parallel group; it needs --tp > 1")
-    if args.pp > 1:
+    if a.pp > 1:
         from . import pp
-        pp.validate(cfg, args)
-    elif args.schedule == "interleaved":
+        pp.validate(model_cfg, a.pp, m, a.chunks, a.schedule)
+    elif a.schedule == "interleaved":
         raise UsageError("--schedule interleaved needs --pp > 1")
-    if args.zero is not None or args.shard is not None:
-        from . import zero
-        zero.validate(cfg, args)
+    spec = None
+    if a.shard is not None:
+        spec = sharding.parse_shard(a.shard)
+    elif a.zero is not None:
+        spec = sharding.zero_shard(a.zero, d)
+    if spec is not None:
+        reason = sharding.shard_violation(tuple(spec), d)
+        if reason:
+            raise UsageError(reason)
+        spec = tuple(int(s) for s in spec)
+    return RunConfig(nproc=a.nproc, tp=a.tp, pp=a.pp, dp=d, zero=a.zero, shard=a.shard,
+                     spec=spec, sp=a.sp, backend=a.backend, schedule=a.schedule,
+                     chunks=a.chunks, microbatches=m, dp_mode=a.dp_mode, bucket_mb=a.bucket_mb,
+                     model=a.model, model_cfg=model_cfg, steps=a.steps,
+                     batch_size=a.batch_size, lr=a.lr, seed=a.seed, data=a.data,
+                     dtype=a.dtype, metrics=a.metrics, log_every=a.log_every, quiet=a.quiet,
+                     timeout=a.timeout)
 
 
-def model_config(args):
-    overrides = {}
-    if args.seq_len is not None:
-        overrides["seq_len"] = args.seq_len
-    return config(args.model, **overrides)
+def _corpus_bytes(path: str | None) -> int:
+    if path is None:
+        return len(data.load_text(None).encode("utf-8"))
+    if os.path.isdir(path):
+        raise UsageError(f"--data {path} is a folder; give a text file")
+    if not os.path.isfile(path):
+        raise UsageError(f"--data {path}: no such file")
+    return os.path.getsize(path)
 
 
 # --------------------------------------------------------------------------------------
-# The three extension points
+# The seams: what a layout is made of
 # --------------------------------------------------------------------------------------
-def build_model(args, grid: dist.Grid, device):
+class Runner(Protocol):
+    """Forward and backward of one step's micro-batches on this rank's part of the model."""
+
+    module: torch.nn.Module
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float: ...
+
+    def serial_name(self, local_name: str) -> str: ...
+
+
+class Engine(Protocol):
+    """The model states (parameters, gradients, optimizer) and their synchronisation."""
+
+    def zero_grad(self) -> None: ...
+
+    def begin_step(self, microbatches: int) -> None: ...
+
+    def step(self) -> None: ...
+
+    def model_state_bytes(self) -> dict[str, int]: ...
+
+    def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]: ...
+
+
+def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
     """The full serial model from the seed (same on every rank), then the TP slice of it."""
-    model = build(model_config(args), seed=args.seed)
+    model = build(cfg.model_cfg, seed=cfg.seed)
     model.full_params = sum(p.numel() for p in model.parameters())
     if grid.tp > 1:
         from . import tp
-        model = tp.parallelize(model, grid, sequence_parallel=args.sp)
+        model = tp.parallelize(model, grid, sequence_parallel=cfg.sp)
     return model.to(device)
 
 
 class LocalRunner:
     """Forward and backward of m micro-batches on one device (gradient accumulation)."""
 
-    def __init__(self, model, microbatches: int, autocast):
+    def __init__(self, model, microbatches: int, autocast=contextlib.nullcontext):
         self.module, self.m, self.autocast = model, microbatches, autocast
 
     def forward_backward(self, x, y) -> float:
@@ -177,39 +278,42 @@ class LocalRunner:
             total += loss.item()
         return total
 
+    def serial_name(self, local_name: str) -> str:
+        return local_name
 
-def build_runner(args, grid: dist.Grid, model, autocast):
+
+def build_runner(cfg: RunConfig, grid: dist.Grid, model, autocast=contextlib.nullcontext) -> Runner:
     if grid.pp > 1:
         from . import pp
-        return pp.PipelineRunner(model, grid, schedule=args.schedule,
-                                 microbatches=args.microbatches, chunks=args.chunks,
+        return pp.PipelineRunner(model, grid, schedule=cfg.schedule,
+                                 microbatches=cfg.microbatches, chunks=cfg.chunks,
                                  autocast=autocast)
-    return LocalRunner(model, args.microbatches, autocast)
+    return LocalRunner(model, cfg.microbatches, autocast)
 
 
-def make_optimizer(params, args):
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
-def build_engine(args, grid: dist.Grid, module):
-    if args.zero is not None or args.shard is not None:
+def build_engine(cfg: RunConfig, grid: dist.Grid, module) -> Engine:
+    if cfg.spec is not None:
         from . import zero
-        return zero.build_engine(module, grid, args)
-    return dp.DataParallel(module, grid.dp_group, mode=args.dp_mode, bucket_mb=args.bucket_mb,
-                           optimizer=make_optimizer(module.parameters(), args))
+        return zero.ShardedEngine(module, grid, cfg.spec,
+                                  lambda params: make_optimizer(params, cfg.lr))
+    return dp.DataParallel(module, grid.dp_group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
+                           optimizer=make_optimizer(module.parameters(), cfg.lr))
 
 
 # --------------------------------------------------------------------------------------
 # The loop (runs on every rank)
 # --------------------------------------------------------------------------------------
 def _autocast_factory(dtype: str, device: torch.device):
-    import contextlib
     if dtype == "bf16":
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 
 
-def collect_state(grid: dist.Grid, runner, engine) -> dict[str, dict[str, torch.Tensor]]:
+def collect_state(grid: dist.Grid, runner: Runner, engine: Engine) -> dict:
     """This rank's parameters and gradients in the serial model's names and full shapes.
 
     Each paradigm undoes its own split, innermost first:
@@ -219,61 +323,75 @@ def collect_state(grid: dist.Grid, runner, engine) -> dict[str, dict[str, torch.
       * ``runner.serial_name(local name)`` maps a stage's names to the serial ones (``minipar.pp``).
     Tests merge the dicts of all ranks and compare them with the single-process run.
     """
-    if hasattr(engine, "full_named_parameters"):
-        named = engine.full_named_parameters()
-    else:
-        named = {n: (p.detach(), p.grad) for n, p in runner.module.named_parameters()}
     params, grads = {}, {}
-    for name, (p, g) in named.items():
+    for name, (p, g) in engine.full_named_parameters().items():
         if grid.tp > 1:
             from . import tp
             p = tp.full_tensor(name, p, runner.module, grid)
             g = tp.full_tensor(name, g, runner.module, grid) if g is not None else None
-        serial = runner.serial_name(name) if hasattr(runner, "serial_name") else name
+        serial = runner.serial_name(name)
         params[serial] = p.detach().cpu().clone()
         grads[serial] = None if g is None else g.detach().cpu().clone()
     return dict(params=params, grads=grads)
 
 
-def worker(argv: list[str], return_state: bool = False):
+def _start(cfg: RunConfig) -> tuple[str, torch.device]:
+    """Join the process group (torchrun, srun, --nproc) or pick the single process's device."""
+    if dist.env_from_os():
+        return dist.init(cfg.backend)
+    if cfg.backend != "gloo" and torch.cuda.is_available():
+        return "none", torch.device("cuda", 0)
+    return "none", torch.device("cpu")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
+           local_params: int) -> str:
+    where = (f"{_plural(cfg.world, 'process')}, {backend} on {device.type}" if backend != "none"
+             else f"1 process on {device}")
+    layout = f"dp={cfg.dp} pp={cfg.pp} tp={cfg.tp}{' +sp' if cfg.sp else ''}, {engine_name(cfg)}"
+    held = ("" if local_params == full_params else
+            f"; rank 0's pipeline stage and TP slice: {local_params:,}")
+    return (f"minipar: {where} ({layout}), model {cfg.model} ({full_params:,} parameters{held}), "
+            f"global batch {cfg.batch_size} x {cfg.seq_len} tokens in "
+            f"{_plural(cfg.microbatches, 'micro-batch')}".replace("micro-batchs", "micro-batches"))
+
+
+def worker(cfg: RunConfig, return_state: bool = False):
     """One rank's training run. Returns the metrics list on rank 0, None elsewhere.
 
     With ``return_state`` every rank returns ``dict(history=..., params=..., grads=...)``:
     its part of the final parameters and last step's gradients (see ``collect_state``).
     """
-    args = parser().parse_args(argv)
-    validate(args)
-    backend, device = dist.init(args.backend) if dist.env_from_os() else ("none", torch.device("cpu"))
-    grid = dist.Grid(dp=args.dp, pp=args.pp, tp=args.tp)
+    backend, device = _start(cfg)
+    grid = dist.Grid(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
     is_rank0 = grid.rank == 0
-    torch.manual_seed(args.seed)
+    torch.manual_seed(cfg.seed)
 
-    tokens = data.ByteTokenizer().encode(data.load_text(args.data))
-    cfg = model_config(args)
-    batches = data.Batches(tokens, cfg.seq_len, args.batch_size, seed=args.seed)
-    autocast = _autocast_factory(args.dtype, device)
+    tokens = data.ByteTokenizer().encode(data.load_text(cfg.data))
+    batches = data.Batches(tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    autocast = _autocast_factory(cfg.dtype, device)
 
-    model = build_model(args, grid, device)
-    runner = build_runner(args, grid, model, autocast)
-    engine = build_engine(args, grid, runner.module)
+    model = build_model(cfg, grid, device)
+    runner = build_runner(cfg, grid, model, autocast)
+    engine = build_engine(cfg, grid, runner.module)
 
-    log = print if (is_rank0 and not args.quiet) else (lambda *a, **k: None)
-    log(f"minipar: {grid.dp * grid.pp * grid.tp} rank(s) on {backend} "
-        f"(dp={grid.dp} pp={grid.pp} tp={grid.tp}{' sp' if args.sp else ''}"
-        f"{', ' + engine_name(args)}), model {args.model} "
-        f"({model.full_params:,} params; rank 0's stage and shard: "
-        f"{sum(p.numel() for p in runner.module.parameters()):,}), "
-        f"global batch {args.batch_size}x{cfg.seq_len} tokens, {args.microbatches} micro-batches")
-    metrics_file = open(args.metrics, "w") if (args.metrics and is_rank0) else None
+    log = print if (is_rank0 and not cfg.quiet) else (lambda *a, **k: None)
+    log(banner(cfg, backend, device, model.full_params,
+               sum(p.numel() for p in runner.module.parameters())))
+    metrics_file = open(cfg.metrics, "w") if (cfg.metrics and is_rank0) else None
     history = []
     try:
-        for step in range(1, args.steps + 1):
+        for step in range(1, cfg.steps + 1):
             x, y = batches.local_batch(step, grid.dp_rank, grid.dp)
             x, y = x.to(device), y.to(device)
             comm.reset()
             t0 = time.perf_counter()
             engine.zero_grad()
-            engine.begin_step(args.microbatches)
+            engine.begin_step(cfg.microbatches)
             local_loss = runner.forward_backward(x, y)
             _maybe_crash(grid.rank, step)
             engine.step()
@@ -288,7 +406,7 @@ def worker(argv: list[str], return_state: bool = False):
             peaks = comm.all_reduce_scalars([state["params"], state["grads"], state["optimizer"],
                                              state["total"], step_time], comm.WORLD, op="max")
             record = dict(step=step, loss=loss_sum / grid.dp, step_time_s=peaks[4],
-                          tokens_per_s=args.batch_size * cfg.seq_len / peaks[4],
+                          tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
                           model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
                                                  optimizer=int(peaks[2]), total=int(peaks[3])),
                           comm_bytes=sent)
@@ -297,15 +415,15 @@ def worker(argv: list[str], return_state: bool = False):
                 if metrics_file:
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
-                if step % args.log_every == 0 or step == args.steps:
-                    log(f"step {step:4d}/{args.steps} | loss {record['loss']:.4f} | "
-                        f"{record['tokens_per_s']:8.0f} tok/s | {record['step_time_s']*1e3:7.1f} ms | "
-                        f"sent {sum(sent.values()) / 2**20:7.2f} MiB")
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    log(f"step {step:4d}/{cfg.steps} | loss {record['loss']:.4f} | "
+                        f"{record['tokens_per_s']:8.0f} tok/s | {record['step_time_s']*1e3:7.1f} ms"
+                        f" | rank 0 sent {sum(sent.values()) / 2**20:6.2f} MiB")
     finally:
         if metrics_file:
             metrics_file.close()
     if is_rank0:
-        print(summary(history, args))
+        print(summary(history))
     if return_state:
         return dict(history=history, **collect_state(grid, runner, engine))
     return history if is_rank0 else None
@@ -318,15 +436,15 @@ def _maybe_crash(rank: int, step: int) -> None:
         raise RuntimeError(f"injected crash on rank {rank} at step {step} (MINIPAR_CRASH_AT)")
 
 
-def engine_name(args) -> str:
-    if args.shard is not None:
-        return f"shard {args.shard}"
-    if args.zero is not None:
-        return f"ZeRO-{args.zero}"
-    return f"DP {args.dp_mode}" if args.dp > 1 else "no DP"
+def engine_name(cfg: RunConfig) -> str:
+    if cfg.shard is not None:
+        return f"shard {cfg.shard}"
+    if cfg.zero is not None:
+        return f"ZeRO-{cfg.zero}"
+    return f"DP {cfg.dp_mode}" if cfg.dp > 1 else "no DP"
 
 
-def summary(history: list[dict], args) -> str:
+def summary(history: list[dict]) -> str:
     if not history:
         return "no steps run"
     last, first = history[-1], history[0]
@@ -336,34 +454,31 @@ def summary(history: list[dict], args) -> str:
     sent = last["comm_bytes"]
     lines = [f"summary: {len(history)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
              f"{tps:,.0f} tokens/s (mean after step 1)",
-             f"  model state per rank (max): params {ms['params']:,} B, grads {ms['grads']:,} B, "
-             f"optimizer {ms['optimizer']:,} B, total {ms['total']:,} B",
+             f"  model state per rank (the largest over ranks): params {ms['params']:,} B, "
+             f"grads {ms['grads']:,} B, optimizer {ms['optimizer']:,} B, total {ms['total']:,} B",
              "  sent by rank 0 in the last step: " +
              (", ".join(f"{op} {b:,} B" for op, b in sorted(sent.items()) if b) or "nothing")]
     return "\n".join(lines)
 
 
 def run(argv: list[str]) -> list[dict]:
-    """Validate, then train (launching --nproc processes if asked); rank 0's metrics."""
-    args = parser().parse_args(argv)
-    validate(args)
-    if args.nproc is not None and dist.env_from_os() is None:
-        if args.nproc == 1:
-            return worker(argv)
-        return dist.launch(worker, args.nproc, argv, backend=args.backend,
-                           timeout=args.timeout)[0]
-    return worker(argv)
+    """Check the flags, then train (launching --nproc processes if asked); rank 0's metrics."""
+    cfg = parse_config(argv)
+    if cfg.nproc is not None and cfg.nproc > 1 and dist.env_from_os() is None:
+        return dist.launch(worker, cfg.nproc, cfg, backend=cfg.backend, timeout=cfg.timeout)[0]
+    return worker(cfg)
 
 
 def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:
     """For tests: train, then merge every rank's final parameters and gradients.
 
-    Returns ``dict(losses=[...], params={serial name: tensor}, grads={...})``.
+    Returns ``dict(losses=[...], history=[...], params={serial name: tensor}, grads={...})``.
     """
+    cfg = dataclasses.replace(parse_config(argv + ["--nproc", str(nproc)]), quiet=True)
     if nproc == 1:
-        results = [worker(argv, True)]
+        results = [worker(cfg, return_state=True)]
     else:
-        results = dist.launch(worker, nproc, argv, True, timeout=timeout)
+        results = dist.launch(worker, nproc, cfg, return_state=True, timeout=timeout)
     params, grads = {}, {}
     for r in results:
         params.update(r["params"])

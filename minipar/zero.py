@@ -100,7 +100,6 @@ import torch.nn as nn
 from einops import rearrange
 
 from . import comm
-from .dist import UsageError
 from .dp import optimizer_state_bytes
 from .model import Block, Embedding, LMHead
 from . import sharding
@@ -129,23 +128,6 @@ def parse_shard(text: str) -> Spec:
 def spec_violation(spec: Spec, d: int) -> str | None:
     """Why ``spec`` cannot shard d ranks (one line: what is wrong; what would fix it), or None."""
     return sharding.shard_violation(tuple(spec), d)
-
-
-def spec_from_args(args) -> Spec:
-    """The spec of ``--zero Z`` or ``--shard P,G,OS`` over ``args.dp`` ranks."""
-    if args.shard is not None:
-        return parse_shard(args.shard)
-    return zero_spec(args.zero if args.zero is not None else 0, args.dp)
-
-
-def validate(cfg, args) -> None:
-    """Checks made before any process starts (the trainer turns UsageError into exit 2)."""
-    if args.zero is not None and args.shard is not None:
-        raise UsageError("give --zero or --shard, not both (--zero Z is a preset of --shard)")
-    spec = spec_from_args(args)
-    reason = spec_violation(spec, args.dp)
-    if reason:
-        raise UsageError(reason)
 
 
 # --------------------------------------------------------------------------------------
@@ -494,14 +476,6 @@ def gather_up(x: torch.Tensor, groups) -> torch.Tensor:
             comm.all_gather(out, x, group)
             x = out
     return x
-
-
-def build_engine(module: nn.Module, grid, args) -> ShardedEngine:
-    """The trainer's entry point: ``--zero Z`` or ``--shard P,G,OS`` over the DP group."""
-    from .train import make_optimizer
-    return ShardedEngine(module, grid, spec_from_args(args),
-                         lambda params: make_optimizer(params, args),
-                         prefetch=getattr(args, "prefetch", True))
 
 
 # --------------------------------------------------------------------------------------

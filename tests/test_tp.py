@@ -1,6 +1,5 @@
 """Tensor parallelism: every layer, the whole GPT and the measured bytes against serial
 references and closed-form volumes."""
-import types
 
 import pytest
 import torch
@@ -200,12 +199,11 @@ def test_indivisible_heads_or_sequence_exit_2_with_a_clear_line():
 
 
 def test_validate_names_the_shape_that_does_not_divide():
-    args = types.SimpleNamespace(tp=4, sp=False, model="custom")
     with pytest.raises(dist.UsageError, match="MLP width 90"):
-        tp.validate(model.GPTConfig(n_head=4, d_model=32, d_ff=90), args)
+        tp.validate(model.GPTConfig(n_head=4, d_model=32, d_ff=90), tp=4)
     with pytest.raises(dist.UsageError, match="attention heads"):
-        tp.validate(model.GPTConfig(n_head=6, d_model=48), args)
-    tp.validate(model.GPTConfig(vocab_size=255, n_head=4, d_model=32), args)  # padded, fine
+        tp.validate(model.GPTConfig(n_head=6, d_model=48), tp=4)
+    tp.validate(model.GPTConfig(vocab_size=255, n_head=4, d_model=32), tp=4)  # padded, fine
 
 
 # --------------------------------------------------------------------------------------

@@ -48,7 +48,9 @@ BAD = [
     (["--model", "huge"], "unknown --model"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--sp"], "needs --tp > 1"),
-    (["--lr", "-1"], "--lr must be positive"),
+    (["--lr", "-1"], "--lr must be a positive finite number"),
+    (["--lr", "nan"], "--lr must be a positive finite number"),
+    (["--data", "/tmp"], "is a folder"),
     (["--log-every", "0"], "--log-every must be >= 1"),
     (["--metrics", "/no/such/dir/m.jsonl"], "folder does not exist"),
     (["--seq-len", "100000000"], "too few for sequences"),
@@ -59,7 +61,7 @@ BAD = [
 def test_bad_input_is_a_usage_error(argv, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")
                        .replace("+", r"\+")):
-        train.validate(train.parser().parse_args(argv))
+        train.parse_config(argv)
 
 
 @pytest.mark.parametrize("argv,message", [BAD[0], BAD[5]])

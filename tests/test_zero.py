@@ -11,7 +11,7 @@ import pytest
 from conftest import NANO, assert_same_training, cli, serial_state
 from minipar import dist
 from minipar.model import build
-from minipar.train import parser, run_state, validate
+from minipar.train import parse_config, run_state
 
 D = 4
 SPECS = {  # name -> (trainer flags, (s_p, s_g, s_os))
@@ -165,10 +165,8 @@ def test_padding_uneven_shards_and_no_prefetch():
         assert close(out[0]["comm_bytes"].get(op, 0), b) if b else op not in out[0]["comm_bytes"]
 
 
-def _args(*flags, nproc=D):
-    args = parser().parse_args(["--nproc", str(nproc), "--model", "nano", "--batch-size", "8",
-                                *flags])
-    return args
+def _check(*flags, nproc=D):
+    return parse_config(["--nproc", str(nproc), "--model", "nano", "--batch-size", "8", *flags])
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -182,12 +180,12 @@ def _args(*flags, nproc=D):
 ])
 def test_invalid_specs_are_usage_errors(flags, message):
     with pytest.raises(dist.UsageError, match=message):
-        validate(_args(*flags))
+        _check(*flags)
 
 
 def test_nested_factors_are_required():
     with pytest.raises(dist.UsageError, match="s_p must divide s_g"):
-        validate(_args("--shard", "2,3,6", "--batch-size", "12", nproc=12))
+        _check("--shard", "2,3,6", "--batch-size", "12", nproc=12)
 
 
 @pytest.mark.parametrize("flags", [

@@ -206,18 +206,13 @@ VALIDATION_LAYOUTS = {          # name -> minipar.train flags
 
 
 def _trainer_args(argv: list[str]):
-    """The trainer's parsed and validated arguments (dp and micro-batches filled in)."""
-    from minipar.train import parser, validate
-    args = parser().parse_args(argv)
-    validate(args)
-    return args
+    """The trainer's checked run config (dp and micro-batches resolved)."""
+    from minipar.train import parse_config
+    return parse_config(argv)
 
 
-def _spec(args):
-    if args.zero is None and args.shard is None:
-        return (1, 1, 1)
-    from minipar.zero import spec_from_args
-    return tuple(spec_from_args(args))
+def _spec(cfg):
+    return tuple(cfg.spec) if cfg.spec is not None else (1, 1, 1)
 
 
 def layout_of(argv: list[str]):
@@ -236,9 +231,9 @@ def _silent_worker(argv: list[str]):
     """``minipar.train.worker`` without its summary lines (they would spoil --json)."""
     import contextlib
     import io
-    from minipar.train import worker
+    from minipar.train import parse_config, worker
     with contextlib.redirect_stdout(io.StringIO()):
-        return worker(argv)
+        return worker(parse_config(argv))
 
 
 def train_history(argv: list[str], timeout: float = 300.0) -> list[dict]:
@@ -271,14 +266,13 @@ def minipar_overlap(argv: list[str]) -> float | None:
     less than this: gloo's reduction runs on the same cores as the compute.)
     """
     args = _trainer_args(argv)
-    if args.zero is not None or args.shard is not None:
+    if args.spec is not None:
         return None
     if args.dp == 1 or args.dp_mode != "overlapped":
         return 0.0
     from minipar.dp import make_buckets
     from minipar.model import build
-    from minipar.train import model_config
-    params = list(build(model_config(args)).parameters())
+    params = list(build(args.model_cfg).parameters())
     buckets = len(make_buckets(params, int(args.bucket_mb * 2**20)))
     return (buckets - 1) / buckets
 
