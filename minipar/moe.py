@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from . import comm
+from .errors import UsageError
 
 
 # --------------------------------------------------------------------------------------
@@ -289,3 +290,37 @@ def step_stats(model: nn.Module) -> dict:
     for m in layers:
         m.reset_stats()
     return out
+
+
+# --------------------------------------------------------------------------------------
+# What composes (checked before any process starts)
+# --------------------------------------------------------------------------------------
+def validate(cfg, ep: int, dp: int, tp: int = 1, pp: int = 1) -> None:
+    """Raise UsageError (one line) for an MoE/EP layout minipar cannot run."""
+    E = cfg.moe_experts
+    if E < 0:
+        raise UsageError(f"--moe-experts must be >= 0, got {E}")
+    if ep < 1:
+        raise UsageError(f"--ep must be >= 1, got {ep}")
+    if E == 0:
+        if ep > 1:
+            raise UsageError("--ep splits the experts of an MoE model; give --moe-experts E too")
+        return
+    if not 1 <= cfg.moe_top_k <= E:
+        raise UsageError(f"--moe-top-k must be between 1 and --moe-experts {E}, got {cfg.moe_top_k}")
+    if not 1 <= cfg.moe_every <= cfg.n_layer:
+        raise UsageError(f"--moe-every must be between 1 and the model's {cfg.n_layer} layers, "
+                         f"got {cfg.moe_every}")
+    for name, value in (("capacity-factor", cfg.capacity_factor), ("moe-aux-coef", cfg.moe_aux_coef),
+                        ("moe-z-coef", cfg.moe_z_coef)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"--{name} must be a finite number >= 0, got {value}")
+    if tp > 1 or pp > 1:
+        raise UsageError(f"MoE runs with data parallelism, expert parallelism and ZeRO only; "
+                         f"use --tp 1 --pp 1 (got tp={tp} pp={pp})")
+    if dp % ep:
+        raise UsageError(f"--ep {ep} must divide the data-parallel degree {dp} (EP groups are "
+                         f"consecutive data-parallel ranks); use an --ep that divides {dp}")
+    if E % ep:
+        raise UsageError(f"--moe-experts {E} must be a multiple of --ep {ep} (each EP rank holds "
+                         f"E/ep experts)")

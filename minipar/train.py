@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from . import comm, data, dist, dp, sharding
+from . import comm, data, dist, dp, moe, sharding
 from .errors import UsageError
 from .model import PRESETS, GPTConfig, build, config
 
@@ -80,6 +80,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="with --nproc: kill every rank after this many seconds")
+    moe = p.add_argument_group("mixture of experts (minipar.moe)")
+    moe.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                     help="experts per MoE layer (0: a dense model)")
+    moe.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
+    moe.add_argument("--moe-every", type=int, default=1, metavar="N",
+                     help="every N-th block's MLP becomes an MoE layer")
+    moe.add_argument("--capacity-factor", type=float, default=0.0, metavar="C",
+                     help="slots per expert and sequence: ceil(C seq_len K / E); 0 = dropless")
+    moe.add_argument("--moe-aux-coef", type=float, default=0.01, metavar="X",
+                     help="load-balancing loss coefficient")
+    moe.add_argument("--moe-z-coef", type=float, default=0.0, metavar="X",
+                     help="router z-loss coefficient")
+    moe.add_argument("--ep", type=int, default=1, metavar="N",
+                     help="expert-parallel degree: experts split over N consecutive DP ranks")
     return p
 
 
@@ -113,6 +127,7 @@ class RunConfig:
     log_every: int
     quiet: bool
     timeout: float
+    ep: int = 1                    # expert parallelism (MoE: model_cfg.moe_experts > 0)
 
     @property
     def world(self) -> int:
@@ -180,6 +195,10 @@ def parse_config(argv: list[str]) -> RunConfig:
     if a.seq_len is not None and a.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {a.seq_len}")
     model_cfg = config(a.model, **({} if a.seq_len is None else {"seq_len": a.seq_len}))
+    model_cfg = dataclasses.replace(model_cfg, moe_experts=a.moe_experts, moe_top_k=a.moe_top_k,
+                                    moe_every=a.moe_every, capacity_factor=a.capacity_factor,
+                                    moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
+    moe.validate(model_cfg, a.ep, d, a.tp, a.pp)
     corpus = _corpus_bytes(a.data)
     if corpus < model_cfg.seq_len + 2:
         raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of "
@@ -213,7 +232,7 @@ def parse_config(argv: list[str]) -> RunConfig:
                      model=a.model, model_cfg=model_cfg, steps=a.steps,
                      batch_size=a.batch_size, lr=a.lr, seed=a.seed, data=a.data,
                      dtype=a.dtype, metrics=a.metrics, log_every=a.log_every, quiet=a.quiet,
-                     timeout=a.timeout)
+                     timeout=a.timeout, ep=a.ep)
 
 
 def _corpus_bytes(path: str | None) -> int:
@@ -260,6 +279,8 @@ def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
     if grid.tp > 1:
         from . import tp
         model = tp.parallelize(model, grid, sequence_parallel=cfg.sp)
+    if cfg.model_cfg.moe_experts:
+        model = moe.expert_parallel(model, grid, cfg.ep)
     return model.to(device)
 
 
@@ -357,7 +378,9 @@ def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
             f"; rank 0's pipeline stage and TP slice: {local_params:,}")
     return (f"minipar: {where} ({layout}), model {cfg.model} ({full_params:,} parameters{held}), "
             f"global batch {cfg.batch_size} x {cfg.seq_len} tokens in "
-            f"{_plural(cfg.microbatches, 'micro-batch')}".replace("micro-batchs", "micro-batches"))
+            f"{_plural(cfg.microbatches, 'micro-batch')}".replace("micro-batchs", "micro-batches")
+            + (f", MoE {cfg.model_cfg.moe_experts} experts top-{cfg.model_cfg.moe_top_k} ep={cfg.ep}"
+               if cfg.model_cfg.moe_experts else ""))
 
 
 def worker(cfg: RunConfig, return_state: bool = False):
@@ -393,6 +416,8 @@ def worker(cfg: RunConfig, return_state: bool = False):
             engine.zero_grad()
             engine.begin_step(cfg.microbatches)
             local_loss = runner.forward_backward(x, y)
+            routing = moe.step_stats(runner.module)   # MoE: aux loss and drops; 0 when dense
+            local_loss -= routing["penalty"]          # report the cross-entropy as the loss
             _maybe_crash(grid.rank, step)
             engine.step()
             if device.type == "cuda":
@@ -410,6 +435,10 @@ def worker(cfg: RunConfig, return_state: bool = False):
                           model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
                                                  optimizer=int(peaks[2]), total=int(peaks[3])),
                           comm_bytes=sent)
+            if cfg.model_cfg.moe_experts:
+                aux, dropped, assigned = comm.all_reduce_scalars(
+                    [routing["aux_loss"], routing["dropped"], routing["assigned"]], comm.WORLD)
+                record.update(aux_loss=aux / cfg.world, drop_rate=dropped / assigned)
             if is_rank0:
                 history.append(record)
                 if metrics_file:
