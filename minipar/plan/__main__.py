@@ -19,6 +19,7 @@ from .estimate import DEFAULT_OVERLAP, estimate
 from .hardware import load_hardware
 from .layout import ORDERS, Layout, check_layout
 from .memory import model_state_bytes
+from . import moe as moe_plan
 from .search import explain, search
 from .shapes import (RECOMPUTE_MODES, ModelShape, megatron_flops, megatron_params,
                      model_preset, training_flops)
@@ -125,12 +126,20 @@ def cmd_flops(args) -> None:
         batch = args.batch or (shape.global_batch_tokens // shape.seq_len) or 1
     model_f = training_flops(shape, batch, "none")
     hardware_f = training_flops(shape, batch, args.recompute)
+    moe = moe_plan.from_args(args)                      # MoE: FLOPs follow the active params
+    if moe is not None:
+        model_f = moe_plan.training_flops(shape, moe, batch, "none")
+        hardware_f = moe_plan.training_flops(shape, moe, batch, args.recompute)
     data = {"batch": batch, "seq_len": shape.seq_len, "recompute": args.recompute,
             "model_flops": model_f, "hardware_flops": hardware_f}
     rows = [["global batch (sequences)", batch],
             ["model FLOPs (no recomputation)", f"{model_f:.4g}"],
             [f"hardware FLOPs (recompute={args.recompute})", f"{hardware_f:.4g}"]]
-    if shape.arch == "gpt":
+    if moe is not None:
+        data["moe"] = moe_plan.summary(shape, moe)
+        rows += [["MoE parameters (total)", f"{data['moe']['total_params']:,}"],
+                 ["MoE parameters active per token", f"{data['moe']['active_params']:,}"]]
+    if shape.arch == "gpt" and moe is None:
         data["megatron_flops"] = megatron_flops(batch, shape.seq_len, shape.layers,
                                                 shape.hidden, shape.vocab,
                                                 recompute=args.recompute == "full")
@@ -173,10 +182,20 @@ def cmd_memory(args) -> None:
     spec = _spec(args, dp)
     out = model_state_bytes(n if shape is None else shape, dp, shard=spec, tp=args.tp,
                             pp=args.pp, dtype=args.dtype)
+    moe = moe_plan.from_args(args)                      # MoE: experts split by --ep
+    if moe is not None:
+        if shape is None:
+            raise PlanError("--moe-experts needs the model's shape: give --model NAME, not --params")
+        out = moe_plan.state_bytes(shape, moe, dp, args.ep, shard=spec, tp=args.tp, pp=args.pp,
+                                   dtype=args.dtype)
+        n = moe_plan.params(shape, moe)["total"]
     data = {"params_bytes": out["params"], "grads_bytes": out["grads"],
             "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
             "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
             "shard": {"p": spec[0], "g": spec[1], "os": spec[2]}}
+    if moe is not None:
+        data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep,
+                           expert_params_per_device=out["expert_params"])
     rows = [[k, f"{out[k]:,}", _gib(out[k])] for k in ("params", "grads", "optimizer", "total")]
     text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp} dp={dp}, "
             f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
@@ -197,13 +216,20 @@ def _results_table(results) -> str:
 
 
 def cmd_search(args) -> None:
+    moe = moe_plan.from_args(args)
     results = search(args.model, args.gpus, args.hardware, tp=args.tp, pp=args.pp,
                      global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
                      micro_batch=args.micro_batch, shard=args.shard, zero=args.zero,
-                     recompute=args.recompute, top=args.top, max_tp=args.max_tp,
-                     order=args.order, overlap=args.overlap, flash=args.flash_attention,
-                     dtype=args.dtype)
+                     recompute=args.recompute, top=args.top if moe is None else 10**6,
+                     max_tp=args.max_tp, order=args.order, overlap=args.overlap,
+                     flash=args.flash_attention, dtype=args.dtype)
+    if moe is not None:                                 # MoE: re-rank the dense candidates
+        results = moe_plan.rerank(results, model_preset(args.model, args.seq_len), moe, args.ep,
+                                  load_hardware(args.hardware), args.top, args.order,
+                                  args.overlap, args.dtype)
     why = explain(results[0], results[1] if len(results) > 1 else None)
+    if moe is not None:
+        why += "\n  " + results[0].notes[-1]
     data = [e.to_json() for e in results]
     data[0]["explain"] = why
     first = results[0].layout
@@ -226,8 +252,14 @@ def cmd_estimate(args) -> None:
                  gpus_per_node=hw.gpus_per_node)
     e = estimate(shape, hw, layout, order=args.order, overlap=args.overlap,
                  flash=args.flash_attention, dtype=args.dtype)
+    moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
+    if moe is not None:
+        e = moe_plan.adjust(e, shape, moe, args.ep, hw, args.order, args.overlap, args.dtype)
     data = e.to_json()
     data["explain"] = explain(e)
+    if moe is not None:
+        data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
+        data["explain"] += "\n  " + e.notes[-1]
     _emit(args, data, _results_table([e]) + "\n\n" + data["explain"]
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))
 
@@ -354,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=positive, default=1)
     _add_spec(p)
     p.add_argument("--dtype", choices=["mixed", "fp32"], default="mixed")
+    moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("params", help="parameter count of a shape")
@@ -369,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", type=float, help="measured seconds per iteration")
     p.add_argument("--gpus", type=positive)
     p.add_argument("--hardware")
+    moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("search", help="rank the layouts that fit")
@@ -387,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="fix the recomputation")
     _add_spec(p, searching=True)
     _add_costs(p)
+    moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("estimate", help="predict one given layout")
@@ -405,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     _add_spec(p)
     _add_costs(p)
+    moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("calibrate", help="measure this machine into a hardware file")
