@@ -15,14 +15,16 @@ The router, per token x (t = b s tokens, e = E experts)::
 Load balance. Left alone, the router sends most tokens to a few experts. Switch's auxiliary
 loss pushes towards balance::
 
-    aux = E * sum_e f_e * P_e        f_e: fraction of the t k assignments routed to e (counted)
+    aux = E * sum_e f_e * P_e        f_e: fraction of the s k assignments routed to e (counted)
                                      P_e: mean router probability of e (differentiable)
 
-It is 1 when balanced and E when every token goes to one expert. The training loss is the
+computed per sequence and averaged over the sequences (Switch and GShard compute it per
+group of tokens; one sequence per group is DeepSeek-V3's sequence-wise balance loss). It is
+1 when balanced and E when every token goes to one expert. The training loss is the
 cross-entropy plus ``moe_aux_coef`` times aux (averaged over the MoE layers); the metrics
-report the cross-entropy as ``loss`` and aux as ``aux_loss``. f_e is counted over the global
-batch (an all-reduce of E counts over the data-parallel group), so every layout optimises the
-same objective as the single-process run ("global-batch" balancing, Qiu et al. 2025). The
+report the cross-entropy as ``loss`` and aux as ``aux_loss``. Per sequence, the loss is a
+plain mean over sequences like the cross-entropy, so any split of the batch over ranks and
+micro-batches optimises exactly the single-process objective, with no communication. The
 router z-loss of ST-MoE (Zoph et al. 2022), mean(logsumexp(logits)^2), keeps the logits
 small; its coefficient ``moe_z_coef`` is 0 by default. Noisy top-k (``moe_noise``, Gaussian
 noise of that std on the logits while training) is off by default: each rank draws its own
@@ -61,7 +63,6 @@ a_out = its kept assignments whose expert is on another rank, a_in = rows it rec
 
     all_to_all         2 (a_out + a_in) d_model b     dispatch + combine, forward and backward
     all_to_all_counts  (n-1) E/n * 8                  forward only
-    all_reduce         2 (d-1)/d * E * 8              the aux loss's expert counts, forward only
 
 With balanced routing and no drops a_out = a_in = (n-1)/n t k: four all-to-alls of
 t k d_model b each, less the local share 1/n. ``minipar.plan.moe`` holds these formulas.
@@ -93,21 +94,19 @@ def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return probs, weights, experts
 
 
-def expert_counts(experts: torch.Tensor, n_experts: int, group=None) -> torch.Tensor:
-    """How many assignments went to each expert, summed over ``group`` (global-batch f_e)."""
-    counts = torch.bincount(experts.flatten(), minlength=n_experts)
-    comm.all_reduce(counts, group)
-    return counts
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Switch's aux loss E * sum_e f_e P_e of each sequence, mean over the sequences.
 
-
-def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Switch's aux loss E * sum_e f_e P_e; ``counts`` (e,) gives f_e, ``probs`` (t e) gives P_e."""
-    # EXERCISE ex08 begin
-    # f_e = counts / their sum (a constant), P_e = mean of probs over the tokens (differentiable)
+    ``probs`` (t e) the router's probabilities, ``experts`` (t k) its choices, t = b s.
+    """
     n_experts = probs.shape[-1]
-    f = counts.float() / counts.sum()
-    P = probs.mean(dim=0)
-    return n_experts * (f * P).sum()
+    # EXERCISE ex08 begin
+    # per sequence: f (b e) = share of its s k choices that went to e (counted, no gradient),
+    # P (b e) = mean of probs over its tokens; then E * sum_e f P, mean over the sequences
+    chosen = F.one_hot(rearrange(experts, "(b s) k -> b (s k)", s=seq_len), n_experts)
+    f = chosen.float().mean(dim=1)
+    P = rearrange(probs, "(b s) e -> b s e", s=seq_len).mean(dim=1)
+    return n_experts * (f * P).sum(dim=-1).mean()
     # EXERCISE ex08 end
 
 
@@ -171,7 +170,6 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, self.n_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): expert(cfg) for e in range(self.n_experts)})
         self.ep_group = None    # experts split over it (None: all here)
-        self.dp_group = None    # the aux loss counts assignments over it
         self.aux_loss = self.z_loss = None   # this forward's, differentiable
         self.routing = None     # this forward's (experts (t k), kept (t k)), for inspection
         self.reset_stats()
@@ -187,8 +185,7 @@ class MoE(nn.Module):
             logits = logits + self.noise * torch.randn_like(logits)
         probs, weights, experts = route(logits, self.k)
         keep = capacity_mask(experts, s, self.n_experts, self.capacity_factor)
-        self.aux_loss = load_balancing_loss(probs, expert_counts(experts, self.n_experts,
-                                                                 self.dp_group))
+        self.aux_loss = load_balancing_loss(probs, experts, s)
         self.z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
         self.routing = (experts.detach(), keep)
         st = self.stats
@@ -243,8 +240,8 @@ def expert_parallel(model: nn.Module, grid, ep: int) -> nn.Module:
 
     Every rank keeps experts [i E/ep, (i+1) E/ep) where i is its position in its EP group,
     and tags them with ``p.grad_group`` = its replica group (the same position in the other
-    EP groups), over which the DP/ZeRO engines sum their gradients. ``ep`` = 1 only gives
-    the layers the DP group (the aux loss counts assignments over the global batch).
+    EP groups), over which the DP/ZeRO engines sum their gradients. ``ep`` = 1 changes
+    nothing (every rank keeps every expert, reduced over the whole DP group).
     """
     lines = rearrange(grid.ranks, "d pp tp -> (pp tp) d")
     ep_group = grid.new_groups(rearrange(lines, "l (r e) -> (l r) e", e=ep).tolist(), "ep")
@@ -252,7 +249,7 @@ def expert_parallel(model: nn.Module, grid, ep: int) -> nn.Module:
                                "ep_replica")
     position = grid.dp_rank % ep
     for layer in moe_layers(model):
-        layer.ep_group, layer.dp_group = ep_group, grid.dp_group
+        layer.ep_group = ep_group
         per_rank = layer.n_experts // ep
         mine = range(position * per_rank, (position + 1) * per_rank)
         for key in list(layer.experts):

@@ -27,7 +27,6 @@ per activation element (``minipar.moe``'s docstring; the trainer measures it):
     all_to_all          4 (ep-1)/ep * t k h b * l_moe * m       balanced routing, no drops
                         2 (a_out + a_in) h b per layer and micro-batch, for measured routing
     all_to_all_counts   (ep-1) E/ep * 8 * l_moe * m
-    all_reduce          2 (d-1)/d * E * 8 * l_moe * m           the aux loss's counts
     expert gradients    all-reduce over the d/ep replicas (instead of over d)
 
 The all-to-alls are on the critical path (each layer waits for its tokens): time = count x
@@ -145,15 +144,14 @@ def all_to_all_bytes_balanced(tokens: int, top_k: int, d_model: int, ep: int,
     return 4 * (ep - 1) / ep * tokens * top_k * d_model * elem_bytes
 
 
-def step_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, ep: int, dp: int,
+def step_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, ep: int,
                     microbatches: int = 1, elem_bytes: int = 4) -> dict[str, float]:
     """MoE traffic one device sends per step (balanced routing, no drops); ``tokens`` per
     device per micro-batch."""
     calls = moe.layers(shape) * microbatches
     out = dict(all_to_all=calls * all_to_all_bytes_balanced(tokens, moe.top_k, shape.hidden,
                                                               ep, elem_bytes),
-               all_to_all_counts=calls * (ep - 1) * (moe.experts // ep) * COUNT_BYTES,
-               all_reduce=calls * 2 * (dp - 1) / dp * moe.experts * COUNT_BYTES)
+               all_to_all_counts=calls * (ep - 1) * (moe.experts // ep) * COUNT_BYTES)
     return {k: v for k, v in out.items() if v}
 
 
