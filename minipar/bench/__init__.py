@@ -4,6 +4,7 @@
     python -m minipar.bench tp      minipar TP vs DTensor ColwiseParallel/RowwiseParallel
     python -m minipar.bench pp      bubble fraction vs (p-1)/(m+p-1); minipar vs torch pipelining
     python -m minipar.bench zero    ZeRO presets vs ZeroRedundancyOptimizer and FSDP2
+    python -m minipar.bench moe     expert-parallel MoE layer vs one process with the same routing
 
 Each prints median step times, ratios to the native twin, and measured bytes next to the
 formula. Timings depend on the machine and on what else runs on it: each bench names the
@@ -14,7 +15,7 @@ import statistics
 
 import torch
 
-BENCHES = ("dp", "tp", "pp", "zero")
+BENCHES = ("dp", "tp", "pp", "zero", "moe")
 
 
 def machine() -> str:
