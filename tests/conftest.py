@@ -46,6 +46,13 @@ def cli(*args, timeout=120):
                           timeout=timeout, cwd=ROOT)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every notebook is slow (nbval runs it top to bottom): the quick tier skips them."""
+    for item in items:
+        if str(item.fspath).endswith(".ipynb"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def nano_serial():
     return serial_state()

@@ -22,7 +22,7 @@ import torch
 
 from minipar import plan
 from minipar.model import build
-from minipar.plan.measure import minipar_overlap, model_states_vs_plan, validate_step_time
+from minipar.bench.calibrate import minipar_overlap, model_states_vs_plan, validate_step_time
 from minipar.train import run
 
 MODEL = "nano"
@@ -179,8 +179,8 @@ def test_notebook_helper_agrees_for_zero1():
 
 
 def test_step_time_validation_runs():
-    """Only a sanity bound: the figures are reported by ``python -m minipar.plan validate``.
-    A preset's compute_efficiency is an assumption: no row is a calibration point."""
+    """Only a sanity bound: the figures are reported by ``python -m minipar.bench validate``.
+    A preset's constants are assumptions: no row is a calibration point."""
     out = validate_step_time(MODEL, {"1 rank": ["--nproc", "1"]}, steps=3, batch_size=B,
                              hardware="laptop-cpu")
     (row,) = out["rows"]
@@ -190,14 +190,16 @@ def test_step_time_validation_runs():
 
 
 def test_validation_marks_the_calibration_point():
-    """Hardware whose efficiency came from a one-process step of this model and batch: that
-    row is the calibration point, the data-parallel one is not. With the calibration
-    step's own time as the hardware's rate, the 1-rank prediction is that time exactly."""
+    """Hardware whose step_calibration came from a one-process step of this model and batch:
+    that row is the calibration point, the data-parallel one is not. With the calibration
+    step's time over the model's prediction as the factor, the 1-rank prediction is that
+    time exactly."""
+    from minipar.plan.compute import compute_parts
     hw = plan.load_hardware("laptop-cpu")
     seconds = 0.05
     step = {"model": MODEL, "batch_size": B, "seconds": seconds}
-    flops = plan.training_flops(SHAPE, B)
-    hw = dataclasses.replace(hw, compute_efficiency=flops / seconds / hw.peak_flops,
+    predicted = compute_parts(SHAPE, hw, plan.Layout(micro_batch=B), "fp32")["total"]
+    hw = dataclasses.replace(hw, step_calibration=seconds / predicted,
                              sources={"calibration_step": step})
     out = validate_step_time(MODEL, {"1 rank": ["--nproc", "1"], "DP 2": ["--nproc", "2"]},
                              steps=2, batch_size=B, hardware=hw)

@@ -199,6 +199,7 @@ def test_composes_with_tensor_and_pipeline_parallelism(flags):
     assert got["history"][-1]["comm_bytes"]["reduce_scatter"] > 0
 
 
+@pytest.mark.slow
 def test_zero3_under_tensor_and_pipeline_parallelism():
     """All three at once (dp2 x pp2 x tp2): the TP embedding is a unit of the stage too."""
     got = run_state(NANO + ["--tp", "2", "--pp", "2", "--dp", "2", "--zero", "3"], nproc=8)

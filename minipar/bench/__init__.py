@@ -5,6 +5,8 @@
     python -m minipar.bench pp      bubble fraction vs (p-1)/(m+p-1); minipar vs torch pipelining
     python -m minipar.bench zero    ZeRO presets vs ZeroRedundancyOptimizer and FSDP2
     python -m minipar.bench moe     expert-parallel MoE layer vs one process with the same routing
+    python -m minipar.bench calibrate   measure this machine into a planner hardware file
+    python -m minipar.bench validate    the planner's step times against the trainer's here
 
 Each prints median step times, ratios to the native twin, and measured bytes next to the
 formula. Timings depend on the machine and on what else runs on it: each bench names the
@@ -15,7 +17,7 @@ import statistics
 
 import torch
 
-BENCHES = ("dp", "tp", "pp", "zero", "moe")
+BENCHES = ("dp", "tp", "pp", "zero", "moe", "calibrate", "validate")
 
 
 def machine() -> str:

@@ -50,7 +50,12 @@ def torch_schedule(chunk: pp.Chunk, p: int, r: int, m: int, schedule: str):
 
 
 def torch_step(sched, r: int, p: int, x, y) -> float:
-    """One torch pipelining step; the mean micro-batch loss on the last stage (else 0)."""
+    """One torch pipelining step; the mean micro-batch loss on the last stage (else 0).
+
+    The inputs are made contiguous: ``batch[:, :-1]`` is a strided view, and torch pipelining
+    (2.11 at least) checks each micro-batch's strides against the contiguous ones it inferred.
+    """
+    x, y = x.contiguous(), y.contiguous()
     if r == 0:
         sched.step(x)
     elif r == p - 1:

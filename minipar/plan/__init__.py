@@ -2,16 +2,21 @@
 
 Read top to bottom, one module per question:
 
-    shapes     how many parameters, how many FLOPs      (Narayanan et al. 2021)
-    sharding   ZeRO stages as AMSP specs, AMSP's rules  (Rajbhandari et al. 2020; Chen et al. 2023)
-    memory     what fills a device                      (ZeRO; Korthikanti et al. 2022)
-    hardware   what a device computes, holds, sends     (presets: minipar/hardware/*.json)
-    network    bytes and alpha-beta time of collectives (ring algorithms; Hockney)
-    layout     one tp x pp x dp layout and its legality
-    estimate   step time, tokens/s, MFU of one layout; weak and strong scaling
-    search     every layout that fits, ranked; why the winner wins
-    measure    ``calibrate`` this machine into a hardware file; ``validate`` predictions
-               against ``minipar.train``'s measurements (the only part needing torch)
+    shapes      how many parameters, how many FLOPs      (Narayanan et al. 2021)
+    sharding    ZeRO stages as AMSP specs, AMSP's rules  (Rajbhandari et al. 2020; Chen et al. 2023)
+    memory      what fills a device                      (ZeRO; Korthikanti et al. 2022)
+    hardware    what a device computes, holds, sends     (presets: minipar/hardware/*.json)
+    frameworks  what a framework runs, how its engine issues collectives
+    network     bytes and time of collectives, per call  (rings and trees; NCCL's tuning model)
+    compute     a step's compute: GEMMs by shape, attention, memory-bound kernels, optimizer
+    layout      one tp x pp x dp layout and its legality
+    estimate    step time, tokens/s, MFU of one layout; overlap per collective; scaling
+    search      every layout that fits, ranked; why the best wins
+    published   the published results held against the predictions (notebook 07)
+
+``python -m minipar.bench calibrate|validate`` (``minipar.bench.calibrate``) measures this
+machine into a hardware file and holds predictions against ``minipar.train``; it is the only
+part that needs torch, and lives with the benchmarks.
 
 Python API (sizes in bytes, times in seconds)::
 
@@ -49,48 +54,54 @@ Python API (sizes in bytes, times in seconds)::
         # sp=True: + the replicated parameters' gradient all-reduces, per micro-batch
     pp_comm_bytes(micro_batch, seq_len, hidden, pp, microbatches=1, v=1, stage=0, tp=1,
                   split=False) -> {"send", "total"}
-    collective_time(op, nbytes, size, stride, hardware) -> float
+    collective_time(op, nbytes, size, stride, hardware) -> float   # one call
+    engine_collectives(n_params, dp, shard, framework, units, ...) -> [Collective]
+        # zero_collectives cut into the calls an engine issues, each with its overlap window
 
     load_hardware(name_or_path) -> Hardware
     Layout(tp, pp, dp, micro_batch, microbatches, shard, recompute, v, sp, schedule)
-    estimate(shape, hardware, layout, order="tp,pp,dp", overlap=0.5) -> Estimate
+    load_framework(name) -> Framework   # minipar, megatron-lm, megatron-deepspeed, fsdp
+    estimate(shape, hardware, layout, order=None, overlap=None, framework="minipar")
+        -> Estimate        # overlap None: each collective's window; a number: that fraction
     scaling(shape, hardware, layout, gpus=[...], weak=True) -> [{"gpus", "efficiency", ...}]
-    search(model, gpus, hardware, tp=None, pp=None, global_batch_tokens=None, ...)
+    search(model, gpus, hardware, tp=None, pp=None, global_batch_tokens=None,
+           framework="minipar", sp=None, v=None, schedule=None, objective="step", ...)
         -> [Estimate, ...] best first
-    explain(winner, runner_up=None) -> str
+    explain(best, runner_up=None) -> str
     calibrate(nprocs=2, quick=False, path=None, model="tiny", batch_size=16) -> dict
-        # compute_efficiency = a real one-process training step's model FLOP/s / matmul peak
-    measure.validate_step_time(model="tiny", layouts=None, steps=6, hardware=None) -> dict
+        # minipar.bench.calibrate: per-shape GEMM rates, copy bandwidth, a gloo collective
+        # table; step_calibration = a real one-process step / its prediction
+    minipar.bench.calibrate.validate_step_time(model="tiny", layouts=None, ...) -> dict
         # each row says whether it is the calibration point (ratio 1 by construction)
-    measure.model_states_vs_plan(flags, model="tiny") -> {"measured", "predicted", ...}
+    minipar.bench.calibrate.model_states_vs_plan(flags, model="tiny") -> {...}
 
 Bytes "sent" follow ``minipar.comm``: what one rank sends under the ring algorithm. So a
 trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
 ``zero_comm_bytes``, ``tp_comm_bytes(..., ends=True)``, ``pp_comm_bytes`` and
 ``model_state_bytes(shape, ..., step_counters=...)`` directly, and they agree byte for byte,
 under TP, SP and PP too (tests/test_plan_measured.py, tests/test_zero.py). Step times agree
-only roughly (``python -m minipar.plan validate``).
+only roughly (``python -m minipar.bench validate``).
 
 The command line, ``python -m minipar.plan memory|params|flops|search|estimate|calibrate|
 validate``,
 prints tables, or JSON with ``--json``; bad input exits with status 2 and one line.
 
-These are predictions from first-order models: they count matmul FLOPs, ring traffic and
-stored activations. Kernel-launch and memory-bound element-wise time enter only through one
-factor, ``compute_efficiency`` (an assumption in a preset; ``calibrate`` measures it from a
-real training step, which makes that layout the calibration point), so work that does not
-shrink with the layout (replicated LayerNorms under TP, per-kernel overhead on every rank)
-is predicted to shrink anyway; that, and everything else a real run knows and a formula does
-not, is left out.
+These are predictions from first-order models: they count matmuls by shape, memory-bound
+bytes, ring and tree collectives call by call, and stored activations. What they leave out
+(kernel-launch gaps, a library reaching less than link speed, unequal pipeline stages beyond
+the last one's logits, a framework's bookkeeping) is left out, not hidden in a fitted
+constant: every constant in a preset says where it comes from, and published results are
+held out, never fitted (``published``).
 """
 from .errors import PlanError
 from .estimate import Estimate, estimate, scaled_layout, scaling
+from .frameworks import FRAMEWORKS, Framework, load_framework
 from .hardware import Hardware, hardware_presets, load_hardware
 from .layout import Layout, check_layout
 from .memory import (activation_bytes, device_memory, layer_activation_bytes,
                      model_state_bytes, stage_params, tp_rank_params)
-from .network import (collective_time, pp_comm_bytes, ring_bytes, tp_comm_bytes,
-                      zero_collectives, zero_comm_bytes)
+from .network import (collective_time, engine_collectives, pp_comm_bytes, ring_bytes,
+                      tp_comm_bytes, zero_collectives, zero_comm_bytes)
 from .search import explain, search
 from .shapes import (PRESETS, ModelShape, forward_flops, gpt_params, llama_ffn, llama_params,
                      megatron_flops, megatron_params, model_preset, stage_flops,
@@ -100,10 +111,10 @@ from ..sharding import check_shard, parse_shard, shard_specs, zero_shard
 
 def calibrate(nprocs: int = 2, quick: bool = False, path=None, name: str = "calibrated",
               model: str = "tiny", batch_size: int = 16):
-    """Measure this machine and write a hardware file (see ``minipar.plan.measure``): matmul
+    """Measure this machine and write a hardware file (see ``minipar.bench.calibrate``, which needs torch): matmul
     peak, a real training step of ``model`` (its achieved rate sets compute_efficiency: the
     calibration point) and the gloo all-reduce's alpha and beta."""
-    from .measure import calibrate as _calibrate
+    from minipar.bench.calibrate import calibrate as _calibrate
     return _calibrate(nprocs=nprocs, quick=quick, path=path, name=name, model=model,
                       batch_size=batch_size)
 
@@ -113,7 +124,8 @@ __all__ = [
     "hardware_presets", "load_hardware", "Layout", "check_layout", "activation_bytes",
     "device_memory", "layer_activation_bytes", "model_state_bytes", "stage_params",
     "tp_rank_params",
-    "collective_time", "pp_comm_bytes", "ring_bytes", "tp_comm_bytes", "zero_collectives",
+    "collective_time", "engine_collectives", "FRAMEWORKS", "Framework", "load_framework",
+    "pp_comm_bytes", "ring_bytes", "tp_comm_bytes", "zero_collectives",
     "zero_comm_bytes",
     "explain", "search", "PRESETS", "ModelShape", "forward_flops", "gpt_params", "llama_ffn",
     "llama_params", "megatron_flops", "megatron_params", "model_preset", "stage_flops",

@@ -15,12 +15,13 @@ import sys
 
 from ..errors import UsageError
 from .errors import PlanError
-from .estimate import DEFAULT_OVERLAP, estimate
+from .estimate import estimate
+from .frameworks import FRAMEWORKS, check_framework
 from .hardware import load_hardware
-from .layout import ORDERS, Layout, check_layout
+from .layout import ORDERS, Layout, check_layout, dp_per_node
 from .memory import model_state_bytes
 from . import moe as moe_plan
-from .search import explain, search
+from .search import OBJECTIVES, SCHEDULES, explain, search
 from .shapes import (RECOMPUTE_MODES, ModelShape, megatron_flops, megatron_params,
                      model_preset, training_flops)
 from ..sharding import parse_shard, zero_shard
@@ -196,10 +197,11 @@ def cmd_memory(args) -> None:
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep,
                            expert_params_per_device=out["expert_params"])
-    rows = [[k, f"{out[k]:,}", _gib(out[k])] for k in ("params", "grads", "optimizer", "total")]
+    rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"]
+            for k in ("params", "grads", "optimizer", "total")]
     text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp} dp={dp}, "
             f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
-            + _table(rows, ["part", "bytes", ""]))
+            + _table(rows, ["part", "bytes", "GiB"]))
     _emit(args, data, text)
 
 
@@ -211,8 +213,15 @@ def _results_table(results) -> str:
                      "{},{},{}".format(*lay.shard), lay.recompute,
                      _human(e.memory["total"]), f"{e.step_time:.4g}",
                      f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
-    return _table(rows, ["#", "tp", "pp", "v", "dp", "b", "m", "shard", "recompute",
-                         "memory", "step s", "tokens/s", "MFU"])
+    return (_table(rows, ["#", "tp", "pp", "v", "dp", "b", "m", "shard", "recompute",
+                          "memory", "step s", "tokens/s", "MFU"])
+            + "\n" + LEGEND)
+
+
+LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); b: micro-batch size "
+          "in sequences; m: micro-batches per step per pipeline; shard: s_p,s_g,s_os, the "
+          "data-parallel ranks that share parameters, gradients, optimizer states; memory: "
+          "per device")
 
 
 def cmd_search(args) -> None:
@@ -221,11 +230,15 @@ def cmd_search(args) -> None:
                      global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
                      micro_batch=args.micro_batch, shard=args.shard, zero=args.zero,
                      recompute=args.recompute, top=args.top if moe is None else 10**6,
-                     max_tp=args.max_tp, order=args.order, overlap=args.overlap,
-                     flash=args.flash_attention, dtype=args.dtype)
+                     max_tp=args.max_tp,
+                     order=args.order, overlap=args.overlap, flash=args.flash_attention,
+                     dtype=args.dtype, framework=args.framework, sp=args.sp,
+                     v=args.chunks, schedule=args.schedule, objective=args.objective,
+                     reserve=args.reserve)
     if moe is not None:                                 # MoE: re-rank the dense candidates
         results = moe_plan.rerank(results, model_preset(args.model, args.seq_len), moe, args.ep,
-                                  load_hardware(args.hardware), args.top, args.order,
+                                  load_hardware(args.hardware), args.top,
+                                  args.order or FRAMEWORKS[args.framework].order,
                                   args.overlap, args.dtype)
     why = explain(results[0], results[1] if len(results) > 1 else None)
     if moe is not None:
@@ -233,39 +246,73 @@ def cmd_search(args) -> None:
     data = [e.to_json() for e in results]
     data[0]["explain"] = why
     first = results[0].layout
-    header = (f"{args.model} on {args.gpus} x {args.hardware}, global batch "
-              f"{first.global_batch} sequences; predicted, best first\n")
+    ranked = ("data-parallel communication time, nothing hidden (AMSP's objective)"
+              if args.objective == "amsp" else "predicted step time")
+    header = (f"{args.model} on {args.gpus} x {args.hardware} with {args.framework}, global "
+              f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
     _emit(args, data, header + _results_table(results) + "\n\n" + why)
 
 
 def cmd_estimate(args) -> None:
     shape = model_preset(args.model, args.seq_len)
     hw = load_hardware(args.hardware)
-    dp = args.dp or args.gpus // (args.tp * args.pp) if (args.dp or args.gpus) else None
-    if not dp:
+    if not (args.dp or args.gpus):
         raise PlanError("give --dp or --gpus")
+    if args.gpus and args.gpus % (args.tp * args.pp):
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp = "
+                        f"{args.tp * args.pp}")
+    dp = args.dp or args.gpus // (args.tp * args.pp)
     spec = _spec(args, dp)
+    batch = shape.global_batch_tokens // shape.seq_len if args.global_batch is None \
+        else args.global_batch
+    notes = []
+    if args.microbatches is None:
+        if batch % (dp * args.micro_batch):
+            raise PlanError(f"the global batch of {batch} sequences does not divide into "
+                            f"dp={dp} replicas of micro-batches of {args.micro_batch}; give "
+                            f"--microbatches or --global-batch")
+        microbatches = batch // (dp * args.micro_batch)
+        notes.append(f"micro-batches: {microbatches} per step, from the global batch of "
+                     f"{batch} sequences / (dp {dp} x micro-batch {args.micro_batch})")
+    else:
+        microbatches = args.microbatches
+        notes.append(f"micro-batches: {microbatches} per step (given), so a global batch of "
+                     f"{dp * args.micro_batch * microbatches} sequences")
+    v = args.chunks
+    schedule = args.schedule
+    if schedule == "interleaved":
+        if v < 2:
+            raise PlanError("--schedule interleaved needs --chunks of 2 or more")
+        schedule = "1f1b"
+    elif v > 1:
+        raise PlanError("--chunks > 1 needs --schedule interleaved")
     layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
-                    microbatches=args.microbatches, shard=spec, recompute=args.recompute,
-                    v=args.v, sp=args.sp, schedule=args.schedule)
-    check_layout(shape, layout, gpus=args.gpus, order=args.order,
+                    microbatches=microbatches, shard=spec, recompute=args.recompute,
+                    v=v, sp=args.sp, schedule=schedule)
+    fw = FRAMEWORKS[args.framework]
+    order = args.order or fw.order
+    check_layout(shape, layout, gpus=args.gpus, order=order,
                  gpus_per_node=hw.gpus_per_node)
-    e = estimate(shape, hw, layout, order=args.order, overlap=args.overlap,
-                 flash=args.flash_attention, dtype=args.dtype)
+    check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order))
+    e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
+                 flash=args.flash_attention, dtype=args.dtype, framework=fw,
+                 reserve=args.reserve)
     moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
     if moe is not None:
-        e = moe_plan.adjust(e, shape, moe, args.ep, hw, args.order, args.overlap, args.dtype)
+        e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.overlap, args.dtype)
     data = e.to_json()
-    data["explain"] = explain(e)
+    data["explain"] = explain(e, label="layout")
+    data["notes"] = notes
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
         data["explain"] += "\n  " + e.notes[-1]
-    _emit(args, data, _results_table([e]) + "\n\n" + data["explain"]
+    _emit(args, data, f"{args.model} on {layout.gpus} x {args.hardware} with {fw.name}; "
+          + "; ".join(notes) + "\n" + _results_table([e]) + "\n\n" + data["explain"]
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))
 
 
 def cmd_validate(args) -> None:
-    from .measure import VALIDATION_LAYOUTS, validate_step_time
+    from minipar.bench.calibrate import VALIDATION_LAYOUTS, validate_step_time
     unknown = [n for n in args.layouts if n not in _LAYOUT_KEYS]
     if unknown:
         raise PlanError(f"unknown layout {unknown[0]!r}; use some of {', '.join(_LAYOUT_KEYS)}")
@@ -280,18 +327,19 @@ def cmd_validate(args) -> None:
     step = hw["sources"].get("calibration_step")
     if out["calibration_point"]:
         point = (f"* the calibration point: its step ({step['seconds'] * 1e3:.1f} ms when "
-                 f"calibrated) set compute_efficiency, so its ratio is 1 by construction up "
+                 f"calibrated) set step_calibration, so its ratio is 1 by construction up "
                  f"to run-to-run noise; only the other rows test the model")
     elif step:
         point = (f"calibration point: {step['model']}, global batch {step['batch_size']}, "
                  f"one process (not among these rows)")
     else:
-        point = f"calibration point: none ({hw['name']}'s compute_efficiency is an assumption)"
-    hidden = sorted({f"{r['overlap']:.0%}" for r in out["rows"] if r["times"]["dp_comm"] > 0})
+        point = f"calibration point: none ({hw['name']}'s constants are assumptions)"
+    hidden = sorted({f"{r['times']['dp_hidden'] / r['times']['dp_comm']:.0%}"
+                     for r in out["rows"] if r["times"]["dp_comm"] > 0})
     text = (f"{out['machine']}\nload average before {out['load_before'][0]:.2f}, after "
             f"{out['load_after'][0]:.2f} (1 min)\nhardware {hw['name']}: "
-            f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s matmul peak per process x "
-            f"{hw['compute_efficiency']:.2f} achieved in a training step, all-reduce "
+            f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s matmul peak per process, "
+            f"step_calibration {hw.get('step_calibration', 1.0):.2f}, all-reduce "
             f"{hw['intra_node_bandwidth'] / 1e9:.2f} GB/s, "
             f"{hw['intra_node_latency'] * 1e6:.0f} us per ring step\n"
             f"model {args.model}, global batch {args.batch_size}, median of steps "
@@ -302,49 +350,77 @@ def cmd_validate(args) -> None:
     _emit(args, out, text)
 
 
-_LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2"}
+_LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2", "z3": "ZeRO-3 2"}
 
 
 def cmd_calibrate(args) -> None:
-    from .measure import calibrate
+    from minipar.bench.calibrate import calibrate
     hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out, model=args.model,
                    batch_size=args.batch_size)
     step = hw["sources"]["calibration_step"]
     rows = [["matmul FLOP/s (one thread)", f"{hw['peak_flops']:.3g}"],
+            ["memory bandwidth, copy (bytes/s)", f"{hw['hbm_bandwidth']:.3g}"],
+            ["GEMM shapes timed", len(hw["matmul_table"])],
             [f"training step of {step['model']}, batch {step['batch_size']} (s)",
              f"{step['seconds']:.3g}"],
             ["  its model FLOP/s", f"{step['flops_per_s']:.3g}"],
-            ["  compute_efficiency (achieved / matmul)", f"{hw['compute_efficiency']:.3f}"],
-            ["all-reduce bandwidth (bytes/s)", f"{hw['intra_node_bandwidth']:.3g}"],
-            ["latency per ring step (s)", f"{hw['intra_node_latency']:.3g}"],
+            ["  step_calibration (measured / predicted)", f"{hw['step_calibration']:.3f}"],
+            ["all-reduce bandwidth, alpha-beta fit (bytes/s)",
+             f"{hw['intra_node_bandwidth']:.3g}"],
+            ["latency per ring step, alpha-beta fit (s)", f"{hw['intra_node_latency']:.3g}"],
             ["devices (cores)", hw["gpus_per_node"]],
             ["memory per device", _gib(hw["memory_bytes"])]]
-    sizes = [[f"{m['bytes']:,}", f"{m['seconds'] * 1e3:.3f}"]
-             for m in hw["sources"]["measurements"]]
+    table = {}
+    for row in hw["collective_table"]:
+        table.setdefault(row["bytes"], {})[row["op"]] = row["seconds"]
+    ops = ["all_reduce", "all_gather", "reduce_scatter"]
+    # the alpha-beta fallback (fitted to the all-reduces only) beside each measurement
+    from dataclasses import replace
+    from .hardware import hardware_from_dict
+    from .network import ring_time
+    model = replace(hardware_from_dict(dict(hw), where="calibration"), collective_table=None)
+    sizes = [[f"{b:,}", *(f"{table[b][op] * 1e3:.3f} / {ring_time(op, b, args.nproc, 1, model) * 1e3:.3f}"
+                          for op in ops)] for b in sorted(table)]
     _emit(args, hw, _table(rows, ["measured", "value"]) + "\n\n"
-          + _table(sizes, ["all-reduce bytes", "ms"]) + f"\n\nwrote {args.out}: use it as "
-          f"--hardware {args.out}; the calibration point is one process of {step['model']} "
-          f"at global batch {step['batch_size']}")
+          + _table(sizes, ["bytes", *(f"{op} ms (measured / alpha-beta)" for op in ops)])
+          + f"\n\nwrote {args.out}: use it as --hardware {args.out}; the calibration point "
+          f"is one process of {step['model']} at global batch {step['batch_size']}")
 
 
 # --------------------------------------------------------------------------------------
 # Parser
 # --------------------------------------------------------------------------------------
+class _Formatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (unless the help says it, or there is
+    none to say)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" not in text and action.option_strings
+                and action.default not in (None, False, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):            # one line, exit 2 (argparse prints the usage too)
         raise PlanError(f"{self.prog}: {message} (see --help)")
 
 
 def _add_shape(p) -> None:
     p.add_argument("--model", help="a preset: gpt-22b, gpt-175b, gpt-1t, llama-7b, ...")
-    p.add_argument("--layers", type=positive)
-    p.add_argument("--hidden", type=positive)
-    p.add_argument("--heads", type=positive)
-    p.add_argument("--vocab", type=positive)
-    p.add_argument("--seq-len", type=positive)
+    p.add_argument("--layers", type=positive, help="transformer layers (with no --model)")
+    p.add_argument("--hidden", type=positive, help="hidden size h")
+    p.add_argument("--heads", type=positive, help="attention heads")
+    p.add_argument("--vocab", type=positive, help="vocabulary size V")
+    p.add_argument("--seq-len", type=positive, help="sequence length s")
     p.add_argument("--ffn-hidden", type=positive,
                    help="MLP width (default 4h; LLaMA: 2/3 of 4h rounded up to 256)")
-    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt", help="layer design")
     p.add_argument("--untied-head", action="store_true", help="GPT with its own output matrix")
     p.add_argument("--no-bias", action="store_true", help="GPT without biases")
 
@@ -361,15 +437,25 @@ def _add_spec(p, searching: bool = False) -> None:
 
 
 def _add_costs(p) -> None:
-    p.add_argument("--order", choices=ORDERS, default="tp,pp,dp", metavar="ORDER",
+    p.add_argument("--framework", choices=list(FRAMEWORKS), default="minipar",
+                   help="what runs the layout: its rank order, schedules, shardings and how "
+                        "its engine issues data-parallel collectives")
+    p.add_argument("--order", choices=ORDERS, default=None, metavar="ORDER",
                    help="how the grid maps onto devices, innermost axis first: tp,pp,dp "
-                        "(minipar's Grid, the default) or tp,dp,pp (Megatron-LM's)")
-    p.add_argument("--overlap", type=fraction, default=DEFAULT_OVERLAP,
-                   help="fraction of data-parallel traffic hidden behind compute")
+                        "(minipar's Grid) or tp,dp,pp (Megatron-LM's, DeepSpeed's); "
+                        "default: the framework's")
+    p.add_argument("--overlap", type=fraction, default=None,
+                   help="replace each collective's overlap window by a fraction of what it "
+                        "could hide: 0 hides nothing, 1 everything hideable; default: the "
+                        "engine's windows (backward, prefetch, next forward)")
     p.add_argument("--flash-attention", action="store_true",
-                   help="attention scores are never stored")
+                   help="a fused attention kernel: scores never stored, the core timed at "
+                        "the hardware's attention_efficiency")
     p.add_argument("--dtype", choices=["mixed", "fp32"], default=None,
                    help="default: the hardware's")
+    p.add_argument("--reserve", type=fraction, default=None,
+                   help="fraction of device memory kept free for fragmentation; default: the "
+                        "hardware's 'fragmentation'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -381,11 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(split evenly over tp*pp)")
     p.add_argument("--model", help="take the shape of a preset (split exactly over tp and pp: "
                    "norms, row biases and positions stay whole on every TP rank)")
-    p.add_argument("--gpus", type=positive, required=True)
-    p.add_argument("--tp", type=positive, default=1)
-    p.add_argument("--pp", type=positive, default=1)
+    p.add_argument("--gpus", type=positive, required=True, help="devices in all (tp x pp x dp)")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree")
     _add_spec(p)
-    p.add_argument("--dtype", choices=["mixed", "fp32"], default="mixed")
+    p.add_argument("--dtype", choices=["mixed", "fp32"], default="mixed", help="mixed: bf16 + fp32 Adam (2+2+12 bytes); fp32: 4+4+8")
     moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_memory)
 
@@ -396,18 +482,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("flops", help="training FLOPs per iteration")
     _add_shape(p)
     p.add_argument("--batch", type=positive, help="global batch in sequences")
-    p.add_argument("--global-batch-tokens", type=count)
+    p.add_argument("--global-batch-tokens", type=count, help="global batch in tokens (instead of --batch)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="full",
                    help="default full, as Megatron-LM's formula assumes")
     p.add_argument("--step-time", type=float, help="measured seconds per iteration")
-    p.add_argument("--gpus", type=positive)
-    p.add_argument("--hardware")
+    p.add_argument("--gpus", type=positive, help="devices, with --step-time")
+    p.add_argument("--hardware", help="a preset or JSON file, with --step-time (its peak)")
     moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("search", help="rank the layouts that fit")
-    p.add_argument("--model", required=True)
-    p.add_argument("--gpus", type=positive, required=True)
+    p.add_argument("--model", required=True, help="a model preset (gpt-22b, gpt-175b, gpt-1t, llama-7b, ...)")
+    p.add_argument("--gpus", type=positive, required=True, help="devices in all")
     p.add_argument("--hardware", required=True, help="a preset name or a JSON file")
     p.add_argument("--tp", type=positive, help="fix the tensor-parallel degree")
     p.add_argument("--pp", type=positive, help="fix the pipeline-parallel degree")
@@ -419,44 +505,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tp", type=positive,
                    help="largest TP degree to try (default: one node)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="fix the recomputation")
+    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="force sequence parallelism on or off (default: on whenever tp > 1 "
+                        "and the framework has it)")
+    p.add_argument("--chunks", type=positive, default=None,
+                   help="fix the model chunks per stage, v (interleaving when > 1)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="fix the pipeline schedule (default: 1f1b, interleaved where the "
+                        "framework has it)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="step",
+                   help="rank by step time, or as AMSP does: data-parallel communication "
+                        "time with nothing hidden, under the memory limit")
     _add_spec(p, searching=True)
     _add_costs(p)
     moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("estimate", help="predict one given layout")
-    p.add_argument("--model", required=True)
-    p.add_argument("--hardware", required=True)
-    p.add_argument("--gpus", type=positive)
-    p.add_argument("--tp", type=positive, default=1)
-    p.add_argument("--pp", type=positive, default=1)
-    p.add_argument("--dp", type=positive)
-    p.add_argument("--v", type=positive, default=1, help="model chunks per stage (interleaving)")
-    p.add_argument("--micro-batch", type=positive, default=1)
-    p.add_argument("--microbatches", type=positive, default=1)
-    p.add_argument("--seq-len", type=positive)
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
-    p.add_argument("--sp", action="store_true")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    p.add_argument("--model", required=True, help="a model preset")
+    p.add_argument("--hardware", required=True, help="a preset name or a JSON file")
+    p.add_argument("--gpus", type=positive, help="devices in all (or give --dp)")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree")
+    p.add_argument("--dp", type=positive, help="data-parallel degree (default: gpus / (tp x pp))")
+    p.add_argument("--chunks", "--v", type=positive, default=1, dest="chunks",
+                   help="model chunks per stage, v (needs --schedule interleaved when > 1)")
+    p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")
+    p.add_argument("--microbatches", type=positive, default=None,
+                   help="micro-batches per step per pipeline; default: the preset's global "
+                        "batch / (dp x micro-batch), printed")
+    p.add_argument("--global-batch", type=positive, default=None,
+                   help="global batch in sequences (default: the preset's)")
+    p.add_argument("--seq-len", type=positive, help="sequence length (default: the preset's)")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (interleaved needs --chunks >= 2)")
     _add_spec(p)
     _add_costs(p)
     moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("calibrate", help="measure this machine into a hardware file")
-    p.add_argument("--nproc", type=positive, default=2)
+    p.add_argument("--nproc", type=positive, default=2, help="gloo processes for the collective measurements")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
-    p.add_argument("--out", default="calibrated-hardware.json")
+    p.add_argument("--out", default="calibrated-hardware.json", help="the hardware file to write")
     p.add_argument("--model", default="tiny",
                    help="the minipar.model preset whose training step (one process, one "
-                        "thread) sets compute_efficiency: the calibration point (default tiny)")
+                        "thread) sets step_calibration: the calibration point (default tiny)")
     p.add_argument("--batch-size", type=positive, default=16,
                    help="its global batch, in sequences (default 16)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("validate", help="predicted vs measured step time of minipar.train here")
     p.add_argument("--model", default="tiny", help="a minipar.model preset (default tiny)")
-    p.add_argument("--steps", type=positive, default=6)
+    p.add_argument("--steps", type=positive, default=6, help="training steps per layout (the first is warm-up)")
     p.add_argument("--batch-size", type=positive, default=16, help="global, in sequences")
     p.add_argument("--layouts", type=lambda t: t.split(","), default=list(_LAYOUT_KEYS),
                    help=f"comma-separated, from {','.join(_LAYOUT_KEYS)} (default: all)")

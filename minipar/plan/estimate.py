@@ -2,28 +2,29 @@
 
     step = compute + TP comm + bubble + PP comm + exposed DP comm
 
-* compute = hardware FLOPs of the heaviest pipeline stage per device / (peak x
-  compute_efficiency); hardware FLOPs count the recomputation (``shapes.stage_flops``).
-  The heaviest stage is the last: it also computes the logits, and a pipeline runs at its
-  slowest stage's pace (with pp = 1 this is simply the step's FLOPs over the devices).
-  ``compute_efficiency`` is where everything that is not a large matmul goes (attention's
-  small batched matmuls, element-wise kernels, the optimizer, the framework): in a preset
-  it is an assumption, ``calibrate`` measures it from a real training step. It is one
-  factor for every layout: replicated work (a TP rank's LayerNorms and residuals, every
-  rank's per-kernel overhead) is divided by the devices like the matmuls, so a layout that
-  splits a small model finely is predicted somewhat fast.
+* compute (``compute.compute_parts``): the heaviest (last) pipeline stage's matmuls, timed
+  shape by shape, its attention core, its memory-bound kernels as bytes over HBM bandwidth
+  and the optimizer step over its shard; work TP replicates (LayerNorms, residuals and
+  dropouts without sequence parallelism) is not divided by t.
 * TP comm: the per-layer collectives of ``network``, blocking (Megatron-LM and minipar run
-  them on the critical path), each paying its ring steps' latency, plus those of the
-  embedding, head and loss on the stage that holds them (both ends when pp = 1, the head's
-  when pp > 1: the last stage also computes the loss).
+  them on the critical path), each a call with its base and ring-step latencies, plus
+  those of the embedding, head and loss on the stage that holds them (both ends when
+  pp = 1, the head's when pp > 1: the last stage also computes the loss).
 * bubble: a pipeline of p stages idles (p-1)/m of the time it computes m micro-batches,
   and interleaving v chunks per stage divides that by v (Narayanan et al. 2021, section
-  2.2): (p-1)/(m v) x (compute + TP comm).
+  2.2): (p-1)/(m v) x (compute + TP comm, without the optimizer step).
 * PP comm: each micro-batch's send and receive, on the critical path.
-* DP comm: the ZeRO/AMSP collectives; a fraction ``overlap`` of them hides behind compute
-  (never more than the compute time). 0 is a blocking implementation, 1 perfect overlap;
-  the default 0.5 is our assumption (``measure.minipar_overlap`` says what minipar's own
-  engine allows).
+* DP comm: the ZeRO/AMSP collectives as the framework's engine issues them
+  (``network.engine_collectives``: buckets, one gather per unit), each hidden behind the
+  compute it can overlap, never more: gradient reductions started during backward hide
+  behind the backward of their micro-batch except the last call; prefetched parameter
+  gathers hide behind the unit before them (the first of each pass is exposed); the
+  gather after the optimizer step hides behind the next forward when the engine says it
+  overlaps it, else it is exposed. All hidden time together is capped by the compute time.
+  ``overlap`` replaces the windows by a fraction: 0 hides nothing, 1 hides everything
+  hideable (still not the last bucket, the first gather or an exposed gather), so the
+  extremes still rank specs by the traffic that cannot hide. Hidden traffic slows compute
+  by the hardware's ``overlap_slowdown`` (0 unless measured).
 
 MFU = model FLOPs (no recomputation) / (step x devices x peak)   (Chowdhery et al. 2022)
 HFU = hardware FLOPs (with recomputation) / (step x devices x peak). Under full
@@ -35,13 +36,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .compute import compute_parts
+from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import Layout, check_layout
-from .memory import ACTIVATION_BYTES, DEFAULT_RESERVE, device_memory, stage_params
-from .network import collective_time, p2p_time, placement, zero_collectives
-from .shapes import ModelShape, stage_flops, training_flops
+from .memory import ACTIVATION_BYTES, device_memory, stage_params
+from .network import (collective_time, engine_collectives, p2p_time, placement,
+                      zero_collectives)
+from .shapes import ModelShape, training_flops
 
-DEFAULT_OVERLAP = 0.5
+DEFAULT_FRAMEWORK = "minipar"
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Estimate:
     tokens_per_s: float
     mfu: float
     hfu: float
+    framework: str = DEFAULT_FRAMEWORK
     notes: list = field(default_factory=list)
 
     @property
@@ -89,63 +94,141 @@ class Estimate:
             "fits": self.fits, "capacity_bytes": int(self.capacity),
             "memory": {k: int(v) for k, v in self.memory.items()},
             "times": dict(self.times), "shares": self.shares(),
-            "model": self.model, "hardware": self.hardware,
+            "model": self.model, "hardware": self.hardware, "framework": self.framework,
         }
 
 
+def units_of_stage(shape: ModelShape, pp: int) -> int:
+    """Model units (FSDP's wrapping, minipar's ZeRO units) on the heaviest stage: its
+    layers plus the embedding and head it holds."""
+    return -(-shape.layers // pp) + (2 if pp == 1 else 1)
+
+
 def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
-               dtype: str = "mixed") -> dict:
-    """Seconds per step of everything but data-parallel traffic: compute, tp_comm, bubble,
-    pp_comm."""
+               dtype: str = "mixed", flash: bool = False,
+               framework: Framework | str = DEFAULT_FRAMEWORK) -> dict:
+    """Seconds per step of everything but data-parallel traffic: compute (and its parts),
+    tp_comm, bubble, pp_comm."""
+    fw = load_framework(framework)
     t, p, v = layout.tp, layout.pp, layout.v
     b, m, s, h = layout.micro_batch, layout.microbatches, shape.seq_len, shape.hidden
     strides = layout.strides(order)
-    flops = stage_flops(shape, layout.global_batch, p, layout.recompute)   # heaviest stage
-    compute = flops / (layout.dp * t) / hw.achievable_flops
+    parts = compute_parts(shape, hw, layout, dtype, flash, fw.grad_bytes)
 
     activation_msg = b * s * h * ACTIVATION_BYTES[dtype]
     tp_calls = m * ((shape.layers // p) * (6 if layout.recompute == "full" else 4)
                     + (2 if p == 1 else 1))             # + the embedding's g, the head's f
-    tp_comm = (tp_calls * collective_time("all_reduce", activation_msg, t, strides["tp"], hw)
+    if layout.sp:     # each all-reduce becomes an all-gather and a reduce-scatter
+        per_call = (collective_time("all_gather", activation_msg, t, strides["tp"], hw)
+                    + collective_time("reduce_scatter", activation_msg, t, strides["tp"], hw))
+    else:
+        per_call = collective_time("all_reduce", activation_msg, t, strides["tp"], hw)
+    tp_comm = (tp_calls * per_call
                + 3 * m * collective_time("all_reduce", b * s * 4, t, strides["tp"], hw))  # loss
 
-    bubble = (p - 1) / (m * v) * (compute + tp_comm)
+    pipelined = parts["total"] - parts["optimizer"]
+    bubble = (p - 1) / (m * v) * (pipelined + tp_comm)
 
     pp_comm = 0.0
     if p > 1:
         _, nodes = placement(p, strides["pp"], hw.gpus_per_node)
         pp_comm = 2 * m * v * p2p_time(activation_msg / t, nodes > 1, hw)
-    return {"compute": compute, "tp_comm": tp_comm, "bubble": bubble, "pp_comm": pp_comm}
+    out = {"compute": parts["total"], "tp_comm": tp_comm, "bubble": bubble, "pp_comm": pp_comm}
+    out.update({f"compute_{k}": parts[k] for k in ("matmul", "attention", "memory_bound",
+                                                    "optimizer", "forward_mb", "backward_mb")})
+    return out
+
+
+def dp_collectives(shape: ModelShape, layout: Layout, framework: Framework | str,
+                   dtype: str = "mixed"):
+    fw = load_framework(framework)
+    return engine_collectives(stage_params(shape, layout.tp, layout.pp), layout.dp,
+                              layout.shard, fw, units_of_stage(shape, layout.pp), dtype,
+                              layout.microbatches, recompute=layout.recompute == "full",
+                              reduce_bytes=fw.reduce_bytes)
+
+
+def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
+               dtype: str = "mixed", framework: Framework | str = DEFAULT_FRAMEWORK) -> list:
+    """The data-parallel collectives of ``layout`` for one micro-batch, timed per call:
+    [(count, per micro-batch?, calls, seconds per call, window)]. Independent of the
+    micro-batch count and size, so the search computes it once per spec."""
+    from dataclasses import replace
+    stride = layout.strides(order)["dp"]
+    one = replace(layout, microbatches=1)
+    return [(c.count, c.kind in ("gather", "grad"), c.calls,
+             collective_time(c.op, c.nbytes / c.calls, c.size, c.stride * stride, hw), c.window)
+            for c in dp_collectives(shape, one, framework, dtype)]
+
+
+def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | None = None,
+                slowdown: float = 0.0) -> dict:
+    """What of the profile's traffic hides behind ``parts``' compute (module docstring):
+    {"dp_comm" (all of it), "dp_exposed", "dp_hidden", "dp_calls", "interference"}."""
+    total = exposed = hidden_sum = 0.0
+    calls = 0
+    fwd, bwd = parts["compute_forward_mb"], parts["compute_backward_mb"]
+    for count, per_mb, pieces, one, window in profile:
+        count = count * microbatches if per_mb else count
+        occurrence = pieces * one
+        total += count * occurrence
+        calls += count * pieces
+        if window == "none":
+            hideable = hide = 0.0
+        elif window == "forward":
+            hideable, hide = occurrence, min(occurrence, fwd)
+        elif window == "backward":
+            hideable = occurrence - one
+            hide = min(hideable, bwd)
+        else:            # prefetch: each gather behind the unit before it
+            per_unit = (fwd + bwd) / 2 / max(1, pieces)
+            hideable = occurrence - one
+            hide = (pieces - 1) * min(one, per_unit)
+        if overlap is not None:
+            hide = overlap * hideable
+        exposed += count * (occurrence - hide)
+        hidden_sum += count * hide
+    hidden = min(hidden_sum, parts["compute"])
+    exposed += hidden_sum - hidden
+    return {"dp_comm": total, "dp_exposed": exposed, "dp_hidden": hidden, "dp_calls": calls,
+            "interference": hidden * slowdown}
+
+
+def dp_times(shape: ModelShape, hw: Hardware, layout: Layout, parts: dict,
+             order: str = "tp,pp,dp", dtype: str = "mixed",
+             framework: Framework | str = DEFAULT_FRAMEWORK,
+             overlap: float | None = None) -> dict:
+    """Data-parallel traffic of one step: {"dp_comm" (all of it), "dp_exposed", "dp_hidden",
+    "dp_calls", "interference"}; ``parts``: ``time_parts``' output (the compute it can
+    hide behind)."""
+    profile = dp_profile(shape, hw, layout, order, dtype, framework)
+    return dp_exposure(profile, layout.microbatches, parts, overlap, hw.overlap_slowdown)
 
 
 def dp_comm_time(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
-                 dtype: str = "mixed") -> float:
+                 dtype: str = "mixed", framework: Framework | str = DEFAULT_FRAMEWORK) -> float:
     """Seconds per step of the data-parallel (ZeRO/AMSP) collectives, before overlap."""
     stride = layout.strides(order)["dp"]
-    collectives = zero_collectives(stage_params(shape, layout.tp, layout.pp), layout.dp,
-                                   layout.shard, dtype, layout.microbatches,
-                                   recompute=layout.recompute == "full")
-    return sum(c.count * collective_time(c.op, c.nbytes, c.size, c.stride * stride, hw)
-               for c in collectives)
-
-
-def exposed(dp_comm: float, compute: float, overlap: float) -> float:
-    """What of the data-parallel traffic is not hidden behind compute."""
-    return dp_comm - min(overlap * dp_comm, compute)
+    return sum(c.count * c.calls * collective_time(c.op, c.nbytes / c.calls, c.size,
+                                                   c.stride * stride, hw)
+               for c in dp_collectives(shape, layout, framework, dtype))
 
 
 def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
-             order: str = "tp,pp,dp", overlap: float = DEFAULT_OVERLAP, flash: bool = False,
-             dtype: str | None = None, reserve: float = DEFAULT_RESERVE,
-             check: bool = True) -> Estimate:
-    """Predict memory and step time of ``shape`` trained with ``layout`` on ``hardware``."""
+             order: str | None = None, overlap: float | None = None, flash: bool = False,
+             dtype: str | None = None, reserve: float | None = None, check: bool = True,
+             framework: Framework | str = DEFAULT_FRAMEWORK) -> Estimate:
+    """Predict memory and step time of ``shape`` trained with ``layout`` on ``hardware``
+    by ``framework`` (its rank order unless ``order`` is given)."""
     hw = load_hardware(hardware)
+    fw = load_framework(framework)
+    order = order or fw.order
     dtype = dtype or hw.dtype
     if check:
         check_layout(shape, layout, order=order, gpus_per_node=hw.gpus_per_node)
-    times = time_parts(shape, hw, layout, order, dtype)
-    times["dp_comm"] = dp_comm_time(shape, hw, layout, order, dtype)
-    times["dp_exposed"] = exposed(times["dp_comm"], times["compute"], overlap)
+    times = time_parts(shape, hw, layout, order, dtype, flash, fw)
+    times.update(dp_times(shape, hw, layout, times, order, dtype, fw, overlap))
+    times["compute"] += times.pop("interference")
     times["step"] = sum(times[k] for k in ("compute", "tp_comm", "bubble", "pp_comm",
                                            "dp_exposed"))
     flops_model = training_flops(shape, layout.global_batch, "none")
@@ -153,11 +236,11 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     peak = times["step"] * layout.gpus * hw.peak_flops
     return Estimate(
         model=shape.name, hardware=hw.name, layout=layout,
-        memory=device_memory(shape, layout, flash, dtype),
-        capacity=hw.memory_bytes * (1 - reserve), times=times,
+        memory=device_memory(shape, layout, flash, dtype, fw),
+        capacity=hw.usable_bytes(reserve), times=times,
         flops={"model": flops_model, "hardware": flops_hw},
         tokens_per_s=layout.global_batch * shape.seq_len / times["step"],
-        mfu=flops_model / peak, hfu=flops_hw / peak)
+        mfu=flops_model / peak, hfu=flops_hw / peak, framework=fw.name)
 
 
 # --------------------------------------------------------------------------------------
@@ -167,7 +250,10 @@ def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
     """``layout`` with ``dp`` replicas: weak scaling keeps each replica's work (the global
     batch grows), strong scaling keeps the global batch (fewer micro-batches per replica).
     A shard factor equal to the old dp follows the new one (ZeRO-1 over d stays ZeRO-1 over
-    d'); the others become their gcd with it. None when the batch does not divide."""
+    d'); the others become their gcd with it. From a single replica (dp = 1) every factor is
+    1 and says nothing about the stage, so the spec stays (1, 1, 1), plain data parallelism
+    (scaling ZeRO from one replica needs the spec given at the target width). None when
+    the batch does not divide."""
     from dataclasses import replace
     from math import gcd
     m = layout.microbatches
@@ -178,7 +264,10 @@ def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
         m = per_replica
     if layout.v > 1 and m % layout.pp:
         return None
-    shard = tuple(dp if s == layout.dp else gcd(s, dp) for s in layout.shard)
+    if layout.dp == 1:
+        shard = (1, 1, 1)
+    else:
+        shard = tuple(dp if s == layout.dp else gcd(s, dp) for s in layout.shard)
     return replace(layout, dp=dp, microbatches=m, shard=shard)
 
 

@@ -8,22 +8,42 @@ calibrate`` writes one for the machine it runs on.
 Units: bytes, seconds, FLOP/s. Bandwidths are per direction.
 
 * ``peak_flops``: dense 16-bit matmul peak of one device (fp32 for a CPU process).
-* ``compute_efficiency``: the fraction of peak at which a training step runs its matmul
-  FLOPs; the planner computes at ``peak_flops * compute_efficiency`` ("achievable"), so it
-  also carries everything that is not a large matmul (attention, element-wise kernels, the
-  optimizer, the framework). The GPU presets assume large GEMMs' efficiency (a
-  billion-parameter model's step is mostly large GEMMs); ``calibrate`` measures a real
-  small-model step's model FLOP/s over the measured matmul peak.
+* ``compute_efficiency``: the fraction of peak a *large* matmul reaches (a GEMM whose
+  every side is thousands wide). Smaller shapes run slower: a roofline with the HBM
+  bandwidth (``compute.matmul_time``), or a measured per-shape table (``matmul_table``:
+  rows {"m", "n", "k", "flops_per_s"}; ``calibrate`` writes it here).
+* ``attention_efficiency``: the fraction of peak the attention core (Q K^T, softmax,
+  scores x V) reaches when it runs as one fused kernel (FlashAttention); 0: unfused,
+  timed as batched matmuls plus the softmax's bytes.
+* ``hbm_bandwidth``: bytes/s a memory-bound kernel achieves (LayerNorm, GELU, residual
+  adds, softmax, cross-entropy, the optimizer step); 0 leaves them out.
+* ``step_calibration``: a factor on compute time, 1 unless ``calibrate`` measured a real
+  training step here (its step time over the model's, at the calibration point).
 * ``intra_node_bandwidth``: what one device can push to a neighbour in its node (the slowest
-  link a ring over the node crosses).
+  link a ring over the node crosses); ``local_links``: faster links inside aligned blocks
+  of a node ([{"devices": 2, "bandwidth": ...}]: the two GCDs of one MI250X), used by a
+  group that stays inside one block.
 * ``inter_node_bandwidth``: the node's NICs together. A collective whose group spans nodes
   gets, per device, this divided by the devices of the node that share the NICs.
-* latencies: the alpha of the alpha-beta model, per ring step.
+* latencies (NCCL's model, ``src/graph/tuning.cc``): ``collective_latency`` once per call
+  (its baseLat), then ``intra_node_latency`` per ring step inside a node and
+  ``inter_node_latency`` per step that crosses nodes (its hwLat); ``tree``, if given,
+  offers a tree all-reduce ({"base_latency", "intra_latency", "inter_latency",
+  "bandwidth_factor"}), taken when faster, as NCCL does; ``bandwidth_by_size``
+  ([[bytes, factor], ...]) derates the ring's bandwidth for medium messages (RCCL's
+  ringCorrectionFactor); ``collective_table`` (a list of measured rows {"op", "bytes",
+  "per_node", "nodes", "seconds"}, or a path to a JSON file of them, e.g. converted from
+  nccl-tests/rccl-tests) replaces the alpha-beta model where it has the op and placement.
+* ``runtime_bytes``: memory the runtime and libraries take before the model (context,
+  communication buffers, workspaces); ``fragmentation``: the fraction of the rest an
+  allocator loses to fragmentation. Together they set the usable memory.
+* ``overlap_slowdown``: how much compute slows while a collective runs beside it (0.1:
+  hidden communication costs a tenth of its time in compute); 0 unless measured.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from .errors import PlanError
@@ -44,11 +64,29 @@ class Hardware:
     inter_node_latency: float
     dtype: str = "mixed"            # the training precision this hardware runs: mixed or fp32
     description: str = ""
+    collective_latency: float = 0.0
+    tree: dict | None = None
+    bandwidth_by_size: list = field(default_factory=list)
+    local_links: list = field(default_factory=list)
+    collective_table: list | str | None = None
+    hbm_bandwidth: float = 0.0
+    attention_efficiency: float = 0.0
+    matmul_table: list = field(default_factory=list)
+    step_calibration: float = 1.0
+    runtime_bytes: float = 0.0
+    fragmentation: float = 0.0
+    overlap_slowdown: float = 0.0
     sources: dict = field(default_factory=dict, compare=False)
 
     @property
     def achievable_flops(self) -> float:
         return self.peak_flops * self.compute_efficiency
+
+    def usable_bytes(self, reserve: float | None = None) -> float:
+        """What a model may fill: the memory less the runtime's share, less the
+        fragmentation margin (``reserve`` overrides the hardware's fraction)."""
+        frac = self.fragmentation if reserve is None else reserve
+        return (self.memory_bytes - self.runtime_bytes) * (1 - frac)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,11 +98,13 @@ def hardware_presets() -> list[str]:
 
 def hardware_from_dict(data: dict, where: str = "hardware") -> Hardware:
     names = {f.name for f in fields(Hardware)}
-    required = {f.name for f in fields(Hardware)} - {"dtype", "description", "sources"}
+    optional = {f.name for f in fields(Hardware) if f.default is not MISSING
+                or f.default_factory is not MISSING}
+    required = {f.name for f in fields(Hardware)} - optional
     missing = sorted(required - set(data))
     if missing:
         raise PlanError(f"{where} lacks {', '.join(missing)}; copy a preset from {PRESET_DIR} "
-                        f"or run 'python -m minipar.plan calibrate' to write a complete file")
+                        f"or run 'python -m minipar.bench calibrate' to write a complete file")
     unknown = sorted(set(data) - names)
     if unknown:
         raise PlanError(f"{where} has unknown field(s) {', '.join(unknown)}; "
@@ -77,6 +117,18 @@ def hardware_from_dict(data: dict, where: str = "hardware") -> Hardware:
                  "intra_node_bandwidth", "inter_node_bandwidth"):
         if not getattr(hw, name) > 0:
             raise PlanError(f"{where}: {name} must be positive, got {getattr(hw, name)!r}")
+    for name in ("fragmentation", "overlap_slowdown"):
+        if not 0 <= getattr(hw, name) < 1:
+            raise PlanError(f"{where}: {name} must be a fraction from 0 to 1")
+    if isinstance(hw.collective_table, str):
+        table = Path(hw.collective_table)
+        if not table.is_absolute() and where != "hardware":
+            table = Path(where).parent / table
+        try:
+            rows = json.loads(table.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlanError(f"{where}: cannot read collective_table {table}: {e}") from None
+        hw = replace(hw, collective_table=rows)
     if hw.dtype not in ("mixed", "fp32"):
         raise PlanError(f"{where}: dtype must be 'mixed' or 'fp32', got {hw.dtype!r}")
     return hw
@@ -95,7 +147,7 @@ def load_hardware(name_or_path: str | Path | Hardware) -> Hardware:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"cannot read hardware file {path}: {e}; fix the JSON or "
-                        f"write a new one with 'python -m minipar.plan calibrate'") from None
+                        f"write a new one with 'python -m minipar.bench calibrate'") from None
     if not isinstance(data, dict):
         raise PlanError(f"hardware file {path} must hold a JSON object")
     return hardware_from_dict(data, where=str(path))

@@ -60,19 +60,24 @@ layers per stage it holds m micro-batches (GPipe), min(m, p) (1F1B), or, interle
 chunks, up to p(v+1) - 1 chunk-micro-batches of layers/(p v) layers each, which is
 L (1 + (p-1)/(p v)) layers' worth.
 
-Temporary buffers (our assumptions, said here once)
----------------------------------------------------
+Temporary buffers and what the engine allocates (our assumptions, said here once)
+---------------------------------------------------------------------------------
 * the logits of one micro-batch on the last stage: 16-bit logits plus an fp32 copy for the
   softmax and the loss, b s V / t x (2 + 4) bytes (x (4 + 4) in fp32);
 * with full recomputation, one layer's complete activations while it is being recomputed;
 * with sharded parameters (s_p > 1), two gathered layers (the one computing and the next,
   prefetched) and one layer's full gradient before its reduce-scatter;
-* gradient buckets in flight: two of PyTorch DDP's default 25 MiB (or of the whole
-  gradient, if smaller).
+* gradient buckets in flight: two of the framework's buckets (Megatron-LM's 40M
+  parameters, DeepSpeed's 5e8 elements; minipar and FSDP reduce one unit at a time, and
+  PyTorch DDP's default 25 MiB stands in for them), or of the whole gradient, if smaller;
+* the gradient buffer in the framework's precision (``frameworks``: Megatron-LM and
+  DeepSpeed's BF16 optimizer accumulate into fp32, 4 bytes per parameter of the G shard,
+  in place of the 2 of the 16-bit gradient).
 We add the stash of the first stage and the logits of the last as if one device held both,
-which is exact for pp = 1 and a little pessimistic otherwise. A device counts as full at
-``1 - reserve`` of its memory (default reserve 10% for allocator fragmentation, workspaces
-and the runtime's context).
+which is exact for pp = 1 and a little pessimistic otherwise. What the device can give to
+all of this is ``Hardware.usable_bytes``: its memory less the runtime's share (context,
+communication buffers, library workspaces: ``runtime_bytes``), less a fragmentation margin
+(``fragmentation``; the presets cite where theirs comes from; ``reserve`` overrides it).
 """
 from __future__ import annotations
 
@@ -85,7 +90,7 @@ from ..sharding import Shard, resolve_shard
 BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}   # weight, gradient, optimizer
 ACTIVATION_BYTES = {"mixed": 2, "fp32": 4}
 BUCKET_BYTES = 25 * 2**20
-DEFAULT_RESERVE = 0.10
+DEFAULT_RESERVE = None        # the hardware's fragmentation margin
 
 
 def _check_dtype(dtype: str) -> None:
@@ -211,7 +216,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
 
 
 def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
-                    dtype: str = "mixed") -> float:
+                    dtype: str = "mixed", framework=None) -> float:
     """The transient buffers listed in the module docstring."""
     t, b, s = layout.tp, layout.micro_batch, shape.seq_len
     act = ACTIVATION_BYTES[dtype]
@@ -220,8 +225,11 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
         total += layer_activation_bytes(shape, b, t, layout.sp, "none", flash, dtype)
     total += gather_bytes(shape, t, layout.shard, dtype)
     if layout.dp > 1:
-        gradient = stage_params(shape, t, layout.pp) * BYTES_PER_PARAM[dtype][1]
-        total += 2 * min(BUCKET_BYTES, gradient)
+        g = (framework.grad_bytes if framework and framework.grad_bytes
+             else BYTES_PER_PARAM[dtype][1])
+        gradient = stage_params(shape, t, layout.pp) * g
+        bucket = framework.bucket_params(layout.dp) if framework else None
+        total += 2 * min(bucket * g if bucket else BUCKET_BYTES, gradient)
     return total
 
 
@@ -232,14 +240,25 @@ def gather_bytes(shape: ModelShape, tp: int, shard, dtype: str = "mixed") -> flo
     return 3 * tp_rank_params(shape, tp)["layer"] * ACTIVATION_BYTES[dtype]
 
 
+def grad_buffer_bytes(shape: ModelShape, layout: Layout, dtype: str, framework=None) -> float:
+    """The gradient buffer in the framework's precision (4 bytes per parameter of the G
+    shard for fp32 buffers)."""
+    g = (framework.grad_bytes if framework and framework.grad_bytes
+         else BYTES_PER_PARAM[dtype][1])
+    return g * math.ceil(stage_params(shape, layout.tp, layout.pp) / layout.shard[1])
+
+
 def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
-                  dtype: str = "mixed") -> dict[str, float]:
+                  dtype: str = "mixed", framework=None) -> dict[str, float]:
     """Everything one device holds at its peak: params, grads, optimizer, activations,
-    temporary, total (bytes)."""
+    temporary, total (bytes). ``framework`` (a ``frameworks.Framework``) sets the gradient
+    buffer's precision and the bucket size."""
     states = model_state_bytes(shape, layout.dp, shard=layout.shard, tp=layout.tp,
                                pp=layout.pp, dtype=dtype)
     out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
+    if framework is not None and framework.grad_bytes:
+        out["grads"] = float(grad_buffer_bytes(shape, layout, dtype, framework))
     out["activations"] = activation_bytes(shape, layout, flash, dtype)
-    out["temporary"] = temporary_bytes(shape, layout, flash, dtype)
+    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework)
     out["total"] = sum(out.values())
     return out

@@ -31,6 +31,10 @@ per activation element (``minipar.moe``'s docstring; the trainer measures it):
 
 The all-to-alls are on the critical path (each layer waits for its tokens): time = count x
 ((ep-1) alpha + bytes / beta), beta the slowest link the EP group crosses (``network``).
+``adjust`` turns a dense estimate into the MoE's: compute grows by the extra FLOPs (and the
+pipeline bubble with it), the data-parallel traffic is recomputed for the non-expert
+parameters plus the experts' all-reduce over their replicas, with the dense estimate's share
+of it hidden behind compute.
 Not modelled: MoE activation memory beyond the dense model's (k MLP activations per token
 and the dispatch buffers) and load imbalance (the busiest expert sets the pace).
 """
@@ -173,13 +177,12 @@ def all_to_all_time(nbytes: float, calls: int, ep: int, stride: int, hw) -> floa
 # One layout: the dense estimate, adjusted
 # --------------------------------------------------------------------------------------
 def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
-           overlap: float = 0.5, dtype: str | None = None):
+           overlap: float | None = None, dtype: str | None = None):
     """The dense ``Estimate`` of ``shape`` turned into the MoE model's: model states (experts
     split by ep), compute (active parameters), the all-to-alls (blocking) and the expert
     gradients' all-reduce over their replicas. Returns a new Estimate (``times['ep_comm']``
     added) and its MoE figures in ``notes``."""
     from .network import collective_time, zero_collectives
-    from .estimate import exposed
     lay = e.layout
     dtype = dtype or hw.dtype
     check(moe, ep, lay.dp, lay.tp)
@@ -194,8 +197,9 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     l_stage = math.ceil(moe.layers(shape) / lay.pp)
     extra = (4 if lay.recompute == "full" else 3) * extra_forward_flops(shape, moe, lay.global_batch)
     extra_stage = extra * l_stage / max(1, moe.layers(shape))
+    busy = times["compute"] + times["tp_comm"]
     times["compute"] += extra_stage / (lay.dp * lay.tp) / hw.achievable_flops
-    times["bubble"] = (lay.pp - 1) / (lay.microbatches * lay.v) * (times["compute"] + times["tp_comm"])
+    times["bubble"] *= (times["compute"] + times["tp_comm"]) / busy    # the bubble scales with it
 
     strides = lay.strides(order)
     tokens = lay.micro_batch * shape.seq_len // (lay.tp if lay.sp else 1)
@@ -206,12 +210,15 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
 
     collectives = zero_collectives(states["non_expert_params"], lay.dp, lay.shard, dtype, lay.microbatches,
                                    recompute=lay.recompute == "full")
-    dp_comm = sum(c.count * collective_time(c.op, c.nbytes, c.size, c.stride * strides["dp"], hw)
+    dp_comm = sum(c.count * c.calls * collective_time(c.op, c.nbytes / c.calls, c.size,
+                                                      c.stride * strides["dp"], hw)
                   for c in collectives)
     dp_comm += collective_time("all_reduce", states["expert_params"] * BYTES_PER_PARAM[dtype][1],
                                lay.dp // ep, strides["dp"] * ep, hw)
+    # the same share of it hides behind compute as in the dense estimate
+    hidden_share = 1 - e.times["dp_exposed"] / e.times["dp_comm"] if e.times.get("dp_comm") else 0.0
     times["dp_comm"] = dp_comm
-    times["dp_exposed"] = exposed(dp_comm, times["compute"], overlap)
+    times["dp_exposed"] = dp_comm * (1 - hidden_share)
     times["step"] = sum(times[k] for k in ("compute", "tp_comm", "bubble", "pp_comm",
                                            "dp_exposed", "ep_comm"))
     model_flops = training_flops(shape, moe, lay.global_batch, "none")
@@ -259,7 +266,7 @@ def summary(shape: ModelShape, moe: MoE) -> dict:
 
 
 def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
-           order: str = "tp,pp,dp", overlap: float = 0.5, dtype: str | None = None) -> list:
+           order: str = "tp,pp,dp", overlap: float | None = None, dtype: str | None = None) -> list:
     """The dense search's candidates as MoE layouts: adjusted, those that fit, fastest first.
 
     The search itself ranks dense layouts; ``cmd_search`` asks it for many candidates and

@@ -1,48 +1,70 @@
 """The strategy search: every layout that fits, ranked by predicted step time.
 
-For a model, a number of devices and a global batch (in tokens) we enumerate
+For a model, a number of devices, a global batch (in tokens) and a framework profile
+(``frameworks``: what it can run) we enumerate
 
     tp   divides the heads, at most one node (unless a larger one is asked for)
     pp   divides the layers;  dp = devices / (tp pp) must divide the batch
-    v    model chunks per stage (interleaved 1F1B), dividing layers/pp, at most ``max_v``
+    v    model chunks per stage (interleaved 1F1B), dividing layers/pp, at most ``max_v``,
+         only where the framework interleaves
     b    micro-batch size, dividing the batch per replica, at most ``max_micro_batch``
     m    = batch / (dp b) micro-batches
-    (s_p, s_g, s_os)   every AMSP spec over dp (``sharding.shard_specs``: s_g in {s_p, s_os}),
-                       groups contiguous; a spec fixed with ``shard=`` may be any that
+    (s_p, s_g, s_os)   the framework's shardings over dp (minipar: every AMSP spec,
+                       ``sharding.shard_specs``; Megatron-LM: DP or its distributed
+                       optimizer; ...); a spec fixed with ``shard=`` may be any that
                        minipar.zero runs (s_p | s_g | s_os | dp), e.g. 1,2,4
-    recomputation      none, selective, full
+    recomputation      the framework's modes
 
-with sequence parallelism on whenever tp > 1 (same traffic, less memory), drop what does not
-fit, and rank by step time. With tp and pp fixed to 1 this is AMSP's scale-aware
-partitioner: which (s_p, s_g, s_os) minimises communication within the memory budget.
+with sequence parallelism on whenever tp > 1 and the framework has it (same traffic, less
+memory; ``sp`` forces it on or off), drop what does not fit, and rank. With tp and pp
+fixed to 1 this is AMSP's scale-aware partitioner; ``objective="amsp"`` ranks as AMSP's
+planner does, by data-parallel communication time with nothing hidden, under the memory
+limit.
 
-Pruning keeps 175B on 3072 devices well under a second: model-state bytes and
-data-parallel traffic depend only on (tp, pp, shard), and on m linearly, so they are
-computed once per (tp, pp) and spec, sorted by bytes; for each (v, b, recomputation) only
-the prefix of specs that fits (found by bisection) is timed. The best candidates are then
-estimated in full (``estimate.estimate``), and that is what is returned.
+Ranking and ties: one key for every comparison, before and after the candidate pool is
+cut: (step time to 9 significant digits, bytes per device, the layout's degrees in a fixed
+order); under AMSP's objective (DP communication time, step time, ...). So equal
+predictions go to the leaner layout, then to the smaller degrees, the same way whichever
+pass compares them.
+
+Pruning: model-state bytes depend only on (tp, pp, spec), so each (tp, pp)'s specs are
+sorted by bytes once; for each (v, b, recomputation) only the prefix that fits (found by
+bisection) is timed. The best candidates are then estimated in full
+(``estimate.estimate``), and that is what is returned.
 """
 from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import math
 from dataclasses import replace
 
 from .errors import PlanError
-from .estimate import DEFAULT_OVERLAP, Estimate, dp_comm_time, estimate, exposed, time_parts
+from .estimate import Estimate, dp_exposure, dp_profile, estimate, time_parts
+from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import ORDERS, Layout, dp_per_node
-from .memory import (DEFAULT_RESERVE, activation_bytes, gather_bytes, model_state_bytes,
+from .memory import (activation_bytes, gather_bytes, grad_buffer_bytes, model_state_bytes,
                      stage_params, temporary_bytes)
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
-from ..sharding import Shard, divisors, parse_shard, shard_specs, shard_violation, zero_shard
+from ..sharding import Shard, divisors, parse_shard, shard_violation, zero_shard
+
+OBJECTIVES = ("step", "amsp")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 def _gib(x: float) -> str:
     """Bytes in GiB, or MiB for the small models of a laptop."""
     return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
+
+
+def rank_key(seconds: float | tuple, memory: float, layout: Layout) -> tuple:
+    """The one ordering of candidates (module docstring); ``seconds`` may be a tuple
+    (AMSP's objective: DP communication, then step time)."""
+    seconds = seconds if isinstance(seconds, tuple) else (seconds,)
+    return (*(float(f"{x:.9g}") for x in seconds), round(memory), layout.tp, layout.pp, layout.v,
+            layout.micro_batch, layout.shard, RECOMPUTE_MODES.index(layout.recompute),
+            layout.schedule)
 
 
 def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
@@ -51,24 +73,31 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
            micro_batch: int | None = None, shard: Shard | str | None = None,
            zero: int | None = None, recompute: str | None = None, v: int | None = None,
            top: int = 5, max_tp: int | None = None, max_v: int = 8,
-           max_micro_batch: int = 16, order: str = "tp,pp,dp",
-           overlap: float = DEFAULT_OVERLAP, flash: bool = False, sp: bool = True,
-           dtype: str | None = None, reserve: float = DEFAULT_RESERVE,
-           specs_per_layout: int = 1) -> list[Estimate]:
+           max_micro_batch: int = 16, order: str | None = None,
+           overlap: float | None = None, flash: bool = False, sp: bool | None = None,
+           dtype: str | None = None, reserve: float | None = None,
+           specs_per_layout: int = 1, framework: Framework | str = "minipar",
+           schedule: str | None = None, objective: str = "step") -> list[Estimate]:
     """Ranked layouts (best first) of ``model`` on ``gpus`` devices of ``hardware``.
 
-    Fixing ``tp``, ``pp``, ``micro_batch``, ``v``, ``recompute``, or the spec (``shard`` or
-    ``zero``) narrows the search; ``max_tp`` lets TP span nodes. ``specs_per_layout``: how
-    many shard specs to keep per parallel layout (tp, pp, v, b, recomputation); 1 lists
-    different layouts, each with its best spec.
+    Fixing ``tp``, ``pp``, ``micro_batch``, ``v`` (chunks), ``schedule``, ``recompute``,
+    ``sp`` or the spec (``shard`` or ``zero``) narrows the search; ``max_tp`` lets TP span
+    nodes; ``framework`` limits it to what that framework runs (and gives the rank order,
+    unless ``order`` is given). ``specs_per_layout``: how many shard specs to keep per
+    parallel layout (tp, pp, v, b, recomputation); 1 lists different layouts, each with its
+    best spec. ``objective``: "step" (time) or "amsp" (DP communication, nothing hidden).
     """
     shape = model_preset(model) if isinstance(model, str) else model
     if seq_len:
         shape = with_seq_len(shape, seq_len)
     hw = load_hardware(hardware)
+    fw = load_framework(framework)
+    order = order or fw.order
     dtype = dtype or hw.dtype
     if order not in ORDERS:
         raise PlanError(f"unknown order {order!r}; use {' or '.join(ORDERS)}")
+    if objective not in OBJECTIVES:
+        raise PlanError(f"unknown objective {objective!r}; use {' or '.join(OBJECTIVES)}")
     if gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {gpus}")
     if shard is not None and zero is not None:
@@ -78,6 +107,21 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         shard = parse_shard(shard)
     if recompute is not None and recompute not in RECOMPUTE_MODES:
         raise PlanError(f"unknown recomputation {recompute!r}; use {', '.join(RECOMPUTE_MODES)}")
+    if recompute is not None and recompute not in fw.recompute:
+        raise PlanError(f"{fw.name} has no {recompute!r} recomputation; it has "
+                        f"{', '.join(fw.recompute)}")
+    if sp and not fw.sp:
+        raise PlanError(f"{fw.name} has no sequence parallelism; leave out --sp or choose "
+                        f"another --framework")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(SCHEDULES)}")
+    if (schedule == "interleaved" or (v or 1) > 1) and not fw.interleaving:
+        raise PlanError(f"{fw.name} has no interleaved schedule; leave out --chunks and "
+                        f"--schedule interleaved, or choose another --framework")
+    if schedule == "interleaved" and v == 1:
+        raise PlanError("--schedule interleaved needs --chunks of 2 or more")
+    if schedule == "gpipe" and (v or 1) > 1:
+        raise PlanError("--chunks > 1 needs the interleaved schedule, not gpipe")
     tokens = global_batch_tokens or shape.global_batch_tokens
     if not tokens:
         raise PlanError(f"model {shape.name} has no default batch; give --global-batch-tokens")
@@ -85,12 +129,14 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(f"global batch of {tokens} tokens is not a whole number of "
                         f"{shape.seq_len}-token sequences; use a multiple of {shape.seq_len}")
     batch = tokens // shape.seq_len
-    capacity = hw.memory_bytes * (1 - reserve)
-    modes = [recompute] if recompute else list(RECOMPUTE_MODES)
+    capacity = hw.usable_bytes(reserve)
+    modes = [recompute] if recompute else [r for r in RECOMPUTE_MODES if r in fw.recompute]
+    if not fw.interleaving or schedule in ("gpipe", "1f1b"):
+        max_v, v = 1, 1
+    use_sp = fw.sp if sp is None else sp
 
-    pool: list[tuple] = []                 # a bounded heap of the fastest (-step, n, layout)
+    candidates: list[tuple] = []           # (key, layout), each layout's best specs
     keep = max(4 * top, 20)
-    arrival = itertools.count()            # breaks ties in the heap (layouts do not compare)
     leanest = (math.inf, None)             # for the "nothing fits" message
     for t, p, d in _degrees(shape, gpus, batch, tp, pp, max_tp or hw.gpus_per_node):
         per_node = dp_per_node(Layout(tp=t, pp=p, dp=d), hw.gpus_per_node, order)
@@ -101,32 +147,39 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         elif zero is not None:
             specs = [zero_shard(zero, d)]
         else:
-            specs = shard_specs(d, per_node)
-        table = _spec_table(shape, hw, t, p, d, specs, order, dtype)
+            specs = fw.specs(d, p, per_node)
+        table = sorted((_state_bytes(shape, t, p, d, spec, dtype, fw), spec) for spec in specs)
         table_bytes = [row[0] for row in table]
+        profiles: dict = {}                # (spec, full recomputation) -> dp_profile
         for b, m, chunks in _schedules(shape, p, batch // d, micro_batch, v, max_v,
                                        max_micro_batch):
+            if schedule == "interleaved" and chunks < 2:
+                continue
             for mode in modes:
                 base = Layout(tp=t, pp=p, dp=d, micro_batch=b, microbatches=m,
-                              recompute=mode, v=chunks, sp=sp and t > 1)
+                              recompute=mode, v=chunks, sp=use_sp and t > 1,
+                              schedule="gpipe" if schedule == "gpipe" else "1f1b")
                 held = (activation_bytes(shape, base, flash, dtype)
-                        + temporary_bytes(shape, base, flash, dtype))
+                        + temporary_bytes(shape, base, flash, dtype, fw))
                 leanest = min(leanest, (held + table_bytes[0], base), key=lambda x: x[0])
                 fitting = bisect.bisect_right(table_bytes, capacity - held)
                 if not fitting:
                     continue
-                parts = time_parts(shape, hw, base, order, dtype)
-                fixed = sum(parts.values())
-                steps = []
-                for _, spec, per_mb, per_step, per_mb_full in table[:fitting]:
-                    comm = (per_mb_full if mode == "full" else per_mb) * m + per_step
-                    steps.append((fixed + exposed(comm, parts["compute"], overlap), spec))
-                for step, spec in heapq.nsmallest(specs_per_layout, steps):
-                    item = (-step, next(arrival), replace(base, shard=spec))
-                    if len(pool) < keep:
-                        heapq.heappush(pool, item)
-                    elif -step > pool[0][0]:
-                        heapq.heapreplace(pool, item)
+                parts = time_parts(shape, hw, base, order, dtype, flash, fw)
+                fixed = sum(parts[k] for k in ("compute", "tp_comm", "bubble", "pp_comm"))
+                keys = []
+                for state, spec in table[:fitting]:
+                    layout = replace(base, shard=spec)
+                    key = (spec, mode == "full")
+                    if key not in profiles:
+                        profiles[key] = dp_profile(shape, hw, layout, order, dtype, fw)
+                    dp = dp_exposure(profiles[key], m, parts, overlap, hw.overlap_slowdown)
+                    seconds = fixed + dp["dp_exposed"] + dp["interference"]
+                    if objective == "amsp":
+                        seconds = (dp["dp_comm"], seconds)
+                    keys.append((rank_key(seconds, held + state, layout), layout))
+                candidates += heapq.nsmallest(specs_per_layout, keys, key=lambda x: x[0])
+    pool = heapq.nsmallest(keep, candidates, key=lambda x: x[0])
     if not pool:
         need, lean = leanest
         if lean is None:
@@ -137,16 +190,32 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                         f"({lean.describe(shard=False)}, model states fully sharded) needs "
                         f"{_gib(need)} per device of {_gib(capacity)} usable; use more GPUs "
                         f"or a smaller micro-batch or batch")
-    # the pruned scan ranked candidates; the full model has the last word
+    # the pruned scan ranked candidates; the full model has the last word, same key
     results = [estimate(shape, hw, layout, order=order, overlap=overlap, flash=flash,
-                        dtype=dtype, reserve=reserve, check=False) for *_, layout in pool]
+                        dtype=dtype, reserve=reserve, check=False, framework=fw)
+               for _, layout in pool]
     results = [e for e in results if e.fits]
     if not results:
         raise PlanError(f"nothing fits {shape.name} on {gpus} GPUs within {_gib(capacity)} "
                         f"usable per device; use more GPUs or a smaller micro-batch or batch")
-    # ties (common: the model has no micro-batch size effect) go to the leaner layout
-    results.sort(key=lambda e: (round(e.step_time, 9), e.memory["total"]))
+    if objective == "amsp":
+        def seconds(e):
+            return e.times["dp_comm"], e.step_time
+    else:
+        def seconds(e):
+            return e.step_time
+    results.sort(key=lambda e: rank_key(seconds(e), e.memory["total"], e.layout))
     return results[:top]
+
+
+def _state_bytes(shape, t, p, d, spec, dtype, fw) -> float:
+    """Model states, the framework's gradient buffer and the gather buffers of one spec."""
+    states = model_state_bytes(stage_params(shape, t, p), d, shard=spec, dtype=dtype)
+    total = states["total"] + gather_bytes(shape, t, spec, dtype)
+    if fw.grad_bytes:
+        total += grad_buffer_bytes(shape, Layout(tp=t, pp=p, dp=d, shard=spec), dtype,
+                                   fw) - states["grads"]
+    return total
 
 
 def _degrees(shape: ModelShape, gpus: int, batch: int, tp: int | None, pp: int | None,
@@ -179,47 +248,32 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, micro_batch: int | 
                 yield b, m, chunks
 
 
-def _spec_table(shape, hw, t, p, d, specs, order, dtype) -> list[tuple]:
-    """Per spec, sorted by bytes: (model-state and gather-buffer bytes, spec, DP seconds per
-    micro-batch, DP seconds per step, DP seconds per micro-batch under full recomputation).
-
-    DP time is linear in the micro-batch count m, so two evaluations (m = 1, 2) give it.
-    """
-    phi = stage_params(shape, t, p)
-    rows = []
-    for spec in specs:
-        state = (model_state_bytes(phi, d, shard=spec, dtype=dtype)["total"]
-                 + gather_bytes(shape, t, spec, dtype))
-        one = Layout(tp=t, pp=p, dp=d, microbatches=1, shard=spec)
-        two = replace(one, microbatches=2)
-        t1, t2 = (dp_comm_time(shape, hw, x, order, dtype) for x in (one, two))
-        per_mb_full = t2 - t1
-        if spec[0] > 1:     # a third gather per micro-batch for the recomputed forward
-            f1, f2 = (dp_comm_time(shape, hw, replace(x, recompute="full"), order, dtype)
-                      for x in (one, two))
-            per_mb_full = f2 - f1
-        rows.append((state, spec, t2 - t1, 2 * t1 - t2, per_mb_full))
-    rows.sort(key=lambda r: r[0])
-    return rows
-
-
 # --------------------------------------------------------------------------------------
 # Explaining the result
 # --------------------------------------------------------------------------------------
 _PARTS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "TP communication",
           "pp_comm": "PP communication", "dp_exposed": "exposed DP communication"}
+_COMPUTE = {"compute_matmul": "matmuls", "compute_attention": "attention core",
+            "compute_memory_bound": "memory-bound kernels", "compute_optimizer": "optimizer"}
 
 
-def explain(winner: Estimate, runner_up: Estimate | None = None) -> str:
-    """Why the winner wins: where its step time and memory go, and what the runner-up lost on."""
-    t, mem = winner.times, winner.memory
-    lines = [f"winner: {winner.layout.describe()}: step {t['step']:.3g} s, "
-             f"{winner.tokens_per_s:,.0f} tokens/s, MFU {winner.mfu:.1%} (HFU {winner.hfu:.1%})",
-             "  time: " + ", ".join(f"{_PARTS[k]} {t[k] / t['step']:.1%}" for k in _PARTS),
-             f"  memory: {_gib(mem['total'])} of {_gib(winner.capacity)} usable "
-             f"(params {_gib(mem['params'])}, grads {_gib(mem['grads'])}, optimizer "
-             f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}, temporary "
-             f"{_gib(mem['temporary'])})"]
+def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "best") -> str:
+    """Where the step time and memory of ``best`` go, and what the runner-up lost on."""
+    t, mem = best.times, best.memory
+    lines = [f"{label}: {best.layout.describe()}: step {t['step']:.3g} s, "
+             f"{best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})",
+             "  time: " + ", ".join(f"{_PARTS[k]} {t[k] / t['step']:.1%}" for k in _PARTS)]
+    if t.get("compute"):
+        lines.append("  compute: " + ", ".join(f"{v} {t[k] / t['compute']:.0%}"
+                                               for k, v in _COMPUTE.items() if k in t))
+    if t.get("dp_comm"):
+        lines.append(f"  DP traffic: {t['dp_comm']:.3g} s in {t['dp_calls']:,} calls, "
+                     f"{t['dp_hidden']:.3g} s hidden behind compute, "
+                     f"{t['dp_exposed']:.3g} s exposed")
+    lines.append(f"  memory: {_gib(mem['total'])} of {_gib(best.capacity)} usable "
+                 f"(params {_gib(mem['params'])}, grads {_gib(mem['grads'])}, optimizer "
+                 f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}, "
+                 f"temporary {_gib(mem['temporary'])})")
     if runner_up is not None:
         r = runner_up.times
         deltas = {k: r[k] - t[k] for k in _PARTS}
@@ -229,7 +283,7 @@ def explain(winner: Estimate, runner_up: Estimate | None = None) -> str:
         if slower < 1e-3:
             line = (f"runner-up: {runner_up.layout.describe()}: ties within 0.1% "
                     f"(the model sees no difference in time")
-            line += ("; the winner needs less memory)" if runner_up.memory["total"] >
+            line += ("; the best needs less memory)" if runner_up.memory["total"] >
                      mem["total"] else ")")
             lines.append(line)
             return "\n".join(lines)

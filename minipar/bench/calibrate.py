@@ -1,29 +1,38 @@
 """The planner against this machine: ``calibrate`` it, then ``validate`` the predictions.
 
-``calibrate`` makes three measurements, all quick:
+    python -m minipar.bench calibrate [--nproc 2] [--quick] [--out FILE]
+    python -m minipar.bench validate  [--layouts 1,dp2,tp2,pp2] [--hardware FILE]
+
+(``python -m minipar.plan calibrate|validate`` forwards here.) This is the part of the
+planner that needs torch and runs the trainer, so it lives with the benchmarks and the
+planner itself stays torch-free.
+
+``calibrate`` measures, all quickly:
 
 * matmul FLOP/s (``peak_flops``): an n x n fp32 matmul (2 n^3 FLOPs) on one thread, since
-  ``minipar.dist.launch`` gives each process (each "device") one thread;
-* a real training step (``compute_efficiency``): ``minipar.train`` on one process and one
+  ``minipar.dist.launch`` gives each process (each "device") one thread; and the rate of
+  each GEMM shape the calibration model runs at tensor-parallel degrees 1 and 2
+  (``matmul_table``: the planner times each matmul of a step at its shape's rate);
+* memory bandwidth (``hbm_bandwidth``): a large tensor copy, bytes read and written over
+  time, what the planner charges memory-bound kernels and the optimizer step at;
+* collectives (``collective_table``): all-reduce, all-gather and reduce-scatter of growing
+  size between ``nprocs`` local processes over gloo, through ``minipar.comm`` as the
+  trainer calls them, each issued after a short burst of compute and timed as the mean
+  over repeats (``collective_times`` says why). The planner interpolates this table for
+  groups of ``nprocs`` ranks; a line through the all-reduce points (alpha-beta: time =
+  steps x alpha + bytes / beta, 2 (n-1) steps and 2 (n-1)/n N bytes for an N-byte
+  all-reduce, fitted to *relative* residuals so the small messages set alpha) is the
+  fallback for every other group;
+* interference (``overlap_slowdown``): matmuls timed alone and while an asynchronous
+  all-reduce runs beside them; the planner charges hidden communication this fraction of
+  its time in compute;
+* a real training step (``step_calibration``): ``minipar.train`` on one process and one
   thread, as every rank here runs, on a small model (the trainer's ``tiny`` preset, global
-  batch 16, by default): the median of a few steps after warm-up. Its model FLOPs
-  (``shapes.training_flops``) over that time is the rate a training step achieves, and
-  achieved / matmul peak is the efficiency factor. A step is more than large matmuls:
-  attention's small batched matmuls, LayerNorm, GELU, softmax and cross-entropy, AdamW and
-  Python all run below the peak of one big matmul, and a first-order model has no other
-  place to put them. This is how planners are calibrated in practice (time one real
-  configuration, extrapolate to the others), and it makes that configuration the
-  *calibration point*: its predicted step time equals its measured one by construction, up
-  to run-to-run noise, so only the *other* layouts test the model;
-* collective bandwidth: all-reduces of growing size between ``nprocs`` local processes over
-  gloo, through ``minipar.dist.launch``, each issued after a short burst of compute and
-  timed as the mean over repeats, because that is how a training step meets its
-  collectives (``allreduce_times`` says why it matters). A line through (bytes sent,
-  seconds) gives the alpha-beta model: time = steps x alpha + bytes / beta, with 2 (n-1)
-  ring steps and 2 (n-1)/n N bytes sent for an N-byte all-reduce. It is fitted to *relative*
-  residuals: the sizes span three decades, and a plain least-squares fit lets the largest
-  messages' few-percent noise set the intercept (alpha), which the many small collectives
-  of tensor parallelism then multiply.
+  batch 16, by default): the median of a few steps after warm-up, over what the planner
+  predicts for it from the measurements above. What a first-order model leaves out
+  (Python, kernel launches, the allocator) lands in this one factor, so that
+  configuration is the *calibration point*: its predicted step time equals its measured
+  one by construction, up to run-to-run noise, and only the *other* layouts test the model.
 
 The file treats the machine as one node of ``os.cpu_count()`` devices, each with an equal
 share of the RAM, and so assumes each process has a core to itself while it computes (true on
@@ -33,13 +42,11 @@ rate of one alone; where ``os.cpu_count()`` counts hyperthreads it does not hold
 fields repeat the loopback numbers (x devices per node, since a node's NICs are shared by
 its devices).
 
-``validate_step_time`` (``python -m minipar.plan validate``) runs ``minipar.train`` on a few
-layouts of a small model and sets each measured step time (median after the first step)
-next to ``estimate``'s prediction on the calibrated hardware, marking the calibration point.
-One input of ``estimate`` is read off minipar itself rather than assumed: how much of the
-data-parallel all-reduce its engine can hide behind backward (``minipar_overlap``). Nothing
-is fitted to the validation runs. ``model_states_vs_plan`` does the same for the
-model-state bytes, which must agree exactly.
+``validate_step_time`` runs ``minipar.train`` on a few layouts of a small model and sets
+each measured step time (median after the first step) next to the planner's prediction on
+the calibrated hardware, marking the calibration point. Nothing is fitted to the validation
+runs. ``model_states_vs_plan`` does the same for the model-state bytes, which must agree
+exactly.
 """
 from __future__ import annotations
 
@@ -72,10 +79,16 @@ def matmul_flops(n: int = 1024, repeats: int = 5, threads: int = 1) -> float:
     return 2 * n**3 / best
 
 
-def allreduce_times(sizes: list[int], repeats: int, work_s: float = WORK_S) -> list[float]:
-    """Run on every rank (by ``minipar.dist.launch``): mean seconds per all-reduce by size.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
-    Each all-reduce is issued the way the trainer issues its collectives: after ``work_s``
+
+def collective_times(sizes: list[int], repeats: int, work_s: float = WORK_S,
+                     ops: tuple = ("all_reduce",)) -> dict[str, list[float]]:
+    """Run on every rank (by ``minipar.dist.launch``): mean seconds per call by op and
+    size (bytes of the full buffer: the all-reduce's, the gather's output, the
+    reduce-scatter's input), through ``minipar.comm`` as the trainer calls them.
+
+    Each call is issued the way the trainer issues its collectives: after ``work_s``
     seconds of matmul on this rank and with no barrier, so a rank that finishes its compute
     first waits inside the collective. Timed back to back after a barrier instead, the
     collective finds both processes awake and in step, which a training step rarely gives
@@ -88,22 +101,127 @@ def allreduce_times(sizes: list[int], repeats: int, work_s: float = WORK_S) -> l
     """
     import torch
     import torch.distributed as dist
+    from minipar import comm
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    a = torch.randn(256, 256)
+    out = {}
+    for op in ops:
+        out[op] = []
+        for nbytes in sizes:
+            full = torch.zeros(max(n, nbytes // 4 // n * n))
+            part = torch.zeros(full.numel() // n)
+
+            def call():
+                with comm.untracked():
+                    if op == "all_reduce":
+                        comm.all_reduce(full, comm.WORLD)
+                    elif op == "all_gather":
+                        comm.all_gather(full, part, comm.WORLD)
+                    else:
+                        comm.reduce_scatter(part, full, comm.WORLD)
+            call()                                       # warm up this size
+            dist.barrier()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < work_s:
+                    a @ a
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            out[op].append(sum(times) / len(times))
+    return out
+
+
+def overlap_slowdown(nbytes: int = 16 * 2**20, matmuls: int = 40) -> float:
+    """Run on every rank: how much slower compute runs while a collective runs beside it.
+    Times ``matmuls`` 256 x 256 matmuls alone, then again just after starting an
+    asynchronous all-reduce of ``nbytes`` (sized to last about as long); returns
+    with / alone - 1."""
+    import torch
+    import torch.distributed as dist
     torch.set_num_threads(1)
     a = torch.randn(256, 256)
-    out = []
-    for nbytes in sizes:
-        x = torch.zeros(max(1, nbytes // 4))
-        dist.all_reduce(x)                               # warm up this size
-        dist.barrier()
-        times = []
+    x = torch.zeros(nbytes // 4)
+
+    def compute():
+        t0 = time.perf_counter()
+        for _ in range(matmuls):
+            a @ a
+        return time.perf_counter() - t0
+    compute()
+    alone = min(compute() for _ in range(3))
+    dist.barrier()
+    work = dist.all_reduce(x, async_op=True)
+    beside = compute()
+    work.wait()
+    dist.barrier()
+    return max(0.0, beside / alone - 1)
+
+
+def allreduce_times(sizes: list[int], repeats: int, work_s: float = WORK_S) -> list[float]:
+    """``collective_times`` of the all-reduce alone."""
+    return collective_times(sizes, repeats, work_s)["all_reduce"]
+
+
+def copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    """Bytes read and written per second by a large tensor copy on one thread: the rate
+    the planner charges memory-bound kernels at."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.ones(nbytes // 4)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            while time.perf_counter() - t0 < work_s:
-                a @ a
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        out.append(sum(times) / len(times))
+            y.copy_(x)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * nbytes / best
+
+
+def gemm_rates(shapes: list[tuple[int, int, int]], repeats: int = 3) -> list[dict]:
+    """Measured fp32 FLOP/s of each (m, n, k) GEMM on one thread (best of ``repeats``)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for m, n, k in sorted(set(shapes)):
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            a @ b
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - t0)
+            rows.append({"m": m, "n": n, "k": k, "flops_per_s": 2 * m * n * k / best})
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
+def model_gemms(model: str, batch_size: int, tps=(1, 2)) -> list[tuple[int, int, int]]:
+    """The GEMM shapes a training step of ``model`` runs at these TP degrees (forward and
+    both backward products, the attention core's batched products, the logits)."""
+    from minipar.plan.compute import layer_gemms
+    from minipar.plan.shapes import model_preset
+    shape = model_preset(model)
+    s, h, a = shape.seq_len, shape.hidden, shape.heads
+    out = []
+    for tp in tps:
+        if a % tp:
+            continue
+        for tokens in {s, batch_size * s}:
+            gemms = layer_gemms(shape, tokens, tp) + [(tokens, -(-shape.vocab // tp), h)]
+            for m, n, k in gemms:
+                out += [(m, n, k), (m, k, n), (k, n, m)]
+        out += [(s, s, h // a), (s, h // a, s)]
     return out
 
 
@@ -130,7 +248,7 @@ def step_rate(model: str = "tiny", batch_size: int = 16, steps: int = 5,
     Returns {"model", "batch_size", "argv", "model_flops", "seconds", "flops_per_s",
     "step_times"}; ``model_flops`` is ``training_flops`` without recomputation.
     """
-    from .shapes import model_preset, training_flops
+    from minipar.plan.shapes import model_preset, training_flops
     argv = ["--model", model, "--steps", str(warmup + steps), "--batch-size", str(batch_size),
             "--quiet", "--nproc", "1"]
     history = train_history(argv)
@@ -145,49 +263,77 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
               name: str = "calibrated", model: str = "tiny", batch_size: int = 16) -> dict:
     """Measure this machine; return the hardware dict (and write it to ``path`` if given).
 
-    ``model`` and ``batch_size``: the training step whose achieved rate sets
-    ``compute_efficiency`` (one process, one thread): the calibration point.
+    ``model`` and ``batch_size``: the training step whose measured time over the planner's
+    prediction sets ``step_calibration`` (one process, one thread): the calibration point.
     """
     from minipar.dist import launch
-    from .errors import PlanError
+    from minipar.plan.compute import compute_parts
+    from minipar.plan.errors import PlanError
+    from minipar.plan.hardware import hardware_from_dict
+    from minipar.plan.layout import Layout
+    from minipar.plan.shapes import model_preset
     if nprocs < 2:
         raise PlanError(f"calibrate needs at least 2 processes to time collectives, "
                         f"got --nproc {nprocs}")
     sizes = QUICK_SIZES if quick else FULL_SIZES
     flops = matmul_flops(n=512 if quick else 1024, repeats=3 if quick else 5)
+    bandwidth = copy_bandwidth(16 * 2**20 if quick else 64 * 2**20)
+    table = gemm_rates(model_gemms(model, batch_size), repeats=2 if quick else 3)
     step = step_rate(model, batch_size, steps=3 if quick else 5, warmup=1 if quick else 2)
-    per_rank = launch(allreduce_times, nprocs, sizes, 20 if quick else 40, backend="gloo",
-                      timeout=120.0)
-    seconds = [max(rank[i] for rank in per_rank) for i in range(len(sizes))]
-    alpha, beta = fit_alpha_beta(sizes, seconds, nprocs)
+    per_rank = launch(collective_times, nprocs, sizes=sizes, repeats=10 if quick else 40,
+                      ops=COLLECTIVES, backend="gloo", timeout=180.0)
+    seconds = {op: [max(rank[op][i] for rank in per_rank) for i in range(len(sizes))]
+               for op in COLLECTIVES}
+    slowdown = min(0.95, max(launch(overlap_slowdown, nprocs, backend="gloo", timeout=120.0)))
+    alpha, beta = fit_alpha_beta(sizes, seconds["all_reduce"], nprocs)
     devices = os.cpu_count() or nprocs
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     hw = {
         "name": name,
-        "description": f"measured by 'python -m minipar.plan calibrate' on {os.uname().nodename}",
+        "description": f"measured by 'python -m minipar.bench calibrate' on {os.uname().nodename}",
         "gpus_per_node": devices,
         "memory_bytes": ram // devices,
         "peak_flops": flops,
-        "compute_efficiency": step["flops_per_s"] / flops,
+        "compute_efficiency": 1.0,
         "intra_node_bandwidth": beta,
         "intra_node_latency": alpha,
         "inter_node_bandwidth": beta * devices,
         "inter_node_latency": alpha,
         "dtype": "fp32",
-        "sources": {
-            "peak_flops": "measured: fp32 matmul on one thread",
-            "compute_efficiency": (
-                f"measured: a training step of minipar.train's '{model}' (global batch "
-                f"{batch_size}, one process, one thread) reached "
-                f"{step['flops_per_s'] / 1e9:.1f} GFLOP/s of model FLOPs, this fraction of "
-                f"the matmul peak. That layout is the calibration point: its prediction "
-                f"equals its measurement by construction"),
-            "calibration_step": step,
-            "intra_node_bandwidth": (f"measured: gloo all-reduce between {nprocs} processes, "
-                                     f"each issued after {WORK_S * 1e3:.0f} ms of compute, "
-                                     f"as the trainer issues them; mean over repeats"),
-            "measurements": [{"bytes": s, "seconds": t} for s, t in zip(sizes, seconds)],
-        },
+        "hbm_bandwidth": bandwidth,
+        "matmul_table": table,
+        "collective_table": [{"op": op, "bytes": b, "per_node": nprocs, "nodes": 1,
+                              "seconds": t} for op in COLLECTIVES
+                             for b, t in zip(sizes, seconds[op])],
+        "fragmentation": 0.1,
+        "overlap_slowdown": slowdown,
+    }
+    shape = model_preset(model)
+    predicted = compute_parts(shape, hardware_from_dict(dict(hw), where="calibration"),
+                              Layout(micro_batch=batch_size), "fp32")["total"]
+    hw["step_calibration"] = step["seconds"] / predicted
+    hw["sources"] = {
+        "peak_flops": "measured: fp32 matmul on one thread; compute_efficiency 1 since this "
+                      "is the large-GEMM rate itself",
+        "matmul_table": f"measured: the GEMM shapes of '{model}' at tp 1 and 2, one thread",
+        "hbm_bandwidth": "measured: a large tensor copy on one thread (bytes read + written)",
+        "step_calibration": (
+            f"measured: a training step of minipar.train's '{model}' (global batch "
+            f"{batch_size}, one process, one thread) took {step['seconds'] * 1e3:.1f} ms, "
+            f"this factor times the planner's prediction from the other measurements. "
+            f"That layout is the calibration point: its prediction equals its measurement "
+            f"by construction"),
+        "calibration_step": step,
+        "collective_table": (f"measured: gloo collectives between {nprocs} processes through "
+                             f"minipar.comm, each issued after {WORK_S * 1e3:.0f} ms of "
+                             f"compute, as the trainer issues them; mean over repeats"),
+        "intra_node_bandwidth": "fitted to the measured all-reduces (alpha-beta fallback)",
+        "fragmentation": "assumption: 10% of RAM lost to the allocator and the runtime",
+        "overlap_slowdown": "measured: 256 x 256 matmuls while a 4 MiB gloo all-reduce runs "
+                            "beside them, over the same matmuls alone, minus 1 (the slower "
+                            "rank, at most 0.95)",
+        "measurements": [{"bytes": s, "seconds": t}
+                         for s, t in zip(sizes, seconds["all_reduce"])],
     }
     if path is not None:
         Path(path).write_text(json.dumps(hw, indent=2) + "\n")
@@ -202,6 +348,7 @@ VALIDATION_LAYOUTS = {          # name -> minipar.train flags
     "DP 2": ["--nproc", "2"],
     "TP 2": ["--nproc", "2", "--tp", "2"],
     "PP 2": ["--nproc", "2", "--pp", "2"],
+    "ZeRO-3 2": ["--nproc", "2", "--zero", "3"],
 }
 
 
@@ -217,7 +364,7 @@ def _spec(cfg):
 
 def layout_of(argv: list[str]):
     """The planner's ``Layout`` of a ``minipar.train`` command line."""
-    from .layout import Layout
+    from minipar.plan.layout import Layout
     args = _trainer_args(argv)
     interleaved = args.schedule == "interleaved"
     return Layout(tp=args.tp, pp=args.pp, dp=args.dp,
@@ -305,9 +452,9 @@ def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: 
     "times"}]}.
     """
     from minipar.bench import machine
-    from .estimate import DEFAULT_OVERLAP, estimate
-    from .hardware import hardware_from_dict, load_hardware
-    from .shapes import model_preset
+    from minipar.plan.estimate import estimate
+    from minipar.plan.hardware import hardware_from_dict, load_hardware
+    from minipar.plan.shapes import model_preset
     load_before = os.getloadavg()
     if hardware is None:
         data = calibrate(nprocs=2, quick=quick, name="laptop-cpu, calibrated here",
@@ -323,8 +470,7 @@ def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: 
         history = train_history(argv)
         timed = sorted(h["step_time_s"] for h in history[1:] or history)   # step 1 warms up
         measured = timed[len(timed) // 2]
-        hides = overlap if overlap is not None else minipar_overlap(argv)
-        hides = DEFAULT_OVERLAP if hides is None else hides
+        hides = overlap
         e = estimate(shape, hw, layout_of(argv), dtype="fp32", overlap=hides)
         rows.append({"layout": name, "argv": argv, "predicted_s": e.step_time,
                      "measured_s": measured, "ratio": e.step_time / measured,
@@ -343,8 +489,8 @@ def model_states_vs_plan(flags: list[str], model: str = "tiny", steps: int = 2,
 
     Returns {"measured": {...}, "predicted": {...}, "spec": (s_p, s_g, s_os), "dp": d}.
     """
-    from .memory import model_state_bytes
-    from .shapes import model_preset
+    from minipar.plan.memory import model_state_bytes
+    from minipar.plan.shapes import model_preset
     argv = ["--model", model, "--steps", str(steps), "--batch-size", str(batch_size),
             "--quiet", *flags]
     args = _trainer_args(argv)
@@ -365,3 +511,10 @@ def model_states_vs_plan(flags: list[str], model: str = "tiny", steps: int = 2,
 def _parameter_tensors(model: str) -> int:
     from minipar.model import build
     return len(list(build(model).parameters()))
+
+
+def main(argv=None) -> int:
+    """``python -m minipar.bench calibrate``: the planner's ``calibrate`` sub-command."""
+    import sys
+    from minipar.plan.__main__ import main as plan_main
+    return plan_main(["calibrate", *(sys.argv[1:] if argv is None else argv)])

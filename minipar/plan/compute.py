@@ -1,0 +1,157 @@
+"""Compute time of one device's share of a step: matmuls by shape, the attention core,
+memory-bound kernels and the optimizer step.
+
+* **Matmuls**, one by one, at the shapes each tensor-parallel degree produces. For a
+  micro-batch of M = b s tokens a GPT layer's forward runs QKV (M x h -> 3h/t), the output
+  projection (M x h/t -> h), fc1 (M x h -> F/t) and fc2 (M x F/t -> h) (LLaMA: gate and up
+  in place of fc1, down in place of fc2); backward runs each twice (input gradient
+  M x N -> K and weight gradient K x M -> N). A GEMM of 2 m n k FLOPs takes the longer of
+  its FLOPs at ``peak_flops x compute_efficiency`` (the large-GEMM rate) and its operands'
+  bytes at ``hbm_bandwidth`` (a roofline), or, when the hardware carries a measured
+  ``matmul_table``, its FLOPs at the rate measured for the nearest GEMM size (log FLOPs).
+  The head's logits GEMM (M x h -> V/t) runs on the last stage.
+* **Attention core**: with a fused kernel (``flash``) its 4 b s^2 h / t forward FLOPs run
+  at ``attention_efficiency`` of peak (the large-GEMM rate if that is 0), backward twice;
+  unfused it is b a / t batched GEMMs of s x d -> s and s x s -> d, each timed as above,
+  plus the softmax as a memory-bound kernel.
+* **Memory-bound kernels**, as bytes over ``hbm_bandwidth``. The tensors are those of
+  Korthikanti et al. 2022 (section 4), each read and written once by the kernel that
+  makes it, in the activations' precision. Per layer and micro-batch, forward, in units
+  of s b h elements:
+      replicated by TP (split only under sequence parallelism): two LayerNorms (read, write:
+      4), two residual adds (read two, write one: 6), two dropouts after the attention and
+      MLP outputs (read, write: 4) -> 14 (LLaMA: RMSNorms and residuals, no dropout: 10);
+      split by TP: the GELU (read, write F/h each: 2F/h; LLaMA's SwiGLU reads two and writes
+      one: 3F/h) and, unfused, the attention scores' softmax and dropout (read, write
+      a s / h each: 4 a s / h; LLaMA without dropout: 2 a s / h).
+  Backward moves about twice the forward's bytes (it reads the saved input and the
+  incoming gradient and writes the outgoing one); recomputation adds the forward again.
+  The cross-entropy over b s V / t logits reads and writes them in fp32 forward and
+  backward: 16 bytes per logit on the last stage.
+* **Optimizer step**: Adam reads the fp32 master weight, m, v and the gradient and writes
+  the three and the 16-bit weight: 12 + 12 + 2 bytes plus the gradient's bytes (2, or 4
+  for fp32 gradient buffers) per parameter of this rank's optimizer shard (Phi / s_os), over
+  ``hbm_bandwidth``.
+
+``step_calibration`` multiplies the sum: 1 for the presets, and what ``calibrate``
+measured here (a real step over this model's prediction for it, at the calibration
+point).
+"""
+from __future__ import annotations
+
+import math
+
+from .hardware import Hardware
+from .layout import Layout
+from .memory import ACTIVATION_BYTES, stage_params
+from .shapes import ModelShape
+
+LOGIT_BYTES = 16           # cross-entropy: fp32 logits read and written, forward and backward
+ADAM_BYTES = 26            # fp32 master, m, v read and written; the 16-bit weight written
+
+
+def matmul_time(m: float, n: float, k: float, hw: Hardware, element_bytes: int = 2) -> float:
+    """Seconds for one (m x k) @ (k x n) GEMM on ``hw``."""
+    flops = 2.0 * m * n * k
+    if hw.matmul_table:
+        return flops / _table_rate(flops, hw.matmul_table)
+    t = flops / hw.achievable_flops
+    if hw.hbm_bandwidth:
+        t = max(t, element_bytes * (m * k + k * n + m * n) / hw.hbm_bandwidth)
+    return t
+
+
+def _table_rate(flops: float, table: list) -> float:
+    """The measured FLOP/s of the table's GEMM nearest in log FLOPs, interpolated."""
+    rows = sorted((2.0 * r["m"] * r["n"] * r["k"], r["flops_per_s"]) for r in table)
+    if flops <= rows[0][0]:
+        return rows[0][1]
+    if flops >= rows[-1][0]:
+        return rows[-1][1]
+    for (f0, r0), (f1, r1) in zip(rows, rows[1:]):
+        if f0 <= flops <= f1:
+            w = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+            return (1 - w) * r0 + w * r1
+    return rows[-1][1]
+
+
+def layer_gemms(shape: ModelShape, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of one layer's forward GEMMs on one of ``tp`` ranks."""
+    h, f, t = shape.hidden, shape.ffn, tp
+    if shape.arch == "llama":
+        mlp = [(tokens, f // t, h), (tokens, f // t, h), (tokens, h, f // t)]
+    else:
+        mlp = [(tokens, f // t, h), (tokens, h, f // t)]
+    return [(tokens, 3 * h // t, h), (tokens, h, h // t), *mlp]
+
+
+def _fwd_bwd(gemms, hw, e) -> tuple[float, float]:
+    fwd = sum(matmul_time(m, n, k, hw, e) for m, n, k in gemms)
+    bwd = sum(matmul_time(m, k, n, hw, e) + matmul_time(k, n, m, hw, e) for m, n, k in gemms)
+    return fwd, bwd
+
+
+def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = "mixed",
+                  flash: bool = False, grad_bytes: int | None = None) -> dict:
+    """Seconds per step on the heaviest (last) stage's device, by part:
+    {"matmul", "attention", "memory_bound", "optimizer", "total", "forward_mb",
+    "backward_mb"} (the last two: one micro-batch's forward and backward, for overlap)."""
+    t, p = layout.tp, layout.pp
+    b, m, s, h, a = layout.micro_batch, layout.microbatches, shape.seq_len, shape.hidden, shape.heads
+    e = ACTIVATION_BYTES[dtype]
+    layers = -(-shape.layers // p)
+    tokens = b * s
+    recompute = layout.recompute
+
+    # matmuls of one micro-batch on this stage (layers, then the head's logits)
+    fwd, bwd = _fwd_bwd(layer_gemms(shape, tokens, t), hw, e)
+    head_f, head_b = _fwd_bwd([(tokens, -(-shape.vocab // t), h)], hw, e)
+    matmul = layers * (fwd + bwd + (fwd if recompute == "full" else 0)) + head_f + head_b
+
+    # the attention core
+    heads = a // t if a % t == 0 else a / t
+    d = h // a
+    if flash:
+        rate = hw.peak_flops * (hw.attention_efficiency or hw.compute_efficiency)
+        att_f = 4.0 * b * s * s * h / t / rate
+        att_b = 2 * att_f
+    else:
+        batch = b * heads
+        att_f = batch * (matmul_time(s, s, d, hw, e) + matmul_time(s, d, s, hw, e))
+        att_b = 2 * att_f
+    again = recompute in ("full", "selective") and not flash
+    attention = layers * (att_f + att_b + (att_f if again or recompute == "full" else 0))
+
+    # memory-bound kernels (module docstring), bytes of one micro-batch's forward
+    mem_f = mem_b = 0.0
+    if hw.hbm_bandwidth:
+        sbh = s * b * h * e
+        replicated = 10.0 if shape.arch == "llama" else 14.0
+        split = (3.0 if shape.arch == "llama" else 2.0) * shape.ffn / h
+        scores = 0.0 if flash else (2.0 if shape.arch == "llama" else 4.0) * a * s / h
+        per_layer = sbh * (replicated / (t if layout.sp else 1) + (split + scores) / t)
+        again_bytes = per_layer if recompute == "full" else (
+            sbh * scores / t if recompute == "selective" else 0.0)
+        mem_f = layers * per_layer / hw.hbm_bandwidth
+        mem_b = layers * (2 * per_layer + again_bytes) / hw.hbm_bandwidth
+        logits = tokens * -(-shape.vocab // t) * LOGIT_BYTES / hw.hbm_bandwidth
+        mem_f += logits / 2
+        mem_b += logits / 2
+    memory_bound = mem_f + mem_b
+
+    # the optimizer step over this rank's optimizer shard
+    optimizer = 0.0
+    if hw.hbm_bandwidth:
+        g = grad_bytes or (2 if dtype == "mixed" else 4)
+        per_param = (ADAM_BYTES if dtype == "mixed" else 24) + g
+        phi = stage_params(shape, t, p)
+        optimizer = per_param * math.ceil(phi / layout.shard[2]) / hw.hbm_bandwidth
+
+    c = hw.step_calibration
+    forward_mb = c * (layers * (fwd + att_f) + head_f + mem_f)
+    backward_mb = c * (matmul + attention + memory_bound) - forward_mb
+    parts = {"matmul": c * m * matmul, "attention": c * m * attention,
+             "memory_bound": c * m * memory_bound, "optimizer": c * optimizer}
+    parts["total"] = sum(parts.values())
+    parts["forward_mb"], parts["backward_mb"] = forward_mb, backward_mb
+    return parts

@@ -1,0 +1,159 @@
+"""Framework profiles: what a training framework can run, and how its engine communicates.
+
+A search should only return layouts the target framework runs, and an estimate should
+charge collectives the way that framework's engine issues them. A profile says:
+
+* ``order``: how its process grid is laid over device numbers, innermost axis first;
+* ``interleaving``, ``sp``: whether it has the interleaved 1F1B schedule and Megatron's
+  sequence parallelism; ``recompute``: its activation-recomputation modes;
+* ``specs``: which (s_p, s_g, s_os) data-parallel shardings it has, given dp and pp;
+* how its data-parallel engine issues collectives (``network.engine_collectives``):
+  gradient reductions in buckets of ``grad_bucket`` parameters (None: one call per model
+  unit, FSDP's wrapping), whether they start during backward (``grad_overlap``), whether
+  whether
+  sharded parameters are gathered unit by unit with prefetch (``param_prefetch``), and
+  whether the gather of updated parameters after the optimizer step overlaps the next
+  forward (``gather_overlaps_forward``);
+* ``grad_bytes``: bytes per parameter of the gradient buffer the engine keeps (Megatron-LM
+  accumulates bf16 gradients into fp32 ``main_grad`` buffers, DeepSpeed's BF16_Optimizer
+  into fp32 buffers too: 4; None: the dtype's 2); ``reduce_bytes``: the precision its
+  gradient reductions send (Megatron-LM reduces its fp32 buffers: 4).
+
+The profiles describe the frameworks as their documentation and source say; where a
+framework has a switch, the profile takes the setting its published large-scale recipes use
+and says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PlanError
+from ..sharding import Shard, shard_specs, zero_shard
+
+
+@dataclass(frozen=True)
+class Framework:
+    name: str
+    description: str
+    order: str
+    interleaving: bool
+    sp: bool
+    recompute: tuple
+    spec_family: str              # amsp | zero01 (ZeRO-0/1; 0-3 without PP) | dist-opt | fsdp
+    grad_bucket: float | None     # parameters per gradient bucket; None: one call per unit
+    grad_overlap: bool            # reductions start during backward, bucket by bucket
+    param_prefetch: bool          # sharded parameters gathered per unit, next one prefetched
+    gather_overlaps_forward: bool  # the after-step parameter gather hides behind next forward
+    grad_bytes: int | None = None  # bytes per parameter of the gradient buffer; None: dtype's
+    reduce_bytes: int | None = None  # bytes per element its gradient reductions send
+    bucket_per_rank: float = 0.0   # buckets grow with dp: max(grad_bucket, this x dp)
+    dp_bucket_bytes: float | None = None  # plain DP (1,1,1) all-reduce buckets, in bytes,
+                                          # when its engine differs from the sharded one
+    dp_overlap: bool | None = None        # plain DP buckets overlap backward (None: as grads)
+    sources: tuple = ()
+
+    def bucket_params(self, dp: int) -> float | None:
+        if self.grad_bucket is None:
+            return None
+        return max(self.grad_bucket, self.bucket_per_rank * dp)
+
+    def specs(self, dp: int, pp: int, per_node: int | None) -> list[Shard]:
+        """The (s_p, s_g, s_os) shardings this framework runs over ``dp`` ranks."""
+        if self.spec_family == "amsp":
+            return shard_specs(dp, per_node)
+        if self.spec_family == "zero01":        # DeepSpeed: ZeRO-2/3 refuse pipelines
+            stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
+            return sorted({zero_shard(z, dp) for z in stages})
+        if self.spec_family == "dist-opt":      # Megatron-LM: DDP or distributed optimizer
+            return sorted({zero_shard(0, dp), zero_shard(1, dp)})
+        if self.spec_family == "fsdp":          # NO_SHARD, SHARD_GRAD_OP, FULL/HYBRID_SHARD
+            out = {zero_shard(0, dp), zero_shard(2, dp), zero_shard(3, dp)}
+            if per_node and dp > per_node and dp % per_node == 0:
+                out.add((per_node, per_node, per_node))
+            return sorted(out)
+        raise ValueError(self.spec_family)
+
+
+FRAMEWORKS: dict[str, Framework] = {
+    "minipar": Framework(
+        "minipar", "this package: every AMSP spec, interleaving, sequence parallelism",
+        order="tp,pp,dp", interleaving=True, sp=True, recompute=("none", "selective", "full"),
+        spec_family="amsp", grad_bucket=None, grad_overlap=False,
+        param_prefetch=True, gather_overlaps_forward=False,
+        dp_bucket_bytes=4 * 2**20, dp_overlap=True,
+        sources=("minipar/zero.py: per-unit flat buffers, gathers prefetched one unit "
+                 "ahead, each unit's gradient reduce-scattered when its backward ends "
+                 "(a blocking call), the step's collectives unit by unit after backward",
+                 "minipar/dp.py: plain DP all-reduces 4 MiB buckets (--bucket-mb) as "
+                 "backward fills them (--dp-mode overlapped, the default)")),
+    "megatron-lm": Framework(
+        "megatron-lm", "Megatron-LM (core DDP, distributed optimizer, overlapped grads and "
+        "param gathers)",
+        order="tp,dp,pp", interleaving=True, sp=True, recompute=("none", "selective", "full"),
+        spec_family="dist-opt", grad_bucket=40e6, grad_overlap=True, 
+        param_prefetch=True, gather_overlaps_forward=True, grad_bytes=4,
+        reduce_bytes=4, bucket_per_rank=1e6,
+        sources=("rank order tp-cp-ep-dp-pp (megatron/core/parallel_state.py)",
+                 "buckets of max(40M, 1M x dp) parameters, fp32 main_grad buffers "
+                 "(megatron/core/distributed/distributed_data_parallel.py); with bf16 they are "
+                 "accumulated and reduced in fp32 (accumulate_allreduce_grads_in_fp32)",
+                 "distributed optimizer: 6 + 12/d bytes per parameter with bf16 params and "
+                 "fp32 grads (Megatron-LM docs, 'Distributed Optimizer')",
+                 "--overlap-grad-reduce --overlap-param-gather assumed on, as in its "
+                 "published large-scale recipes")),
+    "megatron-deepspeed": Framework(
+        "megatron-deepspeed", "Megatron-DeepSpeed (the Frontier study's framework): 1F1B "
+        "pipelines without interleaving, no sequence parallelism, ZeRO-0/1 under pipelines "
+        "(2 and 3 only without)",
+        order="tp,dp,pp", interleaving=False, sp=False, recompute=("none", "full"),
+        spec_family="zero01", grad_bucket=5e8, grad_overlap=False,
+
+        param_prefetch=True, gather_overlaps_forward=False, grad_bytes=4,
+        sources=("topology axes pipe, data, model with model innermost "
+                 "(deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)",
+                 "the pipeline engine reduces gradients after the last micro-batch's "
+                 "backward (deepspeed/runtime/pipe/engine.py, ReduceGrads)",
+                 "ZeRO stages 2 and 3 are refused with pipeline parallelism (DeepSpeed "
+                 "pipeline docs)",
+                 "reduce/allgather bucket size 5e8 elements (DeepSpeed config docs, "
+                 "zero_optimization defaults)",
+                 "BF16_Optimizer accumulates gradients in fp32 "
+                 "(deepspeed/runtime/bf16_optimizer.py)",
+                 "no interleaved schedule in DeepSpeed's PipelineEngine; activation "
+                 "checkpointing is full (--checkpoint-activations)")),
+    "fsdp": Framework(
+        "fsdp", "PyTorch FSDP: NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD over a node",
+        order="tp,dp,pp", interleaving=False, sp=True, recompute=("none", "full"),
+        spec_family="fsdp", grad_bucket=None, grad_overlap=True, 
+        param_prefetch=True, gather_overlaps_forward=True,
+        sources=("one all-gather and one reduce-scatter per wrapped unit (a transformer "
+                 "block), backward and forward prefetch (torch.distributed.fsdp docs)",)),
+}
+
+
+def load_framework(name: str | Framework) -> Framework:
+    if isinstance(name, Framework):
+        return name
+    try:
+        return FRAMEWORKS[name]
+    except KeyError:
+        raise PlanError(f"unknown framework {name!r}; use one of "
+                        f"{', '.join(FRAMEWORKS)}") from None
+
+
+def check_framework(fw: Framework, layout, dp_per_node: int | None = None) -> None:
+    """PlanError unless ``fw`` can run ``layout`` (schedule, SP, recomputation, spec)."""
+    if layout.sp and not fw.sp:
+        raise PlanError(f"{fw.name} has no sequence parallelism; leave out --sp or choose "
+                        f"another --framework")
+    if layout.v > 1 and not fw.interleaving:
+        raise PlanError(f"{fw.name} has no interleaved schedule; use --chunks 1 or another "
+                        f"--framework")
+    if layout.recompute not in fw.recompute:
+        raise PlanError(f"{fw.name} has no {layout.recompute!r} recomputation; it has "
+                        f"{', '.join(fw.recompute)}")
+    specs = fw.specs(layout.dp, layout.pp, dp_per_node)
+    if fw.spec_family != "amsp" and tuple(layout.shard) not in specs:
+        raise PlanError(f"{fw.name} does not run shard spec {tuple(layout.shard)} with "
+                        f"dp={layout.dp}, pp={layout.pp}; it runs "
+                        f"{', '.join(str(s) for s in specs)}")
