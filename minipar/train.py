@@ -273,7 +273,8 @@ class Engine(Protocol):
 
 
 def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
-    """The full serial model from the seed (same on every rank), then the TP slice of it."""
+    """The full serial model from the seed (same on every rank), then the TP slice of it
+    (or, for an MoE, this rank's experts)."""
     model = build(cfg.model_cfg, seed=cfg.seed)
     model.full_params = sum(p.numel() for p in model.parameters())
     if grid.tp > 1:
@@ -375,7 +376,8 @@ def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
              else f"1 process on {device}")
     layout = f"dp={cfg.dp} pp={cfg.pp} tp={cfg.tp}{' +sp' if cfg.sp else ''}, {engine_name(cfg)}"
     held = ("" if local_params == full_params else
-            f"; rank 0's pipeline stage and TP slice: {local_params:,}")
+            f"; rank 0's {'experts and rest' if cfg.ep > 1 else 'pipeline stage and TP slice'}: "
+            f"{local_params:,}")
     return (f"minipar: {where} ({layout}), model {cfg.model} ({full_params:,} parameters{held}), "
             f"global batch {cfg.batch_size} x {cfg.seq_len} tokens in "
             f"{_plural(cfg.microbatches, 'micro-batch')}".replace("micro-batchs", "micro-batches")
