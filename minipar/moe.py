@@ -224,8 +224,9 @@ class MoE(nn.Module):
         out = out[torch.argsort(by_expert)]                                # arrival order
         back = all_to_all(out, recv, send, self.ep_group)                  # combine
 
-        w = weights.flatten()[assignment].to(back.dtype)
-        return torch.zeros_like(tokens).index_add(0, token, back * w.unsqueeze(1))
+        # under autocast the experts return bf16: combine in the residual stream's dtype
+        w = weights.flatten()[assignment].unsqueeze(1)
+        return torch.zeros_like(tokens).index_add(0, token, (back * w).to(tokens.dtype))
 
 
 # --------------------------------------------------------------------------------------
