@@ -24,7 +24,8 @@ gloo has no AVG for every collective: each all-reduce sums, then divides by d.
 
 Parameters with their own reduction group (``p.grad_group``: MoE experts, ``minipar.moe``)
 are summed over that group instead, still divided by d, in buckets of their own that are
-reduced after backward, in the same order on every rank.
+reduced after backward, in the same order on every rank: 2 (r-1)/r * Ψ_experts over the
+r = d/ep replicas of a rank's experts (the rest, Ψ - Ψ_experts, as above).
 
 The engine interface (shared with ``minipar.zero``):
 ``zero_grad()``, ``begin_step(microbatches)``, ``step()``, ``model_state_bytes()``.
@@ -195,7 +196,7 @@ class DataParallel:
         self.begin_step(self.microbatches)  # re-arm, so a caller who forgets begin_step is safe
 
     def sync_tagged(self):
-        """MoE experts: sum over each parameter's own group (its replicas), divide by d."""
+        """MoE experts: sum over their own group (a rank's experts share one), divide by d."""
         for b in self.tagged_buckets:
             for p in b.params:
                 b.adopt(p)
