@@ -197,13 +197,22 @@ def test_trainer_expert_parallel_equals_serial(nproc, extra):
     assert got["history"][-1]["comm_bytes"]["all_to_all"] > 0
 
 
-def test_trainer_model_state_bytes_equal_the_planner():
-    """fp32, plain DP, dp=4, ep=2: parameters and gradients per rank as minipar.plan.moe says."""
-    got = moe_run(4, "--ep", "2")["history"][-1]["model_state_bytes"]
+def test_trainer_measurements_equal_the_planner(capsys):
+    """fp32, plain DP, dp=4, ep=2: parameters and gradients per rank, and the routing-count
+    all-to-all, as minipar.plan.moe and ``python -m minipar.plan memory`` say."""
+    import json
+    from minipar.plan.__main__ import main as plan_main
+    last = moe_run(4, "--ep", "2")["history"][-1]
+    got = last["model_state_bytes"]
     shape = trainer_presets()["nano"]
     plan = plan_moe.state_bytes(shape, plan_moe.MoE(E, K), dp=4, ep=2, zero=0, dtype="fp32")
-    assert got["params"] == plan["params"]
-    assert got["grads"] == plan["grads"]
+    assert (got["params"], got["grads"]) == (plan["params"], plan["grads"])
+    assert plan_main(["memory", "--model", "nano", "--gpus", "4", "--zero", "0", "--dtype", "fp32",
+                      "--moe-experts", str(E), "--ep", "2", "--json"]) == 0
+    cli_plan = json.loads(capsys.readouterr().out)
+    assert (cli_plan["params_bytes"], cli_plan["grads_bytes"]) == (got["params"], got["grads"])
+    counts = plan_moe.step_comm_bytes(shape, plan_moe.MoE(E, K), tokens=2 * 16, ep=2)
+    assert last["comm_bytes"]["all_to_all_counts"] == counts["all_to_all_counts"]
 
 
 def test_aux_loss_reaches_the_objective():
