@@ -8,6 +8,8 @@ Modules, one per paradigm, on shared foundations:
   tp     tensor parallelism (Megatron): f/g, column/row parallel, vocab-parallel, SP
   pp     pipeline parallelism: schedules as data, one executor
   zero   ZeRO-1/2/3 as presets of AMSP's (P, G, OS) sharding
-  train  the trainer;  plan  the planner;  bench  benchmarks against torch's own versions
+  train  the trainer;  plan  the planner (torch-free; every closed-form volume lives there)
+  bench  benchmarks against torch's own versions;  lab  the code behind the notebooks
+  cli    what the command lines share (errors -> exit 2, number parsers, --help defaults)
 """
 __version__ = "0.1.0"

@@ -6,7 +6,8 @@ rank sent and how long it waited.
 
 Convention: ``group=None`` means *a group of one rank* (the grid hands out ``None`` for an
 axis of size 1), so every op is then a no-op that records nothing. Pass ``WORLD`` for the
-whole world.
+whole world. Torch-style APIs whose default ``group=None`` means the world (``dp.DataParallel``,
+``zero.ShardedOptimizer``) take ``SOLO`` for an explicit group of one.
 
 What "bytes sent" means. gloo and NCCL do not report wire traffic, so each call records the
 bytes this rank sends under the bandwidth-optimal ring algorithm for the tensor it was
@@ -52,6 +53,20 @@ class _World:
 WORLD = _World()
 
 
+class _Solo:
+    """Sentinel for a group of one rank where an API's default (None) means the whole world."""
+
+    def __repr__(self):
+        return "SOLO"
+
+
+SOLO = _Solo()
+
+
+def _alone(group) -> bool:
+    return group is None or group is SOLO or not dist.is_initialized()
+
+
 def _pg(group):
     return None if group is WORLD else group  # torch's own spelling of "the world"
 
@@ -69,7 +84,7 @@ def name_group(group, name: str, ranks=None) -> None:
 def group_name(group) -> str:
     if isinstance(group, str):
         return group
-    if group is None:
+    if group is None or group is SOLO:
         return "solo"
     if group is WORLD:
         return "world"
@@ -77,20 +92,20 @@ def group_name(group) -> str:
 
 
 def size(group) -> int:
-    """Ranks in ``group``; 1 for ``None`` (a group of one) or without a process group."""
-    if group is None or not dist.is_initialized():
+    """Ranks in ``group``; 1 for ``None``/``SOLO`` (a group of one) or without a process group."""
+    if _alone(group):
         return 1
     return dist.get_world_size(_pg(group))
 
 
 def rank(group) -> int:
-    if group is None or not dist.is_initialized():
+    if _alone(group):
         return 0
     return dist.get_rank(_pg(group))
 
 
 def global_ranks(group) -> list[int]:
-    if group is None or not dist.is_initialized():
+    if _alone(group):
         return [dist.get_rank() if dist.is_initialized() else 0]
     if group is WORLD:
         return list(range(dist.get_world_size()))
@@ -204,6 +219,12 @@ _DONE.done = True
 # --------------------------------------------------------------------------------------
 # Collectives
 # --------------------------------------------------------------------------------------
+# The flat-tensor collectives: torch 2.6 has only the *_tensor names; newer releases add the
+# *_single names and warn (FutureWarning) on the old ones.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _reduce_op(op: str):
     return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
             "min": dist.ReduceOp.MIN}[op]
@@ -231,9 +252,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, op: str = "
     assert inp.numel() == out.numel() * n, "reduce_scatter: input must be n x output"
     volume = (n - 1) * _nbytes(inp) // n
     after = (lambda: out.div_(n)) if op == "avg" else None
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _run("reduce_scatter", group, volume, volume,
-                lambda a: fn(out, inp, op=_reduce_op(op), group=_pg(group), async_op=a),
+                lambda a: _REDUCE_SCATTER(out, inp, op=_reduce_op(op), group=_pg(group), async_op=a),
                 async_op, after)
 
 
@@ -245,9 +265,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool 
         return _DONE if async_op else None
     assert out.numel() == inp.numel() * n, "all_gather: output must be n x input"
     volume = (n - 1) * _nbytes(out) // n
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return _run("all_gather", group, volume, volume,
-                lambda a: fn(out, inp, group=_pg(group), async_op=a), async_op)
+                lambda a: _ALL_GATHER(out, inp, group=_pg(group), async_op=a), async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -296,10 +315,6 @@ def recv(t: torch.Tensor, src: int) -> None:
 
 def isend(t: torch.Tensor, dst: int) -> Handle:
     return _run("send", "p2p", _nbytes(t), 0, lambda a: dist.isend(t, dst), True)
-
-
-def irecv(t: torch.Tensor, src: int) -> Handle:
-    return _run("recv", "p2p", 0, _nbytes(t), lambda a: dist.irecv(t, src), True)
 
 
 def barrier(group=None) -> None:

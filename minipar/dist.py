@@ -18,14 +18,12 @@ group from the same ``Grid``.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import pickle
 import re
 import socket
 import subprocess
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -338,34 +336,3 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
     if failure is not None:
         raise failure
     return [results[r] for r in range(nprocs)]
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a count of ranks, steps, sequences...)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line and exit status 2, like every other bad input."""
-
-    def error(self, message):
-        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def main_guard(fn, argv=None):
-    """Run a CLI entry point: ``UsageError`` becomes one line on stderr and exit status 2."""
-    try:
-        return fn(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (RankFailed, TimeoutError) as e:
-        print(str(e), file=sys.stderr)
-        sys.exit(1)

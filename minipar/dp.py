@@ -10,30 +10,61 @@ replica takes the same step and stays identical.
    so one all-reduce per bucket of ``bucket_mb`` megabytes replaces dozens of small ones.
 3. ``overlapped``: a hook fires when a parameter's gradient is final; once every gradient
    of a bucket is final, that bucket's all-reduce starts asynchronously while backward goes
-   on computing the earlier layers' gradients. ``step()`` waits for the last ones.
-
-Gradient accumulation over m micro-batches: the gradients accumulate locally, and only the
-m-th backward of a step launches communication (``begin_step(m)`` arms the count).
+   on computing the earlier layers' gradients. Buckets start in order (as DDP's), so every
+   rank issues the same collectives in the same order.
 
 Communication per step, each rank (Ψ = gradient bytes, ring all-reduce over d ranks)::
 
     all_reduce: 2 (d-1)/d * Ψ        the same for all three variants; only the message
                                      count and the overlap differ
+    broadcast:  Ψ from the first rank, once, when the wrapper is built (and the buffers'
+                bytes every forward with ``broadcast_buffers``, none in a model without buffers)
 
 gloo has no AVG for every collective: each all-reduce sums, then divides by d.
 
 Parameters with their own reduction group (``p.grad_group``: MoE experts, ``minipar.moe``)
-are summed over that group instead, still divided by d, in buckets of their own that are
-reduced after backward, in the same order on every rank: 2 (r-1)/r * Ψ_experts over the
-r = d/ep replicas of a rank's experts (the rest, Ψ - Ψ_experts, as above).
+are broadcast and summed over that group instead (still divided by d), in buckets of their
+own reduced when the rest is averaged, in the same order on every rank: 2 (r-1)/r * Ψ_experts
+over the r = d/ep replicas of a rank's experts (the rest, Ψ - Ψ_experts, as above).
 
-The engine interface (shared with ``minipar.zero``):
-``zero_grad()``, ``begin_step(microbatches)``, ``step()``, ``model_state_bytes()``.
+Use it like torch's ``DistributedDataParallel`` (any ``nn.Module``, any optimizer)::
+
+    model = dp.DataParallel(Net())           # rank 0's weights everywhere; group: the world
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x, y in batches:
+        opt.zero_grad()
+        with model.no_sync():                # accumulate: no communication
+            loss_fn(model(x[:4]), y[:4]).backward()
+        loss_fn(model(x[4:]), y[4:]).backward()   # averaged by the end of this backward
+        opt.step()
+
+What it shares with DDP: it is an ``nn.Module`` whose forward is the wrapped module's;
+``group=None`` is the whole world (``comm.SOLO``: a group of one); the first rank's parameters
+and buffers are broadcast when it is built; the synchronisation finishes by the end of each
+backward pass run outside ``no_sync()`` (a callback queued on autograd's engine); a backward
+inside ``no_sync()`` only accumulates, and stepping an optimizer over gradients that were
+accumulated but not averaged raises instead of silently using them. Where it differs:
+``state_dict()``/``load_state_dict()``/``named_parameters()`` use the wrapped module's names
+(DDP's carry a ``module.`` prefix; here a checkpoint loads straight into the bare model), and
+a parameter no backward reached gets a zero gradient (torch's optimizers would skip it).
+
+The trainer drives it as an engine instead (shared with ``minipar.zero``): ``zero_grad()``,
+``begin_step(m)``, the m backward passes, ``step()`` (average, then the optimizer), and
+``model_state_bytes()``, ``full_named_parameters()``. ``begin_step(m)`` announces that each
+parameter receives m gradients this step: an overlapped bucket starts once each of its
+gradients has had all m, and one more gradient into a bucket already being averaged is an
+error, never a silent wrong sum.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
+import weakref
+
 import torch
+import torch.distributed as tdist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import comm
 
@@ -116,66 +147,223 @@ def sync_buckets(buckets: list[Bucket], group) -> None:
     # EXERCISE ex02 end
 
 
-class DataParallel:
-    """Average gradients over ``group`` (None: a group of one, i.e. no data parallelism)."""
+# --------------------------------------------------------------------------------------
+# Groups and the start: DDP's defaults
+# --------------------------------------------------------------------------------------
+def resolve_group(group):
+    """torch's meaning of ``group`` for comm's convention (where None is a group of one):
+    None is the whole world (a single process without a process group: itself), ``comm.SOLO``
+    a group of one, anything else the process group itself."""
+    if group is comm.SOLO:
+        return None
+    if group is None:
+        return comm.WORLD if tdist.is_initialized() and tdist.get_world_size() > 1 else None
+    return group
+
+
+def broadcast_from_first(tensors, group) -> None:
+    """Overwrite each tensor, in place, with the first rank of ``group``'s (one broadcast each)."""
+    if comm.size(group) == 1:
+        return
+    src = comm.global_ranks(group)[0]
+    with torch.no_grad():
+        for t in tensors:
+            if t.is_contiguous():
+                comm.broadcast(t.detach(), src, group)
+            else:                          # collectives need contiguous memory
+                c = t.detach().contiguous()
+                comm.broadcast(c, src, group)
+                t.detach().copy_(c)
+
+
+def broadcast_module(module: nn.Module, group) -> None:
+    """Give every rank of ``group`` its first rank's parameters and buffers, as DDP does when it
+    is built: ranks may have built their models from different seeds. A parameter with its own
+    group (``p.grad_group``: an MoE expert, which differs across its EP group) comes from the
+    first rank of that group instead."""
+    own = [p for p in module.parameters() if hasattr(p, "grad_group")]
+    rest = (p for p in module.parameters() if not hasattr(p, "grad_group"))
+    broadcast_from_first(itertools.chain(rest, module.buffers()), group)
+    for p in own:
+        broadcast_from_first([p], p.grad_group)
+
+
+# DataParallels holding gradients accumulated (no_sync, or begin_step) but not averaged yet.
+_UNSYNCED: weakref.WeakSet = weakref.WeakSet()
+_GUARD = []
+
+
+def _refuse_unsynced_step(optimizer, args, kwargs):
+    """Before any optimizer's step: none of its parameters may hold a gradient that a
+    DataParallel has accumulated but not averaged (that gradient would be this rank's alone)."""
+    for ddp in list(_UNSYNCED):
+        if any(id(p) in ddp._param_ids for g in optimizer.param_groups for p in g["params"]):
+            raise RuntimeError(
+                "DataParallel: the gradients were accumulated (under no_sync(), or for "
+                "begin_step(m)) but not averaged over the group yet; run the last backward "
+                "outside no_sync(), or call finish_grad_sync() (or the engine's step()) before "
+                "optimizer.step()")
+
+
+def _install_guard() -> None:
+    if not _GUARD:
+        _GUARD.append(register_optimizer_step_pre_hook(_refuse_unsynced_step))
+
+
+# --------------------------------------------------------------------------------------
+# The wrapper
+# --------------------------------------------------------------------------------------
+class DataParallel(nn.Module):
+    """Average gradients over ``group`` (None: the whole world, as torch; ``comm.SOLO``: one rank).
+
+    ``mode`` is one of ``MODES``; ``bucket_mb`` the bucket size of the bucketed modes;
+    ``optimizer`` (optional) is stepped by ``step()`` when the wrapper is driven as an engine.
+    """
 
     def __init__(self, module: nn.Module, group=None, mode: str = "overlapped",
-                 bucket_mb: float = 4.0, optimizer: torch.optim.Optimizer | None = None):
+                 bucket_mb: float = 4.0, optimizer: torch.optim.Optimizer | None = None,
+                 broadcast_buffers: bool = True):
+        super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-        self.module, self.group, self.mode, self.optimizer = module, group, mode, optimizer
-        self.d = comm.size(group)
+        self.module, self.mode, self.optimizer = module, mode, optimizer
+        self.group = resolve_group(group)
+        self.d = comm.size(self.group)
+        self.broadcast_buffers = broadcast_buffers
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets: list[Bucket] = []
-        # -- MoE: parameters tagged with their own reduction group get buckets of their own
+        if any(getattr(p, "_minipar_data_parallel", False) for p in self.params):
+            raise ValueError("these parameters are already wrapped by a minipar DataParallel; "
+                             "wrap each module once")
+        # -- MoE: parameters tagged with their own reduction group (their replicas) are
+        # broadcast and averaged over it, in buckets of their own (see the docstring)
         self.tagged = [p for p in self.params if hasattr(p, "grad_group")]
         self.params = [p for p in self.params if not hasattr(p, "grad_group")]
         self.tagged_buckets = make_buckets(self.tagged, int(bucket_mb * 2**20)) if self.tagged else []
         for b in self.tagged_buckets:
             b.attach()
         # --
+        broadcast_module(module, self.group)
+        self.buckets: list[Bucket] = []
         if mode != "naive":
             self.buckets = make_buckets(self.params, int(bucket_mb * 2**20))
             for b in self.buckets:
                 b.attach()
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._count: dict[nn.Parameter, int] = {}
-        self.microbatches = 1
-        if mode == "overlapped":
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._param_ids = {id(p) for p in self.params + self.tagged}
+        self.microbatches: int | None = None   # set by begin_step (the engine's way)
+        self._no_sync = False
+        self._in_backward = False     # a backward pass has reached us; its end callback is queued
+        self._averaging = False       # this backward pass ends with the average
+        self._rearm()
+        for p in self.params:
+            p._minipar_data_parallel = True
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        _install_guard()
 
-    # -- the step ------------------------------------------------------------------------
-    def zero_grad(self):
-        for b in self.tagged_buckets:
-            b.buffer.zero_()
-            b.attach()
-        if self.buckets:
-            for b in self.buckets:
-                b.buffer.zero_()
-                b.attach()  # in case someone set .grad to None
-        else:
-            for p in self.params:
-                p.grad = None
+    # -- an nn.Module in the wrapped module's names ----------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.training and torch.is_grad_enabled():
+            broadcast_from_first(self.module.buffers(), self.group)   # as DDP: rank 0's buffers
+        return self.module(*args, **kwargs)
 
-    def begin_step(self, microbatches: int = 1):
-        """Arm the hooks: a bucket's all-reduce starts after the m-th gradient of each param."""
-        self.microbatches = microbatches
-        self._count = {p: 0 for p in self.params}
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        return self.module.load_state_dict(state_dict, *args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.module.named_buffers(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes run inside only accumulate the local gradients (no communication);
+        the first backward outside averages everything accumulated."""
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
+
+    # -- the hooks ------------------------------------------------------------------------
+    def _rearm(self):
+        self._count = dict.fromkeys(self.params, 0)
+        self._next = 0                # buckets start in order: the next one to start
         for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()       # never leave an average in flight behind
             b.ready, b.handle = 0, None
 
     def _on_grad_ready(self, p: nn.Parameter):
-        self._count[p] = self._count.get(p, 0) + 1
-        b = self._bucket_of[p]
-        b.adopt(p)
-        if self._count[p] == self.microbatches:
+        if not self._in_backward:     # the first gradient of a backward pass
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._averaging = not self._no_sync
+            if self.microbatches is None and self._averaging:
+                self._rearm()         # DDP's way: each backward outside no_sync is a whole step
+        _UNSYNCED.add(self)
+        b = self._bucket_of.get(p)
+        if b is not None:
+            if b.handle is not None:
+                raise RuntimeError(
+                    "DataParallel: a gradient arrived for a bucket that is already being "
+                    "averaged: more backward passes reached it than "
+                    f"begin_step({self.microbatches}) announced; call step() (or "
+                    "finish_grad_sync()) first")
+            b.adopt(p)
+        if not self._averaging:
+            return
+        self._count[p] += 1
+        if self.mode == "overlapped" and self._count[p] == (self.microbatches or 1):
             b.ready += 1
-            if b.ready == len(b.params):
-                b.handle = comm.all_reduce(b.buffer, self.group, op="avg", async_op=True)
+            self._start_ready_buckets()
+
+    def _start_ready_buckets(self):
+        while self._next < len(self.buckets) and \
+                self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            b = self.buckets[self._next]
+            b.handle = comm.all_reduce(b.buffer, self.group, op="avg", async_op=True)
+            self._next += 1
+
+    def _end_of_backward(self):
+        self._in_backward = False
+        if self._averaging and self.microbatches is None:
+            self.finish_grad_sync()
+
+    # -- the step ------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True):
+        """Zero the gradients and start a new step. The bucketed modes zero their buffers in
+        place (each ``.grad`` stays a view into one); ``naive`` follows ``set_to_none``."""
+        self._rearm()
+        for b in self.buckets + self.tagged_buckets:
+            b.buffer.zero_()
+            b.attach()  # in case someone set .grad to None
+        if not self.buckets:
+            for p in self.params:
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        _UNSYNCED.discard(self)
+        self._in_backward = False     # a backward that raised never ran its end callback
+
+    def begin_step(self, microbatches: int = 1):
+        """The engine's way: each parameter receives ``microbatches`` gradients before
+        ``step()``, which averages (an overlapped bucket starts as soon as its last one is in)."""
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"begin_step: microbatches must be a whole number >= 1, got {microbatches!r}")
+        self.microbatches = microbatches
+        self._in_backward = False
+        self._rearm()
 
     def finish_grad_sync(self):
-        """After the last backward: every gradient is the average over the group."""
+        """Every gradient becomes the average over the group (nothing to do if nothing was
+        accumulated since the last average)."""
+        if self not in _UNSYNCED:
+            return
         if self.mode == "naive":
             for p in self.params:
                 if p.grad is None:
@@ -187,13 +375,16 @@ class DataParallel:
                     b.adopt(p)
             sync_buckets(self.buckets, self.group)
         else:
-            for b in self.buckets:
-                if b.handle is None:   # a parameter unused this step: reduce it now
-                    b.handle = comm.all_reduce(b.buffer, self.group, op="avg", async_op=True)
+            for b in self.buckets[self._next:]:   # reached by no backward, or not by all m
+                for p in b.params:
+                    b.adopt(p)
+                b.ready = len(b.params)
+            self._start_ready_buckets()
             for b in self.buckets:
                 b.handle.wait()
         self.sync_tagged()
-        self.begin_step(self.microbatches)  # re-arm, so a caller who forgets begin_step is safe
+        _UNSYNCED.discard(self)
+        self._rearm()
 
     def sync_tagged(self):
         """MoE experts: sum over their own group (a rank's experts share one), divide by d."""

@@ -1,15 +1,15 @@
-"""Pictures for the notebooks, drawn from the package's own data structures.
+"""Pictures shared by several notebooks and the slides, drawn from the package's own data.
 
 * ``pipeline_timeline``: a pipeline step as a Gantt chart, one row per stage, from an ideal
   schedule (``pp.ideal_timeline``, unit times) or a measured run (``PipelineRunner``'s
   gathered ``Timeline``, seconds). Forward boxes are blue, backward boxes orange (lighter
   for later model chunks), with the micro-batch number inside; white space is the bubble;
   grey ticks under a row are its sends and receives.
-* ``bubble_vs_microbatches``: the bubble fraction (p-1)/(v m + p - 1) against m, with
-  measured points on top.
-* ``stash_bars``: activations held per stage, one bar group per schedule.
+* ``check_timeline_drawn``: asserts that an axis shows a timeline's boxes where they belong,
+  all of them visible (nbval runs a notebook but cannot look at its figures).
 
-matplotlib is imported here only, so the training code never needs it.
+A notebook's own figures live in its module under ``minipar.lab``. matplotlib is imported
+here and there only, so the training code never needs it.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def pipeline_timeline(timeline, ax=None, title: str | None = None, unit: str = "
                 chunks = max(chunks, e.chunk + 1)
                 color = (FORWARD if e.op == "forward" else BACKWARD)[e.chunk % len(FORWARD)]
                 ax.broken_barh([(start, width)], (y - 0.38, 0.76), facecolors=color,
-                               edgecolors="white", linewidth=0.6)
+                               edgecolors="white", linewidth=0.6, gid=f"{e.op} {r}")
                 if labels and width > span / 70:
                     ax.text(start + width / 2, y, str(e.mb), ha="center", va="center",
                             fontsize=7, color="white", clip_on=True)
@@ -63,38 +63,40 @@ def pipeline_timeline(timeline, ax=None, title: str | None = None, unit: str = "
     return ax
 
 
-def bubble_vs_microbatches(ps=(2, 4, 8), max_m: int = 32, v: int = 1, measured=None, ax=None):
-    """(p-1)/(v m + p - 1) against m for each p; ``measured``: [(p, m, bubble), ...] dots."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 4))
-    ms = list(range(1, max_m + 1))
-    for p in ps:
-        line, = ax.plot(ms, [(p - 1) / (v * m + p - 1) for m in ms], label=f"p = {p} (formula)")
-        for q, m, b in measured or []:
-            if q == p:
-                ax.plot([m], [b], "o", color=line.get_color())
-    if measured:
-        ax.plot([], [], "ko", label="measured")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("micro-batches m")
-    ax.set_ylabel("bubble fraction")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return ax
+def drawn_boxes(ax) -> list[tuple[str, float, float]]:
+    """(gid, start, end) in the axis' units of each forward/backward box
+    ``pipeline_timeline`` drew on ``ax`` (gid: "forward 0" = a forward of stage 0)."""
+    out = []
+    for artist in ax.collections:
+        gid = artist.get_gid() or ""
+        if gid.split(" ")[0] in ("forward", "backward"):
+            xs = [x for path in artist.get_paths() for x, _ in path.vertices]
+            out.append((gid, min(xs), max(xs)))
+    return out
 
 
-def stash_bars(stash: dict[str, list[int]], ax=None):
-    """Peak stashed micro-batch activations per stage, one bar group per schedule."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 3.5))
-    names = list(stash)
-    p = max(len(v) for v in stash.values())
-    width = 0.8 / len(names)
-    for k, name in enumerate(names):
-        ax.bar([r + k * width for r in range(p)], stash[name], width, label=name)
-    ax.set_xticks([r + width * (len(names) - 1) / 2 for r in range(p)])
-    ax.set_xticklabels([f"stage {r}" for r in range(p)])
-    ax.set_ylabel("activations held (micro-batches)")
-    ax.legend(fontsize=8)
-    return ax
+def check_timeline_drawn(ax, timeline, unit: str = "ticks", rel: float = 1e-6,
+                         min_fill: float = 0.1) -> None:
+    """Assert that ``ax`` shows ``timeline`` as ``pipeline_timeline(timeline, ax, unit=unit)``
+    should: one box per compute event at its scaled start and end, every box inside the
+    visible x range, and the boxes reaching at least ``min_fill`` of it. A timeline
+    converted twice (off by 1000 either way) fails one of these."""
+    scale = 1e3 if unit == "ms" else 1.0
+    want = sorted((f"{e.op} {r}", e.start * scale, e.end * scale)
+                  for r, events in enumerate(timeline.stages) for e in events
+                  if e.op in ("forward", "backward"))
+    got = sorted(drawn_boxes(ax))
+    lo, hi = ax.get_xlim()
+    tol = rel * max(hi - lo, 1e-12)
+    assert len(got) == len(want), f"{len(got)} boxes drawn, the timeline has {len(want)}"
+    for (g, s, e), (w, ws, we) in zip(got, want):
+        assert g == w and abs(s - ws) <= tol and abs(e - we) <= tol, (
+            f"box {g} drawn at [{s:.4g}, {e:.4g}], the timeline says {w} at [{ws:.4g}, {we:.4g}]")
+    if got:
+        first, last = min(s for _, s, _ in got), max(e for _, _, e in got)
+        assert lo - tol <= first and last <= hi + tol, (
+            f"boxes span [{first:.4g}, {last:.4g}] {unit}, the axis shows [{lo:.4g}, {hi:.4g}]: "
+            f"part of the timeline is cut off (a unit converted twice?)")
+        assert last - lo >= min_fill * (hi - lo), (
+            f"the boxes end at {last:.4g} {unit}, before {min_fill:.0%} of [{lo:.4g}, {hi:.4g}]: "
+            f"the timeline is squeezed (a unit converted twice?)")

@@ -25,7 +25,8 @@ cycle of waits can form. ``validate_schedule`` checks any list set without a pro
 not (an activation's send is finished at its backward, a gradient's at the step's end), and
 each stashed activation is dropped by its backward.
 
-Ideal bubble (idle fraction of p stages x the step time, equal stage times)::
+Ideal bubble (idle fraction of p stages x the step time, equal stage times; the closed form
+is the planner's ``minipar.plan.bubble_fraction``, ``Timeline.bubble`` measures it)::
 
     GPipe, 1F1B:   (p-1) / (m + p - 1)          interleaved:  (p-1) / (v m + p - 1)
 
@@ -348,11 +349,6 @@ def peak_stash(lst: list[Instr]) -> int:
     return peak
 
 
-def bubble_formula(p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of an ideal pipeline: (p-1)/(v m + p - 1)."""
-    return (p - 1) / (v * m + p - 1)
-
-
 # --------------------------------------------------------------------------------------
 # Timelines (ideal or measured)
 # --------------------------------------------------------------------------------------
@@ -568,7 +564,7 @@ class PipelineRunner:
 
 
 # --------------------------------------------------------------------------------------
-# The trainer's checks, and a measured run for the notebook and the bench
+# The trainer's checks
 # --------------------------------------------------------------------------------------
 def validate(cfg, pp: int, microbatches: int, chunks: int = 1, schedule: str = "1f1b") -> None:
     """Reject, before any process starts, a pipeline that cannot run."""
@@ -584,36 +580,3 @@ def validate(cfg, pp: int, microbatches: int, chunks: int = 1, schedule: str = "
         raise UsageError(f"the model has {cfg.n_layer} layers, which do not split into "
                          f"{what} equal stages; use a pp{' x chunks' if v > 1 else ''} that "
                          f"divides {cfg.n_layer}")
-
-
-def measure(model_name: str = "tiny", schedule: str = "1f1b", microbatches: int = 4,
-            micro_batch: int = 2, steps: int = 3, chunks: int = 2, seed: int = 0, warmup: int = 1):
-    """Inside ``dist.launch``, one rank per stage: time ``warmup + steps`` pipeline steps.
-
-    Each step starts after a barrier (t = 0 on every stage) and its timeline is gathered.
-    Returns on rank 0 ``dict(timeline=..., bubble=..., step_times=[...], timelines=[...])``:
-    the timed steps' timelines, the median bubble and the median step's timeline.
-    """
-    import statistics
-    from .dist import Grid
-    from .model import build, config
-    import torch.distributed as tdist
-    grid = Grid(dp=1, pp=tdist.get_world_size(), tp=1)
-    cfg = config(model_name)
-    runner = PipelineRunner(build(cfg, seed), grid, schedule, microbatches, chunks)
-    g = torch.Generator().manual_seed(seed)
-    batch = torch.randint(0, cfg.vocab_size, (micro_batch * microbatches, cfg.seq_len + 1),
-                          generator=g)
-    timelines = []
-    for _ in range(warmup + steps):
-        runner.module.zero_grad(set_to_none=True)
-        comm.barrier(grid.pp_group)   # every stage starts the step together: t = 0
-        runner.forward_backward(batch[:, :-1], batch[:, 1:])
-        timelines.append(runner.gather_timeline())
-    if grid.rank != 0:
-        return None
-    timed = timelines[warmup:]
-    by_time = sorted(timed, key=lambda tl: tl.makespan)
-    return dict(timeline=by_time[len(by_time) // 2], timelines=timed,
-                bubble=statistics.median(tl.bubble for tl in timed),
-                step_times=[tl.makespan for tl in timed])

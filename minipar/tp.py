@@ -26,7 +26,9 @@ ring accounting (``minipar.comm``), per rank::
 Outside the blocks: the vocab-parallel embedding ends in a g (one all-reduce of b*s*h forward),
 the head's projection starts with an f (one backward), and the vocab-parallel cross-entropy
 all-reduces 3 x b*s fp32 values forward (max, sum of exp, target logit) and nothing backward,
-so the full b x s x V logits never exist on one rank. ``comm_bytes`` has the whole formula.
+so the full b x s x V logits never exist on one rank. The closed forms live in the planner
+(torch-free): ``minipar.plan.tp_block_comm_bytes`` per block, ``tp_comm_bytes(..., ends=True)``
+for the whole GPT; the tests hold ``comm.stats`` against them.
 
 **Sequence parallelism** (``--sp``, Korthikanti et al. 2022): between the g of one layer and
 the f of the next, every TP rank holds the same activations (LayerNorm, dropout, residual).
@@ -599,68 +601,3 @@ def full_tensor(name: str, tensor: torch.Tensor, module: nn.Module, grid) -> tor
     with comm.untracked():
         parts = _all_gather_stacked(tensor.detach(), grid.tp_group)
     return unshard(parts, split)
-
-
-# --------------------------------------------------------------------------------------
-# The volume formulas the tests and the notebook compare with comm.stats
-# --------------------------------------------------------------------------------------
-def _ar(n_bytes: int, t: int) -> int:
-    return 2 * (t - 1) * n_bytes // t       # one ring all-reduce, as minipar.comm records it
-
-
-def _half(n_bytes: int, t: int) -> int:
-    return (t - 1) * n_bytes // t           # one all-gather or reduce-scatter of the full tensor
-
-
-def block_comm_bytes(tokens: int, cfg: GPTConfig, t: int, sequence_parallel: bool = False,
-                     element_size: int = 4) -> dict[str, dict[str, int]]:
-    """Bytes one rank sends for one block and a micro-batch of ``tokens`` = b*s tokens.
-
-    ``{"forward": {op: bytes}, "backward": {op: bytes}}``. Without SP: 2 all-reduces of
-    b*s*h each way. With SP: 2 all-gathers + 2 reduce-scatters each way (the same bytes),
-    plus backward all-reduces of the replicated parameters' gradients (LayerNorms, row biases).
-    """
-    if t == 1:
-        return {"forward": {}, "backward": {}}
-    act = tokens * cfg.d_model * element_size
-    if not sequence_parallel:
-        return {"forward": {"all_reduce": 2 * _ar(act, t)}, "backward": {"all_reduce": 2 * _ar(act, t)}}
-    vec = cfg.d_model * element_size
-    replicated = [vec] * (4 if cfg.bias else 2) + [vec] * (2 if cfg.bias else 0)
-    both = {"all_gather": 2 * _half(act, t), "reduce_scatter": 2 * _half(act, t)}
-    return {"forward": dict(both),
-            "backward": {**both, "all_reduce": sum(_ar(n, t) for n in replicated)}}
-
-
-def comm_bytes(cfg: GPTConfig, micro_batch: int, t: int, sequence_parallel: bool = False,
-               microbatches: int = 1, element_size: int = 4) -> dict[str, int]:
-    """TP bytes one rank sends in a training step of the whole GPT, by op.
-
-    Per micro-batch of N = b*s tokens: the blocks (``block_comm_bytes``); the embedding's g
-    (SP: a reduce-scatter forward and an all-gather backward, and the position table's
-    gradient all-reduce); the head's f (SP: all-gather forward, reduce-scatter backward, and
-    its LayerNorm's gradient all-reduce); the loss's 3 all-reduces of N fp32 values.
-    """
-    if t == 1:
-        return {}
-    sp = sequence_parallel
-    tokens = micro_batch * cfg.seq_len
-    act = tokens * cfg.d_model * element_size
-    out: dict[str, int] = {}
-
-    def add(op, n):
-        out[op] = out.get(op, 0) + n
-
-    for phase in block_comm_bytes(tokens, cfg, t, sp, element_size).values():
-        for op, n in phase.items():
-            add(op, cfg.n_layer * n)
-    if sp:
-        for op in ("all_gather", "reduce_scatter"):
-            add(op, 2 * _half(act, t))                                  # embedding and head
-        add("all_reduce", _ar(cfg.seq_len * cfg.d_model * element_size, t))  # position table
-        for _ in range(2 if cfg.bias else 1):
-            add("all_reduce", _ar(cfg.d_model * element_size, t))      # head LayerNorm
-    else:
-        add("all_reduce", 2 * _ar(act, t))                              # embedding g, head f
-    add("all_reduce", 3 * _ar(tokens * 4, t))                           # max, sum-exp, target
-    return {op: n * microbatches for op, n in out.items()}

@@ -19,7 +19,6 @@ Bad input exits with status 2 and one line, before any process starts.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -32,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from . import comm, data, dist, dp, moe, sharding
+from . import cli, comm, data, dist, dp, moe, sharding
 from .errors import UsageError
 from .model import PRESETS, GPTConfig, build, config
 
@@ -40,11 +39,10 @@ from .model import PRESETS, GPTConfig, build, config
 # --------------------------------------------------------------------------------------
 # The command line
 # --------------------------------------------------------------------------------------
-def parser() -> argparse.ArgumentParser:
-    p = dist.ArgumentParser(prog="python -m minipar.train",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                            description="Train a small GPT with any mix of DP, TP, PP and "
-                                        "ZeRO/AMSP sharding (reference: docs/reference.md).")
+def parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m minipar.train",
+                           description="Train a small GPT with any mix of DP, TP, PP and "
+                                       "ZeRO/AMSP sharding (reference: docs/reference.md).")
     p.add_argument("--nproc", type=int, default=None,
                    help="start N local processes (omit under torchrun or srun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
@@ -80,20 +78,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="with --nproc: kill every rank after this many seconds")
-    moe = p.add_argument_group("mixture of experts (minipar.moe)")
-    moe.add_argument("--moe-experts", type=int, default=0, metavar="E",
-                     help="experts per MoE layer (0: a dense model)")
-    moe.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
-    moe.add_argument("--moe-every", type=int, default=1, metavar="N",
-                     help="every N-th block's MLP becomes an MoE layer")
-    moe.add_argument("--capacity-factor", type=float, default=0.0, metavar="C",
-                     help="slots per expert and sequence: ceil(C seq_len K / E); 0 = dropless")
-    moe.add_argument("--moe-aux-coef", type=float, default=0.01, metavar="X",
-                     help="load-balancing loss coefficient")
-    moe.add_argument("--moe-z-coef", type=float, default=0.0, metavar="X",
-                     help="router z-loss coefficient")
-    moe.add_argument("--ep", type=int, default=1, metavar="N",
-                     help="expert-parallel degree: experts split over N consecutive DP ranks")
+    g = p.add_argument_group("mixture of experts (minipar.moe)")
+    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                   help="experts per MoE layer (0: a dense model)")
+    g.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
+    g.add_argument("--moe-every", type=int, default=1, metavar="N",
+                   help="every N-th block's MLP becomes an MoE layer")
+    g.add_argument("--capacity-factor", type=float, default=0.0, metavar="C",
+                   help="slots per expert and sequence: ceil(C seq_len K / E); 0 = dropless")
+    g.add_argument("--moe-aux-coef", type=float, default=0.01, metavar="X",
+                   help="load-balancing loss coefficient")
+    g.add_argument("--moe-z-coef", type=float, default=0.0, metavar="X",
+                   help="router z-loss coefficient")
+    g.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert-parallel degree: experts split over N consecutive DP ranks")
     return p
 
 
@@ -322,7 +320,9 @@ def build_engine(cfg: RunConfig, grid: dist.Grid, module) -> Engine:
         from . import zero
         return zero.ShardedEngine(module, grid, cfg.spec,
                                   lambda params: make_optimizer(params, cfg.lr))
-    return dp.DataParallel(module, grid.dp_group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
+    # the grid hands out None for a data-parallel group of one; DataParallel reads None as the world
+    group = comm.SOLO if grid.dp_group is None else grid.dp_group
+    return dp.DataParallel(module, group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
                            optimizer=make_optimizer(module.parameters(), cfg.lr))
 
 
@@ -520,7 +520,7 @@ def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    dist.main_guard(run, argv)
+    cli.main_guard(run, argv)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,21 @@ summed over that group (the expert's replicas) at the step and divided by d.
 
 The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
 ``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``.
+
+Outside the trainer, on any model in a plain loop (group=None: the whole world; rank 0's
+parameters are broadcast first, so ranks may start from different seeds)::
+
+    opt = zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
+    for x, y in batches:                     # ZeRO-1/2: a torch optimizer's shape
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()        # stage 2: gradients reduce-scattered here
+        opt.step()                           # stage 1: here; then the all-gather
+
+    engine = zero.ShardedEngine(net, None, zero.zero_spec(3, d), lambda ps: torch.optim.AdamW(ps))
+    ...  engine.zero_grad(); loss_fn(net(x), y).backward(); engine.step()     # ZeRO-3
+
+``ShardedOptimizer`` makes one unit per parameter group; the engine one per child module
+that owns parameters (``units_of``: or a list, or a policy).
 """
 from __future__ import annotations
 
@@ -96,13 +111,14 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as tdist
 import torch.nn as nn
 from einops import rearrange
+from torch.utils._pytree import tree_leaves
 
-from . import comm
+from . import comm, dist, dp, sharding
 from .dp import optimizer_state_bytes
-from .model import Block, Embedding, LMHead
-from . import sharding
+from .errors import UsageError
 
 
 # --------------------------------------------------------------------------------------
@@ -161,29 +177,107 @@ class Mesh:
         self.os_index = (i // s_g) % sizes["o"]
 
 
+class GroupGrid:
+    """One data-parallel line over a process group: the part of ``dist.Grid`` a Mesh reads.
+
+    It lets the engine and ``ShardedOptimizer`` shard over any group (None: the whole world;
+    ``comm.SOLO``: one rank). A mesh group that is the whole line reuses ``group`` itself (all
+    of ZeRO's stages); finer groups (AMSP's partial specs) are created with ``new_group``,
+    which every rank of the world must call, so they need the group to be the whole world.
+    """
+
+    def __init__(self, group):
+        self.dp_group = group
+        ranks = comm.global_ranks(group)
+        self.dp, self.dp_rank = len(ranks), comm.rank(group)
+        self.ranks = torch.tensor(ranks).view(-1, 1, 1)
+
+    def new_groups(self, rank_lists: list[list[int]], name: str):
+        me = comm.global_ranks(None)[0]
+        mine = next(ranks for ranks in rank_lists if me in ranks)
+        if len(mine) == 1:
+            return None
+        if sorted(mine) == sorted(self.ranks.flatten().tolist()):
+            return self.dp_group
+        if self.dp != tdist.get_world_size():
+            raise UsageError(f"the shard group {name} ({len(mine)} of the group's {self.dp} "
+                             f"ranks) must be created by every rank of the world: shard over "
+                             f"the whole world, or pass a dist.Grid")
+        return dist.Grid.new_groups(self, rank_lists, name)
+
+    @property
+    def distributed(self) -> bool:        # what dist.Grid.new_groups reads
+        return tdist.is_initialized()
+
+    @property
+    def rank(self) -> int:
+        return comm.global_ranks(None)[0]
+
+
+def as_grid(grid_or_group):
+    """A ``dist.Grid`` as it is; a process group (None: the whole world) as one data-parallel line."""
+    if isinstance(grid_or_group, (dist.Grid, GroupGrid)):
+        return grid_or_group
+    return GroupGrid(dp.resolve_group(grid_or_group))
+
+
 # --------------------------------------------------------------------------------------
 # Flat buffers, one set per unit
 # --------------------------------------------------------------------------------------
-def units_of(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """FSDP's wrapping: one unit per part of the model (embedding, each block, the head).
+def units_of(module: nn.Module, units=None) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """FSDP's wrapping: the groups of parameters gathered, freed and reduced together.
 
-    Parameters outside every part (none in our GPT) form a unit of their own, on the root.
+    ``units`` picks the modules that become units:
+      * None: the module's ``parts()`` when it names them (minipar's GPT and pipeline stages:
+        the embedding, each block, the head), else each child module that owns parameters
+        (containers without a forward, ModuleList and ModuleDict, are looked into);
+      * a list of modules;
+      * a policy, a function ``module -> bool`` (FSDP's auto-wrap policy): the outermost
+        submodules it accepts.
+    A parameter used by two units (tied weights) and the parameters outside every unit form
+    one more unit on ``module`` itself, whose forward spans every use of them.
     """
-    if hasattr(module, "parts"):     # the GPT (serial or tensor-parallel), a pipeline Stage
-        parts = module.parts()
+    if units is None:
+        parts = module.parts() if hasattr(module, "parts") else _children_with_parameters(module)
+    elif callable(units):
+        parts = _accepted(module, units)
     else:
-        parts = [m for m in module.modules() if isinstance(m, (Embedding, Block, LMHead))]
-    units = []
-    seen = {id(p) for p in module.parameters() if hasattr(p, "grad_group")}  # MoE experts: not sharded
+        parts = list(units)
+    owners: dict[int, int] = {}
     for part in parts:
-        params = [p for p in part.parameters() if p.requires_grad and id(p) not in seen]
+        for p in {id(p) for p in part.parameters()}:
+            owners[p] = owners.get(p, 0) + 1
+    seen = {p for p, n in owners.items() if n > 1}      # tied across units: the root's
+    experts = {id(p) for p in module.parameters() if hasattr(p, "grad_group")}  # MoE: not sharded
+    out = []
+    for part in parts:
+        params = [p for p in part.parameters()
+                  if p.requires_grad and id(p) not in seen and id(p) not in experts]
         seen.update(map(id, params))
         if params:
-            units.append((part, params))
-    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+            out.append((part, params))
+    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in experts
+            and (id(p) not in seen or owners.get(id(p), 0) > 1)]
     if rest:
-        units.insert(0, (module, rest))
-    return units
+        out.insert(0, (module, rest))
+    return out
+
+
+def _children_with_parameters(module: nn.Module) -> list[nn.Module]:
+    out = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            out += _children_with_parameters(child)
+        elif any(True for _ in child.parameters()):
+            out.append(child)
+    return out
+
+
+def _accepted(module: nn.Module, policy) -> list[nn.Module]:
+    out = []
+    for child in module.children():
+        out += [child] if policy(child) else _accepted(child, policy)
+    return out
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -321,13 +415,24 @@ def reduce_scatter_gradient(u: Unit, mesh: Mesh) -> None:
 # The engine, and P sharding (ZeRO-3): gather before use, free after, with hooks
 # --------------------------------------------------------------------------------------
 class ShardedEngine:
-    """Data parallelism over ``grid``'s data-parallel group with (s_p, s_g, s_os) sharding."""
+    """Data parallelism with (s_p, s_g, s_os) sharding over ``grid``'s data-parallel group.
+
+    ``grid`` is a ``dist.Grid`` (the trainer) or a process group (None: the whole world), so
+    the engine also runs a plain model in a plain loop (``zero_grad()``, backward, ``step()``).
+    The first rank's parameters and buffers are broadcast first (ranks may have built
+    different models). ``units``: which modules are gathered together (``units_of``).
+    """
 
     def __init__(self, module: nn.Module, grid, spec: Spec, make_optimizer,
-                 prefetch: bool = True):
+                 prefetch: bool = True, units=None):
+        grid = as_grid(grid)
         self.module, self.spec, self.prefetch = module, Spec(*spec), prefetch
+        reason = spec_violation(self.spec, grid.dp)
+        if reason:
+            raise UsageError(reason)
+        dp.broadcast_module(module, grid.dp_group)
         self.mesh = Mesh(grid, self.spec)
-        self.units = [Unit(m, params, self.mesh) for m, params in units_of(module)]
+        self.units = [Unit(m, params, self.mesh) for m, params in units_of(module, units)]
         self._unit_of = {p: u for u in self.units for p in u.params}
         # -- MoE: experts (tagged with their own reduction group) stay whole, as in plain DP
         self.tagged = [p for p in module.parameters() if hasattr(p, "grad_group")]
@@ -368,8 +473,7 @@ class ShardedEngine:
         self._free(u)
         if torch.is_grad_enabled():
             # the gradient of the unit's output arrives just before the unit's backward
-            outs = out if isinstance(out, (tuple, list)) else [out]
-            for t in outs:
+            for t in tree_leaves(out):     # a tensor, or tensors in tuples, lists, dicts
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(lambda grad, u=u: self._pre_backward(u))
 
@@ -479,54 +583,233 @@ def gather_up(x: torch.Tensor, groups) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------
-# The formulas of the docstring, for notebooks and benchmarks
+# ZeRO-1 and ZeRO-2 shaped like a torch optimizer, for any model in a plain loop
 # --------------------------------------------------------------------------------------
-BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}   # weight, gradient, optimizer
+# Optimizers whose update of an element reads only that element's parameter, gradient and
+# state (and scalars such as the step count): a flat slice across tensors leaves them exact.
+ELEMENT_WISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
+    "Rprop", "ASGD") if hasattr(torch.optim, name))
+_SCALAR_STATE = ("step", "eta", "mu", "mu_product")   # per-tensor scalars of those optimizers
 
 
-def padded(numels, s_os: int) -> int:
-    """Phi': each unit's flat buffer padded up to a multiple of s_os (an int: one unit)."""
-    numels = [numels] if isinstance(numels, int) else numels
-    return sum(math.ceil(n / s_os) * s_os for n in numels)
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 (``stage=1``) or ZeRO-2 (``stage=2``) over ``group``, shaped like a torch optimizer.
 
+    Where one process writes ``torch.optim.AdamW(model.parameters(), lr=1e-3)``, each of d
+    ranks writes ``ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)`` on the
+    bare model (group=None: the whole world; rank 0's parameters are broadcast first) and runs
+    the same loop. Each parameter group's trainable parameters become one flat ``Unit``
+    (their ``.data`` become views into it); this rank keeps the optimizer state of its 1/d
+    slice only, and the gradients are averaged here, not by a DataParallel:
 
-def state_bytes_formula(numels, spec, dtype: str = "fp32") -> dict[str, int]:
-    """Model-state bytes per rank: w Phi'/s_p + g Phi'/s_g + o Phi'/s_os (no step counters)."""
-    s_p, s_g, s_os = spec
-    phi = padded(numels, s_os)
-    w, g, o = BYTES_PER_PARAM[dtype]
-    out = dict(params=w * phi // s_p, grads=g * phi // s_g, optimizer=o * phi // s_os)
-    out["total"] = sum(out.values())
-    return out
+    * stage 1: backward accumulates this rank's gradients (``.grad`` are views into the
+      unit's flat gradient); ``step()`` reduce-scatters them down to this rank's slice,
+      updates it, and all-gathers the parameters;
+    * stage 2: as soon as backward is done with a unit, its gradient is reduce-scattered into
+      this rank's slice and the full gradient is dropped (after every backward pass: with
+      accumulation, m reduce-scatters per step); ``step()`` updates and all-gathers.
 
+    Bytes one rank sends per step (Psi = parameter bytes, padded; m backward passes)::
 
-def comm_bytes_by_group(numels, d: int, spec, microbatches: int = 1,
-                        dtype: str = "fp32") -> dict[str, dict[str, int]]:
-    """Bytes one rank sends per step in each mesh group, by op (the docstring's table, level
-    by level). A group's members span ``span_of(group)`` consecutive ranks."""
-    s_p, s_g, s_os = spec
-    psi = padded(numels, s_os) * BYTES_PER_PARAM[dtype][0]
-    m = microbatches
-    P, G, O, R = s_p, s_g // s_p, s_os // s_g, d // s_os
-    ring = lambda n: (n - 1) / n        # noqa: E731  the ring's fraction of the buffer
-    out = {"zero_p": dict(all_gather=2 * m * ring(P) * psi, reduce_scatter=m * ring(P) * psi),
-           "zero_g": dict(reduce_scatter=m * ring(G) * psi / P, all_gather=ring(G) * psi / P),
-           "zero_os": dict(reduce_scatter=ring(O) * psi / s_g, all_gather=ring(O) * psi / s_g),
-           "zero_rep": dict(all_reduce=2 * ring(R) * psi / s_os)}
-    return {g: {op: round(b) for op, b in ops.items() if b} for g, ops in out.items()}
+        reduce_scatter  (d-1)/d Psi  (stage 2: m times)      all_gather  (d-1)/d Psi
+        broadcast       Psi from the first rank, once, when it is built
 
+    What keeps the numbers torch's (each is checked; a violation raises):
+    * only element-wise optimizers (``ELEMENT_WISE``; ``element_wise=True`` vouches for
+      another): a per-tensor statistic (Adafactor's rows and columns, LAMB's trust ratio)
+      over a slice of several tensors would silently differ;
+    * every trainable parameter gets a gradient before each ``step()``: torch skips a
+      parameter without one, a flat slice cannot;
+    * not over the parameters of a ``dp.DataParallel``, which would average them a second time.
+    ``step()`` consumes the gradients (as ``zero_grad(set_to_none=True)`` after it) and
+    ``.grad`` never holds the average: read gradients through the optimizer, not ``.grad``.
+    ``state_dict()`` is torch's own layout (every parameter's whole state, torch's indices),
+    gathered from the slices, so it loads into a plain optimizer and back: call it, and
+    ``load_state_dict()``, on every rank.
+    """
 
-def span_of(group: str, d: int, spec) -> int:
-    """How many consecutive ranks one group of the mesh spans (intra-node if <= a node)."""
-    return dict(zero_p=spec[0], zero_g=spec[1], zero_os=spec[2], zero_rep=d)[group]
+    def __init__(self, params, optimizer_class, group=None, stage: int = 1,
+                 element_wise: bool | None = None, **defaults):
+        if stage not in (1, 2):
+            raise UsageError(f"ShardedOptimizer stage must be 1 (optimizer states) or 2 (and "
+                             f"gradients), not {stage!r}; ZeRO-3 shards the parameters too: "
+                             f"zero.ShardedEngine(model, group, zero_spec(3, d), make_optimizer)")
+        if not (optimizer_class in ELEMENT_WISE if element_wise is None else element_wise):
+            raise UsageError(
+                f"ShardedOptimizer updates flat slices that cut across tensors, exact only for "
+                f"element-wise optimizers ({', '.join(c.__name__ for c in ELEMENT_WISE)}); "
+                f"{getattr(optimizer_class, '__name__', optimizer_class)} may compute per-tensor "
+                f"statistics. Use torch.distributed.optim.ZeroRedundancyOptimizer (whole "
+                f"parameters per rank), or element_wise=True if each update is element by element")
+        super().__init__(params, defaults)
+        self.stage, self.group = stage, dp.resolve_group(group)
+        d = comm.size(self.group)
+        self.mesh = Mesh(GroupGrid(self.group), Spec(1, 1, d) if stage == 1 else Spec(1, d, d))
+        trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
+        for params in trainable:
+            if not params:
+                raise UsageError("ShardedOptimizer: a parameter group has no trainable parameter")
+            if len({(p.dtype, p.device) for p in params}) > 1:
+                raise UsageError("ShardedOptimizer: the parameters of one group must share a "
+                                 "dtype and a device (make one group per dtype)")
+            if any(getattr(p, "_minipar_data_parallel", False) for p in params):
+                raise UsageError("ShardedOptimizer averages the gradients itself (reduce-"
+                                 "scatter); give it the bare model's parameters, not those of a "
+                                 "dp.DataParallel, which would average them a second time")
+        self.units = [Unit(None, params, self.mesh) for params in trainable]
+        dp.broadcast_from_first([u.flat for u in self.units], self.group)
+        self.optimizer = optimizer_class([
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [u.os_param]}
+            for g, u in zip(self.param_groups, self.units)])
+        for g, inner in zip(self.param_groups, self.optimizer.param_groups):
+            for k, v in inner.items():          # the class's defaults the caller left out
+                g.setdefault(k, v)
+        self.defaults = {**self.optimizer.defaults, **defaults}
+        self._index = {id(p): i for i, p in enumerate(p for g in self.param_groups
+                                                      for p in g["params"])}
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        self._views = {}                         # stage 1: each .grad a view into the flat gradient
+        for u in self.units if stage == 1 else []:
+            offset = 0
+            for p in u.params:
+                self._views[p] = u.grad_shard[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+        self._got_grad: set[int] = set()
+        self._in_backward = False
+        self.zero_grad()
+        for p in self._unit_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
+    def add_param_group(self, param_group):
+        if hasattr(self, "units"):
+            raise NotImplementedError("ShardedOptimizer: give every parameter group when it is built")
+        super().add_param_group(param_group)
 
-def comm_bytes_formula(numels, d: int, spec, microbatches: int = 1,
-                       dtype: str = "fp32") -> dict[str, int]:
-    """Bytes one rank sends per step, by op, and their total."""
-    out = dict(all_gather=0, reduce_scatter=0, all_reduce=0)
-    for ops in comm_bytes_by_group(numels, d, spec, microbatches, dtype).values():
-        for op, b in ops.items():
-            out[op] += b
-    out["total"] = sum(out.values())
-    return out
+    # -- gradients ---------------------------------------------------------------------------
+    def _on_grad_ready(self, p: nn.Parameter):
+        self._got_grad.add(id(p))
+        if self.stage == 1:
+            return
+        if not self._in_backward:               # the first gradient of a backward pass
+            self._in_backward = True
+            for u in self.units:
+                u.ready = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        u = self._unit_of[p]
+        u.ready += 1
+        if u.ready == len(u.params):
+            reduce_scatter_gradient(u, self.mesh)   # ZeRO-2: the full gradient is dropped
+
+    def _end_of_backward(self):
+        """Units that this backward reached only in part (a parameter it did not use)."""
+        self._in_backward = False
+        for u in self.units:
+            if any(p.grad is not None for p in u.params):
+                reduce_scatter_gradient(u, self.mesh)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Zero the gradients (stage 1 keeps ``.grad`` as views into the flat gradient)."""
+        for u in self.units:
+            u.grad_shard.zero_()
+            for p in u.params:
+                p.grad = self._views[p] if self.stage == 1 else None
+        self._got_grad.clear()
+        self._in_backward = False     # a backward that raised never ran its end callback
+
+    # -- the step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        missing = [p for p in self._unit_of if id(p) not in self._got_grad]
+        if missing:
+            raise RuntimeError(
+                f"ShardedOptimizer: {len(missing)} of {len(self._unit_of)} trainable parameters "
+                f"(shapes {[tuple(p.shape) for p in missing[:4]]}...) got no gradient since the "
+                f"last step; torch's optimizer would skip them, a flat slice cannot: leave them "
+                f"out of the optimizer or freeze them (requires_grad=False)")
+        for g, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update({k: v for k, v in g.items() if k != "params"})   # e.g. an LR scheduler's
+        for u in self.units:
+            if self.stage == 1:                 # a .grad someone replaced (set_to_none) comes back
+                for p in u.params:
+                    if p.grad is None:
+                        self._views[p].zero_()
+                    elif p.grad is not self._views[p]:
+                        self._views[p].copy_(p.grad)
+            elif any(p.grad is not None for p in u.params):
+                reduce_scatter_gradient(u, self.mesh)
+        sharded_optimizer_step(self.units, self.optimizer, self.mesh)
+        for u in self.units:                    # the step consumed the gradients
+            u.grad_shard.zero_()
+            for p in u.params:
+                p.grad = None
+        self._got_grad.clear()
+        return loss
+
+    # -- checkpoints in torch's layout ---------------------------------------------------------
+    def _os_offset(self, u: Unit) -> int:
+        s_p, s_g, s_os = self.mesh.spec
+        return (self.mesh.p_index * (u.N // s_p) + self.mesh.g_index * (u.N // s_g)
+                + self.mesh.os_index * (u.N // s_os))
+
+    def state_dict(self) -> dict:
+        """torch's ``Optimizer.state_dict()`` of the whole model (a collective: every rank)."""
+        state = {}
+        with comm.untracked():
+            for u in self.units:
+                mine = self.optimizer.state.get(u.os_param, {})
+                whole = {k: gather_up(v, [self.mesh.os_group, self.mesh.g_group, self.mesh.p_group])
+                         if torch.is_tensor(v) and v.dim() == 1 else v for k, v in mine.items()}
+                offset = 0
+                for p in u.params:
+                    if whole:
+                        state[self._index[id(p)]] = {
+                            k: (v[offset:offset + p.numel()].view_as(p).clone()
+                                if torch.is_tensor(v) and v.dim() == 1
+                                else v.clone() if torch.is_tensor(v) else v)
+                            for k, v in whole.items()}
+                    offset += p.numel()
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self._index[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's layout (from ``state_dict()`` here, or from a plain torch optimizer)."""
+        saved_groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("load_state_dict: the saved parameter groups do not match this "
+                             "optimizer's (their number or their sizes differ)")
+        index = {}
+        for g, inner, saved in zip(self.param_groups, self.optimizer.param_groups, saved_groups):
+            hyper = {k: v for k, v in saved.items() if k != "params"}
+            g.update(hyper)
+            inner.update(hyper)
+            index.update({id(p): i for p, i in zip(g["params"], saved["params"])})
+        for u in self.units:
+            per = [state_dict["state"].get(index[id(p)]) for p in u.params]
+            if all(s is None for s in per):
+                self.optimizer.state.pop(u.os_param, None)
+                continue
+            if any(s is None for s in per):
+                raise ValueError("load_state_dict: state for some parameters of a group but not all")
+            n_os, start = u.os_param.numel(), self._os_offset(u)
+            mine = {}
+            for k, v in per[0].items():
+                if self._per_element(k, [s[k] for s in per], u.params):
+                    flat = torch.cat([s[k].reshape(-1).to(u.flat.device) for s in per]
+                                     + [per[0][k].new_zeros(u.N - u.numel).to(u.flat.device)])
+                    mine[k] = flat[start:start + n_os].clone()
+                else:
+                    mine[k] = v.clone() if torch.is_tensor(v) else v
+            self.optimizer.state[u.os_param] = mine
+
+    @staticmethod
+    def _per_element(key, values, params) -> bool:
+        if not all(torch.is_tensor(v) and v.shape == p.shape for v, p in zip(values, params)):
+            return False
+        return any(p.dim() > 0 for p in params) or key not in _SCALAR_STATE
+

@@ -100,7 +100,7 @@ def bubble():
     ms = list(range(1, 33))
     fig, ax = plt.subplots(figsize=(6.5, 3.0))
     for p, color in ((2, "C0"), (4, "C1"), (8, "C2")):
-        ax.plot(ms, [100 * pp.bubble_formula(p, m) for m in ms], color=color, label=f"p = {p}")
+        ax.plot(ms, [100 * plan.bubble_fraction(p, m) for m in ms], color=color, label=f"p = {p}")
         dots = [1, 2, 4, 8, 16, 32]
         ax.plot(dots, [100 * pp.ideal_timeline("1f1b", p, m).bubble for m in dots], "o",
                 color=color, ms=4)
@@ -111,7 +111,7 @@ def bubble():
     ax.set_xticks([1, 2, 4, 8, 16, 32], ["1", "2", "4", "8", "16", "32"])
     ax.set_xlabel("micro-batches per step, m")
     ax.set_ylabel("idle share of the step, %")
-    ax.set_title("bubble (p-1)/(v m + p-1): lines pp.bubble_formula, "
+    ax.set_title("bubble (p-1)/(v m + p-1): lines plan.bubble_fraction, "
                  "dots pp.ideal_timeline(...).bubble", fontsize=8.5)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, frameon=False)

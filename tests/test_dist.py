@@ -16,7 +16,7 @@ def _grid_coords(dp, pp, tp):
 
 
 def test_grid_layout_matches_arange_view():
-    out = dist.launch(_grid_coords, 8, 2, 2, 2)
+    out = dist.launch(_grid_coords, 8, dp=2, pp=2, tp=2)
     ranks = torch.arange(8).view(2, 2, 2)
     for r in out:
         d, p, t = r["coords"]
@@ -35,7 +35,7 @@ def _group_sum(dp, pp, tp):
 
 
 def test_groups_reduce_over_their_own_ranks():
-    for got, expected in dist.launch(_group_sum, 4, 1, 2, 2):
+    for got, expected in dist.launch(_group_sum, 4, dp=1, pp=2, tp=2):
         assert got == expected
 
 

@@ -67,7 +67,7 @@ def _versus_ddp(mode, steps):
 
 @pytest.mark.parametrize("mode", dp.MODES)
 def test_dp_equals_torch_ddp(mode):
-    for losses, max_param_diff in dist.launch(_versus_ddp, 2, mode, 10):
+    for losses, max_param_diff in dist.launch(_versus_ddp, 2, mode=mode, steps=10):
         for a, b in losses:
             assert abs(a - b) < 1e-6
         assert max_param_diff < 1e-6
@@ -116,9 +116,10 @@ def _hand_driven_without_begin_step(steps, mode="overlapped", set_to_none=False)
 
 
 def test_overlapped_without_begin_step_still_averages():
-    assert max(dist.launch(_hand_driven_without_begin_step, 2, 3)) < 1e-6
+    assert max(dist.launch(_hand_driven_without_begin_step, 2, steps=3)) < 1e-6
 
 
 @pytest.mark.parametrize("mode", ["bucketed", "overlapped"])
 def test_grads_zeroed_to_none_by_the_optimizer_still_average(mode):
-    assert max(dist.launch(_hand_driven_without_begin_step, 2, 3, mode, True)) < 1e-6
+    assert max(dist.launch(_hand_driven_without_begin_step, 2, steps=3, mode=mode,
+                           set_to_none=True)) < 1e-6

@@ -143,7 +143,7 @@ def _held_and_sent(t, configs, b):
 def test_padded_vocabulary_and_no_biases_over_three_ranks():
     from minipar.dist import launch
     t, b = 3, 2
-    for rank_result in launch(_held_and_sent, t, t, ODD, b):
+    for rank_result in launch(_held_and_sent, t, t=t, configs=ODD, b=b):
         for kw, (held, sent) in zip(ODD, rank_result):
             shape = plan.ModelShape("odd", "gpt", kw["n_layer"], kw["d_model"], kw["n_head"],
                                     kw["vocab_size"], kw["seq_len"], tied_head=False,

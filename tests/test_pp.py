@@ -147,7 +147,8 @@ def test_pipeline_equals_serial_run(layout):
 def test_same_loss_and_gradients_as_torch_pipelining():
     from minipar.bench.pp import compare_with_torch
     for schedule in ("gpipe", "1f1b"):
-        ranks = dist.launch(compare_with_torch, 2, schedule, 4, "nano", 2, 3)
+        ranks = dist.launch(compare_with_torch, 2, schedule=schedule, microbatches=4,
+                            model_name="nano", micro_batch=2, steps=3)
         last = ranks[1]
         assert len(last["mine"]) == 3
         for mine, theirs in zip(last["mine"], last["torch"]):
@@ -158,7 +159,9 @@ def test_same_loss_and_gradients_as_torch_pipelining():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_measured_timeline_and_stashed_activations(schedule):
     p, m = 4, 6
-    res = dist.launch(pp.measure, p, "nano", schedule, m, 1, 2)[0]
+    from minipar.lab.nb03 import measure_pipeline
+    res = dist.launch(measure_pipeline, p, model_name="nano", schedule=schedule, microbatches=m,
+                      micro_batch=1, steps=2)[0]
     tl = res["timeline"]
     expected = [m] * p if schedule == "gpipe" else [min(p - r, m) for r in range(p)]
     assert tl.peak_stash == expected

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import NANO, assert_same_training, cli, serial_state
-from minipar import comm, dist, model, tp
+from minipar import comm, dist, model, plan, tp
 from minipar.train import run_state
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -149,7 +149,9 @@ def test_trainer_matches_serial(t, sp, d):
     assert_same_training(got, serial_state())
     if d == 1:   # every byte of a step is TP traffic: it must equal the formula
         cfg = model.config("nano")
-        expected = tp.comm_bytes(cfg, micro_batch=8, t=t, sequence_parallel=sp)
+        planned = plan.tp_comm_bytes(8, cfg.seq_len, cfg.d_model, t, cfg.n_layer, sp=sp,
+                                     dtype="fp32", ends=True, bias=cfg.bias)
+        expected = {op: b for op, b in planned.items() if b and op != "total"}
         assert got["history"][-1]["comm_bytes"] == expected
 
 
@@ -181,7 +183,7 @@ def _padded_vocab(t, vocab, sp):
 
 @pytest.mark.parametrize("t,vocab,sp", [(2, 255, False), (4, 65, True)])
 def test_padded_vocabulary_gives_the_unpadded_loss_and_gradients(t, vocab, sp):
-    for dloss, worst, padding_grad in dist.launch(_padded_vocab, t, t, vocab, sp):
+    for dloss, worst, padding_grad in dist.launch(_padded_vocab, t, t=t, vocab=vocab, sp=sp):
         assert dloss < 1e-6 and worst < 1e-6
         assert padding_grad == 0.0
 
@@ -271,7 +273,8 @@ def _block_bytes(t, sp):
     backward = {op: comm.stats.sent[(op, "tp")] for op, group in comm.stats.sent if group == "tp"}
     groups = set(g for _, g in comm.stats.sent)
     return dict(forward=forward, backward=backward, groups=groups, shape=tuple(y.shape),
-                formula=tp.block_comm_bytes(b * s, cfg, t, sp))
+                formula=plan.tp_block_comm_bytes(b * s, cfg.d_model, t, sp, dtype="fp32",
+                                                 bias=cfg.bias))
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -280,11 +283,11 @@ def test_block_bytes_equal_the_formula(t):
     b, s, h = 3, cfg.seq_len, cfg.d_model
     n = b * s * h * 4                                          # one (b, s, h) fp32 activation
     all_reduce = 2 * (t - 1) * n // t                          # ring all-reduce, per rank
-    for res in dist.launch(_block_bytes, t, t, False):
+    for res in dist.launch(_block_bytes, t, t=t, sp=False):
         assert res["forward"] == {"all_reduce": 2 * all_reduce}    # two g
         assert res["backward"] == {"all_reduce": 2 * all_reduce}   # two f
         assert res["formula"] == {"forward": res["forward"], "backward": res["backward"]}
-    for res in dist.launch(_block_bytes, t, t, True):
+    for res in dist.launch(_block_bytes, t, t=t, sp=True):
         half = (t - 1) * n // t                                 # all-gather or reduce-scatter
         assert res["shape"] == (b, s // t, h)
         assert res["forward"] == {"all_gather": 2 * half, "reduce_scatter": 2 * half}

@@ -97,6 +97,8 @@ def test_model_state_bytes_equal_the_formula(name):
         return
     # every spec minipar runs (1,2,4 too), byte for byte: fp32, Adam's step counter per unit
     assert plan_bytes(phi, D, shard=spec, dtype="fp32", step_counters=len(unit_sizes())) == got
+    assert plan_bytes(unit_sizes(), D, shard=spec, dtype="fp32",
+                      step_counters=len(unit_sizes())) == got
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -122,9 +124,10 @@ def test_communication_bytes_equal_the_formula(name):
         from minipar.plan.network import zero_comm_bytes
     except ImportError:
         return
-    planned = zero_comm_bytes(sum(unit_sizes()), D, shard=spec, dtype="fp32")
-    for op in ("all_reduce", "reduce_scatter", "all_gather"):
-        assert sent.get(op, 0) == planned[op], f"{name} {op}: measured {sent} planned {planned}"
+    for n_params in (sum(unit_sizes()), unit_sizes()):   # one buffer, or the engine's units
+        planned = zero_comm_bytes(n_params, D, shard=spec, dtype="fp32")
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            assert sent.get(op, 0) == planned[op], f"{name} {op}: measured {sent} planned {planned}"
 
 
 _TWINS = {}
@@ -135,7 +138,7 @@ def torch_twin(kind):
     trainer on the same ranks, data and model (one launch for both)."""
     if not _TWINS:
         from minipar.bench.zero import train_twins
-        _TWINS.update(dist.launch(train_twins, D, ["zro", "fsdp2"], timeout=240)[0])
+        _TWINS.update(dist.launch(train_twins, D, kinds=["zro", "fsdp2"], timeout=240)[0])
     return _TWINS[kind]
 
 
@@ -153,7 +156,8 @@ def test_padding_uneven_shards_and_no_prefetch():
     """3 ranks: the units do not divide by 3, so every flat buffer is padded; ZeRO-3 without
     prefetching and with two micro-batches still trains exactly like one process."""
     from minipar.bench.zero import train_twin
-    out = dist.launch(train_twin, 3, "zero3-noprefetch", "nano", 20, 6, 3e-3, 0, 2, timeout=240)
+    out = dist.launch(train_twin, 3, kind="zero3-noprefetch", model_name="nano", steps=20,
+                      batch=6, lr=3e-3, seed=0, microbatches=2, timeout=240)
     ref = serial_state(["--batch-size", "6"])
     assert_same_training(dict(out[0], grads={}), ref, check_grads=False)
     sizes = unit_sizes()
@@ -163,6 +167,12 @@ def test_padding_uneven_shards_and_no_prefetch():
         assert r["state"] == expected
     for op, b in formula_comm_bytes((3, 3, 3), 3, sizes, m=2).items():
         assert close(out[0]["comm_bytes"].get(op, 0), b) if b else op not in out[0]["comm_bytes"]
+    # the planner, given the engine's units, pads each as the engine does: byte for byte
+    from minipar.plan import model_state_bytes, zero_comm_bytes
+    assert model_state_bytes(sizes, 3, shard=(3, 3, 3), dtype="fp32",
+                             step_counters=len(sizes)) == out[0]["state"]
+    planned = zero_comm_bytes(sizes, 3, shard=(3, 3, 3), dtype="fp32", microbatches=2)
+    assert {op: b for op, b in planned.items() if b and op != "total"} == out[0]["comm_bytes"]
 
 
 def _check(*flags, nproc=D):

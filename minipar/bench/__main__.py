@@ -1,7 +1,8 @@
 import importlib
 import sys
 
-from .. import dist
+from .. import cli
+from ..errors import UsageError
 from . import BENCHES
 
 USAGE = f"usage: python -m minipar.bench {{{','.join(BENCHES)}}} [options]  (each takes --help)"
@@ -13,10 +14,10 @@ def main(argv=None):
         print(USAGE)
         return 0
     if not argv or argv[0] not in BENCHES:
-        raise dist.UsageError(f"choose a benchmark: {', '.join(BENCHES)} ({USAGE})")
+        raise UsageError(f"choose a benchmark: {', '.join(BENCHES)} ({USAGE})")
     module = importlib.import_module(f"minipar.bench.{argv[0]}")
     return module.main(argv[1:])
 
 
 if __name__ == "__main__":
-    sys.exit(dist.main_guard(main))
+    sys.exit(cli.main_guard(main))

@@ -12,8 +12,9 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import comm, data, dp, dist
+from .. import cli, comm, data, dp, dist
 from ..model import PRESETS, build, config, num_params
+from ..plan.network import ring_bytes
 from . import machine, median
 
 VARIANTS = ("naive", "bucketed", "overlapped", "ddp")
@@ -64,23 +65,24 @@ def measure(model_name="tiny", steps=12, warmup=3, batch_per_rank=8, bucket_mb=1
                 times[v].append(slowest)
                 sent[v].append(comm.stats.bytes_by_op().get("all_reduce", 0))
     grad_bytes = num_params(setups[variants[0]][0]) * 4
-    formula = 2 * (d - 1) * grad_bytes / d
+    formula = ring_bytes("all_reduce", grad_bytes, d)
     return [dict(variant=v, median_s=median(times[v]), times=times[v],
                  sent=(median(sent[v]) if v != "ddp" else None), formula=formula,
                  grad_bytes=grad_bytes, ranks=d) for v in variants]
 
 
 def main(argv=None):
-    p = dist.ArgumentParser(prog="python -m minipar.bench dp")
-    p.add_argument("--nproc", type=dist.positive_int, default=2)
+    p = cli.ArgumentParser(prog="python -m minipar.bench dp")
+    p.add_argument("--nproc", type=cli.positive_int, default=2)
     p.add_argument("--model", default="tiny", choices=list(PRESETS))
-    p.add_argument("--steps", type=dist.positive_int, default=20)
+    p.add_argument("--steps", type=cli.positive_int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-per-rank", type=dist.positive_int, default=8)
+    p.add_argument("--batch-per-rank", type=cli.positive_int, default=8)
     p.add_argument("--bucket-mb", type=float, default=1.0)
     args = p.parse_args(argv)
-    rows = dist.launch(measure, args.nproc, args.model, args.steps, args.warmup,
-                       args.batch_per_rank, args.bucket_mb, timeout=1800)[0]
+    rows = dist.launch(measure, args.nproc, model_name=args.model, steps=args.steps,
+                       warmup=args.warmup, batch_per_rank=args.batch_per_rank,
+                       bucket_mb=args.bucket_mb, timeout=1800)[0]
     print(f"minipar.bench dp: {args.nproc} gloo ranks, model {args.model}, "
           f"{args.batch_per_rank} sequences per rank, buckets {args.bucket_mb} MB, "
           f"median of {args.steps} steps after {args.warmup} warm-up")
@@ -97,4 +99,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

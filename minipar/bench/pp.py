@@ -19,8 +19,10 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from .. import comm, dist, pp
+from .. import cli, comm, dist, pp
 from ..model import PRESETS, CrossEntropy, build, config
+from ..lab.nb03 import measure_pipeline
+from ..plan import bubble_fraction
 from . import machine, median
 
 
@@ -115,19 +117,20 @@ def bubbles(p=2, ms=(1, 2, 4, 8), model_name="small", micro_batch=2, steps=4,
     """Measured bubble (median over the timed steps) for each m; micro-batch size fixed."""
     rows = []
     for m in ms:
-        res = dist.launch(pp.measure, p, model_name, schedule, m, micro_batch, steps)[0]
-        rows.append(dict(m=m, bubble=res["bubble"], formula=pp.bubble_formula(p, m),
+        res = dist.launch(measure_pipeline, p, model_name=model_name, schedule=schedule,
+                          microbatches=m, micro_batch=micro_batch, steps=steps)[0]
+        rows.append(dict(m=m, bubble=res["bubble"], formula=bubble_fraction(p, m),
                          step_s=median(res["step_times"]), peak_stash=res["timeline"].peak_stash))
     return rows
 
 
 def main(argv=None):
-    ap = dist.ArgumentParser(prog="python -m minipar.bench pp")
+    ap = cli.ArgumentParser(prog="python -m minipar.bench pp")
     ap.add_argument("--model", default="small", choices=list(PRESETS), help="model preset (default small: 8 layers)")
-    ap.add_argument("--micro-batch", type=dist.positive_int, default=2, help="sequences per micro-batch")
-    ap.add_argument("--bubble-steps", type=dist.positive_int, default=5, help="timed steps per bubble point")
-    ap.add_argument("--steps", type=dist.positive_int, default=20, help="timed steps of the torch comparison")
-    ap.add_argument("--microbatches", type=dist.positive_int, default=4, help="m for the torch comparison")
+    ap.add_argument("--micro-batch", type=cli.positive_int, default=2, help="sequences per micro-batch")
+    ap.add_argument("--bubble-steps", type=cli.positive_int, default=5, help="timed steps per bubble point")
+    ap.add_argument("--steps", type=cli.positive_int, default=20, help="timed steps of the torch comparison")
+    ap.add_argument("--microbatches", type=cli.positive_int, default=4, help="m for the torch comparison")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(machine())
@@ -145,8 +148,9 @@ def main(argv=None):
     print(f"{'schedule':>9} {'minipar ms':>11} {'torch ms':>9} {'ratio':>6} {'paired':>7} "
           f"{'|dloss|':>8}")
     for schedule in ("gpipe", "1f1b"):
-        res = dist.launch(compare_with_torch, 2, schedule, args.microbatches, args.model,
-                          args.micro_batch, args.steps, 2)[1]
+        res = dist.launch(compare_with_torch, 2, schedule=schedule,
+                          microbatches=args.microbatches, model_name=args.model,
+                          micro_batch=args.micro_batch, steps=args.steps, warmup=2)[1]
         a, b = median(res["t_mine"]), median(res["t_torch"])
         paired = median([u / v for u, v in zip(res["t_mine"], res["t_torch"])])
         dloss = max(abs(u - v) for u, v in zip(res["mine"], res["torch"]))
@@ -155,4 +159,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

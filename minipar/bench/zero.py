@@ -22,8 +22,10 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import comm, data, dist, zero
+from .. import cli, comm, data, dist, zero
 from ..model import PRESETS, build, config
+from ..plan.memory import model_state_bytes
+from ..plan.network import zero_comm_bytes
 from . import machine, median
 
 TWINS = {"zero0": "ddp", "zero1": "zro", "zero2": "zro", "zero3": "fsdp2",
@@ -177,9 +179,9 @@ def train_twin(kind: str, model_name: str = "nano", steps: int = 20, batch: int 
                 comm_bytes=comm.stats.bytes_by_op())
 
 
-def train_twins(kinds, *args) -> dict:
+def train_twins(kinds, **kwargs) -> dict:
     """``train_twin`` for several kinds in one launch (torch's start-up is paid once)."""
-    return {kind: train_twin(kind, *args) for kind in kinds}
+    return {kind: train_twin(kind, **kwargs) for kind in kinds}
 
 
 # --------------------------------------------------------------------------------------
@@ -220,10 +222,10 @@ def measure(model_name="tiny", steps=10, warmup=3, batch_per_rank=8, variants=No
         row = dict(variant=name, median_s=median(times[name]), state=state, peak=int(peak),
                    ranks=d)
         if v.engine is not None:
-            numels = [u.numel for u in v.engine.units]
+            units, spec = [u.numel for u in v.engine.units], tuple(v.engine.spec)
             row["sent"] = sum(sent[name].values())
-            row["formula"] = zero.comm_bytes_formula(numels, d, v.engine.spec)["total"]
-            row["state_formula"] = zero.state_bytes_formula(numels, v.engine.spec)["total"]
+            row["formula"] = zero_comm_bytes(units, d, spec, dtype="fp32")["total"]
+            row["state_formula"] = model_state_bytes(units, d, spec, dtype="fp32")["total"]
         rows.append(row)
     return rows
 
@@ -248,203 +250,22 @@ def report(rows, args) -> str:
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------------------------
-# Experiments and pictures for notebook 04_zero_and_amsp
-# --------------------------------------------------------------------------------------
-def census(model_name: str = "tiny", batch: int = 8) -> dict[str, int]:
-    """Where the memory of one serial training step goes, measured (one process).
-
-    Parameters, gradients and Adam's state are the storages of the tensors themselves;
-    activations are the tensors autograd saves for backward during the forward pass (caught
-    with ``saved_tensors_hooks``, parameters and shared storages counted once, not at all).
-    """
-    cfg = config(model_name)
-    model = build(cfg, seed=0)
-    x, y = data.Batches(data.ByteTokenizer().encode(data.default_corpus()), cfg.seq_len,
-                        batch).global_batch_at(1)
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in param_storages:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x, y)
-    loss.backward()
-    opt = _adamw(model.parameters(), 1e-3)
-    opt.step()
-    return dict(params=unique_storage_bytes(model.parameters()),
-                grads=unique_storage_bytes(p.grad for p in model.parameters()),
-                optimizer=unique_storage_bytes(_optimizer_tensors(opt)),
-                activations=sum(saved.values()),
-                n_params=sum(p.numel() for p in model.parameters()), tokens=batch * cfg.seq_len)
-
-
-def walkthrough(names, model_name: str = "tiny", batch_per_rank: int = 4) -> list[dict]:
-    """On every rank: two steps of each variant in ``names``; what the second one held and sent.
-
-    Rows (rank 0's): ``state`` (measured bytes), ``state_formula``, ``sent`` by op,
-    ``by_group`` (zero_p, zero_g, zero_os, zero_rep), ``comm_formula`` by op, ``spec``.
-    """
-    r, d = tdist.get_rank(), tdist.get_world_size()
-    cfg = config(model_name)
-    batches = data.Batches(data.ByteTokenizer().encode(data.default_corpus()), cfg.seq_len,
-                           batch_per_rank * d, seed=0)
-    rows = []
-    for name in names:
-        v = Variant(name, model_name=model_name)
-        for step in range(2):
-            comm.reset()
-            v.step(*batches.local_batch(step, r, d))
-        numels = [u.numel for u in v.engine.units]
-        rows.append(dict(variant=name, spec=tuple(v.engine.spec), state=v.state_bytes(),
-                         state_formula=zero.state_bytes_formula(numels, v.engine.spec),
-                         sent=comm.stats.bytes_by_op(), by_group=comm.stats.bytes_by_group(),
-                         comm_formula=zero.comm_bytes_formula(numels, d, v.engine.spec),
-                         psi=4 * sum(numels), ranks=d))
-    return rows
-
-
-def prefetch_effect(model_name: str = "tiny", steps: int = 6, warmup: int = 2) -> list[dict]:
-    """On every rank: ZeRO-3 with and without prefetching, interleaved step by step.
-
-    Per variant: median step time (slowest rank) and the median time a step spends *waiting*
-    in all-gathers (``Handle.wait``: with prefetching part of it overlaps computation).
-    """
-    r, d = tdist.get_rank(), tdist.get_world_size()
-    cfg = config(model_name)
-    batches = data.Batches(data.ByteTokenizer().encode(data.default_corpus()), cfg.seq_len,
-                           8 * d, seed=0)
-    runs = {name: Variant(name, model_name=model_name) for name in ("zero3", "zero3-noprefetch")}
-    times = {name: [] for name in runs}
-    waits = {name: [] for name in runs}
-    for step in range(warmup + steps):
-        x, y = batches.local_batch(step, r, d)
-        for name, v in runs.items():
-            comm.reset()
-            tdist.barrier()
-            t0 = time.perf_counter()
-            v.step(x, y)
-            slowest, = comm.all_reduce_scalars([time.perf_counter() - t0], comm.WORLD, op="max")
-            wait = sum(sec for (op, _), sec in comm.stats.seconds.items() if op == "all_gather")
-            if step >= warmup:
-                times[name].append(slowest)
-                waits[name].append(wait)
-    return [dict(variant=name, median_s=median(times[name]), gather_wait_s=median(waits[name]),
-                 peak=max(v.peak, v.state_bytes()["total"])) for name, v in runs.items()]
-
-
-def amsp_space(n_params: float, d: int, gpus_per_node: int = 8, dtype: str = "mixed") -> list[dict]:
-    """Every spec minipar runs over d ranks: memory per rank, and the bytes a rank sends per
-    step inside its node and across nodes (a group spanning more than ``gpus_per_node``
-    consecutive ranks runs at the inter-node link's speed: what AMSP minimises)."""
-    sizes = [k for k in range(1, d + 1) if d % k == 0]
-    psi = int(n_params) * zero.BYTES_PER_PARAM[dtype][0]
-    points = []
-    for s_p in sizes:
-        for s_g in sizes:
-            for s_os in sizes:
-                spec = zero.Spec(s_p, s_g, s_os)
-                if zero.spec_violation(spec, d):
-                    continue
-                groups = zero.comm_bytes_by_group(int(n_params), d, spec, dtype=dtype)
-                inter = sum(sum(ops.values()) for g, ops in groups.items()
-                            if zero.span_of(g, d, spec) > gpus_per_node)
-                total = sum(sum(ops.values()) for ops in groups.values())
-                preset = next((f"ZeRO-{z}" for z in range(4) if zero.zero_spec(z, d) == spec), "")
-                mem = zero.state_bytes_formula(int(n_params), spec, dtype)
-                points.append(dict(spec=spec, memory=mem["total"], mem=mem, groups=groups,
-                                   inter_psi=inter / psi, intra_psi=(total - inter) / psi,
-                                   amsp=s_g in (s_p, s_os), preset=preset))
-    return points
-
-
-def draw_state_bars(rows, ax=None):
-    """Measured model-state bytes per rank (stacked) next to the formula (black ticks)."""
-    import matplotlib.pyplot as plt
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3.2))
-    colors = dict(params="#3b6fb6", grads="#e07b39", optimizer="#6aa84f")
-    for i, row in enumerate(rows):
-        bottom = 0
-        for key, color in colors.items():
-            b = row["state"][key] / 2**20
-            ax.bar(i, b, bottom=bottom, color=color, label=key if i == 0 else None)
-            bottom += b
-        ax.plot([i - 0.4, i + 0.4], [row["state_formula"]["total"] / 2**20] * 2, "k-", lw=2,
-                label="formula" if i == 0 else None)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r['variant']}\n{r['spec']}" for r in rows], fontsize=8)
-    ax.set_ylabel("MiB per rank")
-    ax.legend(fontsize=8)
-    return ax
-
-
-def draw_comm_bars(rows, ax=None):
-    """Measured bytes sent per step, by op, in units of Psi, with the formula (black ticks)."""
-    import matplotlib.pyplot as plt
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3.2))
-    colors = dict(all_reduce="#8e7cc3", reduce_scatter="#e07b39", all_gather="#3b6fb6")
-    for i, row in enumerate(rows):
-        bottom = 0.0
-        for op, color in colors.items():
-            b = row["sent"].get(op, 0) / row["psi"]
-            ax.bar(i, b, bottom=bottom, color=color, label=op if i == 0 else None)
-            bottom += b
-        ax.plot([i - 0.4, i + 0.4], [row["comm_formula"]["total"] / row["psi"]] * 2, "k-",
-                lw=2, label="formula" if i == 0 else None)
-    d = rows[0]["ranks"]
-    for k in (2, 3):
-        ax.axhline(k * (d - 1) / d, color="grey", ls=":", lw=1)
-        ax.text(len(rows) - 0.5, k * (d - 1) / d, f" {k}Ψ(d-1)/d", va="center", fontsize=8)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r['variant']}\n{r['spec']}" for r in rows], fontsize=8)
-    ax.set_ylabel("bytes sent per step / Ψ")
-    ax.legend(fontsize=8, loc="upper left")
-    return ax
-
-
-def draw_amsp(points, current=None, ax=None, unit: float = 2**30):
-    """AMSP's space: memory per rank against inter-node traffic, ZeRO presets named; blue
-    points keep AMSP's rule s_g in {s_p, s_os}, grey ones do not."""
-    import matplotlib.pyplot as plt
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4))
-    for pt in points:
-        ax.scatter(pt["inter_psi"], pt["memory"] / unit, s=30,
-                   c="#3b6fb6" if pt["amsp"] else "#bbbbbb", zorder=2)
-        if pt["preset"]:
-            ax.annotate(pt["preset"], (pt["inter_psi"], pt["memory"] / unit), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points", color="#9c4a17")
-    if current is not None:
-        ax.scatter(current["inter_psi"], current["memory"] / unit, s=160, facecolors="none",
-                   edgecolors="red", linewidths=2, zorder=3)
-    ax.set_xlabel("bytes a rank sends across nodes per step / Ψ")
-    ax.set_ylabel("model states per rank (GiB)" if unit == 2**30 else "model states per rank")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    return ax
-
-
 def main(argv=None):
-    p = dist.ArgumentParser(prog="python -m minipar.bench zero")
-    p.add_argument("--nproc", type=dist.positive_int, nargs="+", default=[2, 4],
+    p = cli.ArgumentParser(prog="python -m minipar.bench zero")
+    p.add_argument("--nproc", type=cli.positive_int, nargs="+", default=[2, 4],
                    help="rank counts to measure (default: 2 then 4)")
     p.add_argument("--model", default="tiny", choices=list(PRESETS))
-    p.add_argument("--steps", type=dist.positive_int, default=10)
+    p.add_argument("--steps", type=cli.positive_int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-per-rank", type=dist.positive_int, default=8)
+    p.add_argument("--batch-per-rank", type=cli.positive_int, default=8)
     args = p.parse_args(argv)
     for n in args.nproc:
-        rows = dist.launch(measure, n, args.model, args.steps, args.warmup,
-                           args.batch_per_rank, timeout=3600)[0]
+        rows = dist.launch(measure, n, model_name=args.model, steps=args.steps,
+                           warmup=args.warmup, batch_per_rank=args.batch_per_rank,
+                           timeout=3600)[0]
         print(report(rows, args), flush=True)
         print()
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

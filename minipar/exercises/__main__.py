@@ -1,11 +1,11 @@
 import sys
 
-from .. import dist
+from .. import cli
 from . import check, get, make, registry, student_path
 
 
 def main(argv=None):
-    p = dist.ArgumentParser(prog="python -m minipar.exercises",
+    p = cli.ArgumentParser(prog="python -m minipar.exercises",
                                 description="List, make and check the workshop exercises.")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the exercises and their files")
@@ -43,4 +43,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(dist.main_guard(main))
+    sys.exit(cli.main_guard(main))

@@ -25,6 +25,7 @@ and `VocabParallelCE.backward`.
 def _run(student, t, vocab, scale):
     import torch.nn.functional as F
     from minipar import comm, dist, tp
+    from minipar.plan import ring_bytes
     grid = dist.Grid(1, 1, t)
     group, r = grid.tp_group, grid.tp_rank
     n = 24
@@ -45,7 +46,7 @@ def _run(student, t, vocab, scale):
         grad = tp.unshard(tp._all_gather_stacked(local.grad, group), split)
     return dict(loss=loss.item(), ref=ref.item(), grad_err=(grad - ref_in.grad).abs().max().item(),
                 finite=bool(torch.isfinite(loss)), sent=sent, sent_backward=sent_backward,
-                budget=3 * (2 * (t - 1) * n * 4 // t))
+                budget=3 * ring_bytes("all_reduce", n * 4, t))
 
 
 def check(student) -> list[str]:

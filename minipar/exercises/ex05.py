@@ -44,6 +44,7 @@ def _run_two_stages(student, m):
 def check(student) -> list[str]:
     from minipar import pp
     from minipar.exercises import launch_student
+    from minipar.plan import bubble_fraction
     failures = []
     for p in (1, 2, 3, 4):
         for m in range(1, 9):
@@ -65,9 +66,9 @@ def check(student) -> list[str]:
                                     f"p - r - 1 forwards, then one forward, one backward)")
                     return failures
             bubble = pp.Timeline(pp.simulate(lists)).bubble
-            if abs(bubble - pp.bubble_formula(p, m)) > 1e-9:
+            if abs(bubble - bubble_fraction(p, m)) > 1e-9:
                 failures.append(f"{where}: the ideal bubble is {bubble:.3f}, not (p-1)/(m+p-1) = "
-                                f"{pp.bubble_formula(p, m):.3f}: some stage waits longer than "
+                                f"{bubble_fraction(p, m):.3f}: some stage waits longer than "
                                 f"it must (check the order of the backwards)")
                 return failures
     for m in (1, 4):

@@ -1,4 +1,28 @@
-"""The code behind the notebooks' cells, one module per notebook (``nb08`` for notebook 08).
+"""The code behind the workshop notebooks, one module per notebook.
 
-Notebooks import these; the package stays the single copy of the code they run.
+    nb00  00_collectives          what each collective does and sends; the ring, step by step
+    nb01  01_data_parallel        buckets, where the all-reduces happen, DP against DDP
+    nb02  02_tensor_parallel      column and row splits, TP bytes, memory and time per rank
+    nb03  03_pipeline_parallel    measured pipeline timelines, bubbles, the schedule explorer
+    nb04  04_zero_and_amsp        where the memory goes, ZeRO/AMSP measured, AMSP's space
+    nb08  08_mixture_of_experts   routing, load balance, all-to-all bytes, dense vs MoE
+
+A notebook imports its module (``from minipar.lab import nb03``) and the package it teaches;
+it carries no second copy of the code. Functions named ``*_experiment`` or documented as
+running "on every rank" run inside ``minipar.dist.launch`` and return plain data; the
+``draw_*`` functions turn results into figures (matplotlib is imported only when drawing).
+The volumes they are checked against come from the planner (``minipar.plan``), the only
+home of the closed forms.
 """
+from ..bench import machine  # noqa: F401  (re-exported: every notebook prints its machine)
+
+
+def explorer(draw, **controls):
+    """An ipywidgets explorer around ``draw(**values)``: one figure, redrawn on every change.
+
+    The widget draws its first figure itself, so the cell must not call ``draw`` too (that
+    showed two figures in JupyterLab). Run headless (nbval), the widget's first drawing
+    still runs ``draw`` once, so the notebook's test covers it.
+    """
+    import ipywidgets as widgets
+    return widgets.interactive(draw, **controls)

@@ -35,10 +35,11 @@ Python API (sizes in bytes, times in seconds)::
         # amsp=True adds AMSP's s_g in {s_p, s_os}
     shard_specs(dp, per_node=None) -> [(s_p, s_g, s_os), ...]   # AMSP's space: the search's
 
-    model_state_bytes(shape or n_params, dp=1, shard=(s_p, s_g, s_os) or zero=Z, tp=1, pp=1,
-                      dtype="mixed" | "fp32", step_counters=0)
+    model_state_bytes(shape or n_params or [unit sizes], dp=1, shard=(s_p, s_g, s_os) or
+                      zero=Z, tp=1, pp=1, dtype="mixed" | "fp32", step_counters=0)
         -> {"params", "grads", "optimizer", "total"}
-        # a ModelShape is split exactly (stage_params); a bare count as n_params / (tp pp)
+        # a ModelShape is split exactly (stage_params); a bare count as n_params / (tp pp);
+        # a list: minipar.zero's units, each padded to a multiple of s_os (padded_params)
     stage_params(shape, tp=1, pp=1) -> int   # one TP rank of the heaviest stage, exactly:
         # norms, row biases, positions replicated; vocabulary padded to a multiple of tp
     tp_rank_params(shape, tp=1) -> {"layer", "embedding", "head", "tied_copy"}
@@ -46,17 +47,23 @@ Python API (sizes in bytes, times in seconds)::
     device_memory(shape, layout)
         -> {"params", "grads", "optimizer", "activations", "temporary", "total"}
 
-    zero_comm_bytes(n_params, dp, shard=(s_p, s_g, s_os) or zero=Z, dtype="mixed",
-                    microbatches=1, recompute=False)
+    zero_comm_bytes(n_params or [unit sizes], dp, shard=(s_p, s_g, s_os) or zero=Z,
+                    dtype="mixed", microbatches=1, recompute=False)
         -> {"all_reduce", "reduce_scatter", "all_gather", "total"}
+    zero_comm_bytes_by_group(...same...) -> {"zero_p" | "zero_g" | "zero_os" | "zero_rep":
+                                             {op: bytes}}      # minipar.zero's mesh groups
+    zero_group_span(group, dp, shard) -> consecutive ranks one such group spans
     tp_comm_bytes(micro_batch, seq_len, hidden, tp, layers, microbatches=1,
                   recompute=False, sp=False, ends=False, arch="gpt", bias=True) -> same keys
         # sp=True: + the replicated parameters' gradient all-reduces, per micro-batch
+    tp_block_comm_bytes(tokens, hidden, tp, sp=False, arch="gpt", bias=True)
+        -> {"forward": {op: bytes}, "backward": {op: bytes}}   # one layer, one micro-batch
     pp_comm_bytes(micro_batch, seq_len, hidden, pp, microbatches=1, v=1, stage=0, tp=1,
                   split=False) -> {"send", "total"}
     collective_time(op, nbytes, size, stride, hardware) -> float   # one call
     engine_collectives(n_params, dp, shard, framework, units, ...) -> [Collective]
         # zero_collectives cut into the calls an engine issues, each with its overlap window
+    bubble_fraction(p, m, v=1) -> (p-1)/(v m + p - 1)   # idle share of an ideal pipeline
 
     load_hardware(name_or_path) -> Hardware
     Layout(tp, pp, dp, micro_batch, microbatches, shard, recompute, v, sp, schedule)
@@ -94,14 +101,15 @@ constant: every constant in a preset says where it comes from, and published res
 held out, never fitted (``published``).
 """
 from .errors import PlanError
-from .estimate import Estimate, estimate, scaled_layout, scaling
+from .estimate import Estimate, bubble_fraction, estimate, scaled_layout, scaling
 from .frameworks import FRAMEWORKS, Framework, load_framework
 from .hardware import Hardware, hardware_presets, load_hardware
 from .layout import Layout, check_layout
 from .memory import (activation_bytes, device_memory, layer_activation_bytes,
-                     model_state_bytes, stage_params, tp_rank_params)
+                     model_state_bytes, padded_params, stage_params, tp_rank_params)
 from .network import (collective_time, engine_collectives, pp_comm_bytes, ring_bytes,
-                      tp_comm_bytes, zero_collectives, zero_comm_bytes)
+                      tp_block_comm_bytes, tp_comm_bytes, zero_collectives, zero_comm_bytes,
+                      zero_comm_bytes_by_group, zero_group_span)
 from .search import explain, search
 from .shapes import (PRESETS, ModelShape, forward_flops, gpt_params, llama_ffn, llama_params,
                      megatron_flops, megatron_params, model_preset, stage_flops,
@@ -120,13 +128,13 @@ def calibrate(nprocs: int = 2, quick: bool = False, path=None, name: str = "cali
 
 
 __all__ = [
-    "PlanError", "Estimate", "estimate", "scaled_layout", "scaling", "Hardware",
+    "PlanError", "Estimate", "bubble_fraction", "estimate", "scaled_layout", "scaling", "Hardware",
     "hardware_presets", "load_hardware", "Layout", "check_layout", "activation_bytes",
-    "device_memory", "layer_activation_bytes", "model_state_bytes", "stage_params",
-    "tp_rank_params",
+    "device_memory", "layer_activation_bytes", "model_state_bytes", "padded_params",
+    "stage_params", "tp_rank_params",
     "collective_time", "engine_collectives", "FRAMEWORKS", "Framework", "load_framework",
-    "pp_comm_bytes", "ring_bytes", "tp_comm_bytes", "zero_collectives",
-    "zero_comm_bytes",
+    "pp_comm_bytes", "ring_bytes", "tp_block_comm_bytes", "tp_comm_bytes", "zero_collectives",
+    "zero_comm_bytes", "zero_comm_bytes_by_group", "zero_group_span",
     "explain", "search", "PRESETS", "ModelShape", "forward_flops", "gpt_params", "llama_ffn",
     "llama_params", "megatron_flops", "megatron_params", "model_preset", "stage_flops",
     "training_flops",

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
+from ..cli import ArgumentParser, count, fraction
+from ..cli import positive_int as positive
 from ..errors import UsageError
 from .errors import PlanError
 from .estimate import estimate
@@ -26,43 +27,8 @@ from .shapes import (RECOMPUTE_MODES, ModelShape, megatron_flops, megatron_param
                      model_preset, training_flops)
 from ..sharding import parse_shard, zero_shard
 
-_SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
-
-
-def count(text: str) -> int:
-    """'175e9', '175B', '6.7b', '1T', '350M' -> an integer."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMbBgGtT]?)\s*", str(text))
-    try:
-        value = float(match.group(1)) * _SUFFIX[match.group(2).upper()]
-    except (AttributeError, ValueError):
-        raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 175e9 or 175B)") from None
-    return int(round(value))
-
-
 def _gib(x: float) -> str:
     return f"{x / 2**30:,.2f} GiB"
-
-
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """An argparse type: a number from 0 to 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text!r}")
-    return value
 
 
 def _human(x: float) -> str:
@@ -390,27 +356,6 @@ def cmd_calibrate(args) -> None:
 # --------------------------------------------------------------------------------------
 # Parser
 # --------------------------------------------------------------------------------------
-class _Formatter(argparse.HelpFormatter):
-    """Every option's help ends with its default (unless the help says it, or there is
-    none to say)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if ("default" not in text and action.option_strings
-                and action.default not in (None, False, argparse.SUPPRESS)):
-            text += " (default: %(default)s)"
-        return text
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):            # one line, exit 2 (argparse prints the usage too)
-        raise PlanError(f"{self.prog}: {message} (see --help)")
-
-
 def _add_shape(p) -> None:
     p.add_argument("--model", help="a preset: gpt-22b, gpt-175b, gpt-1t, llama-7b, ...")
     p.add_argument("--layers", type=positive, help="transformer layers (with no --model)")
@@ -459,8 +404,8 @@ def _add_costs(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m minipar.plan", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = ArgumentParser(prog="python -m minipar.plan", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     p = sub.add_parser("memory", help="model-state bytes per device")
     p.add_argument("--params", type=count, help="parameter count, e.g. 175e9 or 175B "

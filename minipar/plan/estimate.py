@@ -41,8 +41,7 @@ from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import Layout, check_layout
 from .memory import ACTIVATION_BYTES, device_memory, stage_params
-from .network import (collective_time, engine_collectives, p2p_time, placement,
-                      zero_collectives)
+from .network import collective_time, engine_collectives, p2p_time, placement
 from .shapes import ModelShape, training_flops
 
 DEFAULT_FRAMEWORK = "minipar"
@@ -98,6 +97,12 @@ class Estimate:
         }
 
 
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Idle share of an ideal pipeline: (p-1)/(v m + p - 1) of p stages x the step time, for
+    p stages, m micro-batches and v model chunks per stage (GPipe and 1F1B: v = 1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
 def units_of_stage(shape: ModelShape, pp: int) -> int:
     """Model units (FSDP's wrapping, minipar's ZeRO units) on the heaviest stage: its
     layers plus the embedding and head it holds."""
@@ -127,7 +132,8 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
                + 3 * m * collective_time("all_reduce", b * s * 4, t, strides["tp"], hw))  # loss
 
     pipelined = parts["total"] - parts["optimizer"]
-    bubble = (p - 1) / (m * v) * (pipelined + tp_comm)
+    idle = bubble_fraction(p, m, v)                    # of the step: (p-1)/(m v) of the work
+    bubble = idle / (1 - idle) * (pipelined + tp_comm)
 
     pp_comm = 0.0
     if p > 1:

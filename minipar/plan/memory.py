@@ -82,6 +82,7 @@ communication buffers, library workspaces: ``runtime_bytes``), less a fragmentat
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from .layout import Layout
 from .shapes import ModelShape
@@ -102,7 +103,17 @@ def _check_dtype(dtype: str) -> None:
 STEP_COUNTER_BYTES = 4       # torch.optim.Adam(W): one fp32 scalar "step" tensor per tensor
 
 
-def model_state_bytes(n_params: int | ModelShape, dp: int = 1,
+def padded_params(units: int | Sequence[int], multiple: int) -> int:
+    """Phi': each unit's flat buffer padded up to a multiple of ``multiple``, summed.
+
+    ``minipar.zero`` keeps every unit (the embedding, each block, the head) in one flat buffer
+    padded to a multiple of s_os, so each shard is whole. An int is one buffer.
+    """
+    units = units if isinstance(units, (list, tuple)) else [units]
+    return sum(math.ceil(n / multiple) * multiple for n in units)
+
+
+def model_state_bytes(n_params: int | Sequence[int] | ModelShape, dp: int = 1,
                       shard: Shard | str | None = None, zero: int | None = None, tp: int = 1,
                       pp: int = 1, dtype: str = "mixed", step_counters: int = 0) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states one device holds.
@@ -110,7 +121,10 @@ def model_state_bytes(n_params: int | ModelShape, dp: int = 1,
     ``n_params`` is a ``ModelShape`` or the whole model's parameter count. A shape is split
     exactly (``stage_params``: the heaviest pipeline stage, with the copies every TP rank
     keeps and the padded vocabulary); a bare count, with no shape to say what is
-    replicated, is split evenly, ceil(Phi / (tp pp)). ``shard`` (s_p, s_g, s_os) or
+    replicated, is split evenly, ceil(Phi / (tp pp)). A list is the parameter counts of the
+    units one rank's ``minipar.zero`` engine shards (already this rank's TP/PP part; tp and
+    pp are ignored), each padded to a multiple of s_os as the engine pads it: the storage
+    that engine allocates, byte for byte. ``shard`` (s_p, s_g, s_os) or
     ``zero`` (0-3) says how the dp ranks shard each part: any spec with
     1 <= s_p <= s_g <= s_os <= dp, each dividing the next and dp (not only AMSP's search
     space). ``step_counters``: how many tensors this rank's optimizer updates, each with
@@ -120,6 +134,8 @@ def model_state_bytes(n_params: int | ModelShape, dp: int = 1,
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
     if isinstance(n_params, ModelShape):
         phi = stage_params(n_params, tp, pp)
+    elif isinstance(n_params, (list, tuple)):
+        phi = padded_params(n_params, s_os)
     else:
         phi = math.ceil(n_params / (tp * pp))
     w, g, o = BYTES_PER_PARAM[dtype]

@@ -77,6 +77,10 @@ Traffic per training step, per rank:
   cheap: ``2,2,4`` over 4 ranks sends no all-reduce at all, where all-reducing the whole
   G shard across the 2 replicas would send Psi/2. With one micro-batch this gives the ZeRO
   paper's volumes: 2 Psi for DP, ZeRO-1 and ZeRO-2, 3 Psi for ZeRO-3, each x (n-1)/n.
+  Given the sizes of ``minipar.zero``'s units (embedding, blocks, head) instead of one count,
+  each unit is its own buffer padded to a multiple of s_os, as the engine pads it, and the
+  bytes are the engine's to the byte; ``zero_comm_bytes_by_group`` splits them over the
+  engine's mesh groups (zero_p, zero_g, zero_os, zero_rep).
 """
 from __future__ import annotations
 
@@ -84,7 +88,7 @@ import math
 from dataclasses import dataclass
 
 from .hardware import Hardware
-from .memory import ACTIVATION_BYTES, BYTES_PER_PARAM
+from .memory import ACTIVATION_BYTES, BYTES_PER_PARAM, padded_params
 from ..sharding import Shard, resolve_shard
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -302,20 +306,71 @@ def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: i
     return out
 
 
-def zero_comm_bytes(n_params: int, dp: int, shard: Shard | str | None = None,
+def zero_comm_bytes(n_params: int | list[int], dp: int, shard: Shard | str | None = None,
                     zero: int | None = None, dtype: str = "mixed", microbatches: int = 1,
                     recompute: bool = False) -> dict[str, int]:
     """Bytes one rank sends per optimizer step for data parallelism / ZeRO / AMSP, by op.
 
     ``n_params``: the parameters this rank's data-parallel group replicates (the whole
-    model without TP/PP). Keys: all_reduce, reduce_scatter, all_gather, total.
+    model without TP/PP), as one flat buffer; or a list, the parameter counts of the units
+    ``minipar.zero`` keeps in separate buffers, each padded to a multiple of s_os and sent in
+    its own collectives (what that engine sends, byte for byte). Keys: all_reduce,
+    reduce_scatter, all_gather, total.
     """
     spec = resolve_shard(dp, shard, zero)
     out = dict.fromkeys(OPS, 0)
-    for c in zero_collectives(n_params, dp, spec, dtype, microbatches, recompute):
-        out[c.op] += c.count * ring_bytes(c.op, c.nbytes, c.size)
+    for n in n_params if isinstance(n_params, (list, tuple)) else [n_params]:
+        for c in zero_collectives(n, dp, spec, dtype, microbatches, recompute):
+            out[c.op] += c.count * ring_bytes(c.op, c.nbytes, c.size)
     out["total"] = sum(out[op] for op in OPS)
     return out
+
+
+ZERO_GROUPS = ("zero_p", "zero_g", "zero_os", "zero_rep")
+
+
+def zero_comm_bytes_by_group(n_params: int | list[int], dp: int,
+                             shard: Shard | str | None = None, zero: int | None = None,
+                             dtype: str = "mixed", microbatches: int = 1,
+                             recompute: bool = False) -> dict[str, dict[str, int]]:
+    """``zero_comm_bytes`` split over ``minipar.zero``'s mesh groups, by op.
+
+    The d ranks are viewed as (d/s_os, s_os/s_g, s_g/s_p, s_p) = (R, O, G, P); the gradients'
+    reduce-scatter over s_g runs in two nested steps, over zero_p (P ranks) and then zero_g
+    (G ranks, s_p apart), the same bytes as one over s_g. ``n_params``: an int, or the
+    units' parameter counts (each unit its own buffers, padded to a multiple of s_os).
+    Returns ``{group: {op: bytes}}`` for the groups in ``ZERO_GROUPS``; a group spans
+    ``zero_group_span(group, ...)`` consecutive ranks.
+    """
+    s_p, s_g, s_os = resolve_shard(dp, shard, zero)
+    w, g, _ = BYTES_PER_PARAM[dtype]
+    m, gathers = microbatches, microbatches * (3 if recompute else 2)
+    P, G, O, R = s_p, s_g // s_p, s_os // s_g, dp // s_os
+    out = {group: {} for group in ZERO_GROUPS}
+
+    def add(group, op, count, nbytes, n):
+        sent = count * ring_bytes(op, nbytes, n)
+        if sent:
+            out[group][op] = out[group].get(op, 0) + sent
+
+    for n in n_params if isinstance(n_params, (list, tuple)) else [n_params]:
+        psi = padded_params(n, s_os)
+        add("zero_p", "all_gather", gathers, psi * w, P)           # before forward, backward
+        add("zero_p", "reduce_scatter", m, psi * g, P)             # gradients, every micro-batch
+        add("zero_g", "reduce_scatter", m, psi // P * g, G)
+        add("zero_os", "reduce_scatter", 1, psi // s_g * g, O)     # down to the OS shard
+        add("zero_rep", "all_reduce", 1, psi // s_os * g, R)       # across the replicas
+        add("zero_os", "all_gather", 1, psi // s_g * w, O)         # updated OS shards
+        add("zero_g", "all_gather", 1, psi // P * w, G)            # ... into the P shard
+    return out
+
+
+def zero_group_span(group: str, dp: int, shard: Shard | str | None = None,
+                    zero: int | None = None) -> int:
+    """How many consecutive ranks one group of ``minipar.zero``'s mesh spans (it stays
+    inside a node when that is at most the node's size)."""
+    s_p, s_g, s_os = resolve_shard(dp, shard, zero)
+    return dict(zero_p=s_p, zero_g=s_g, zero_os=s_os, zero_rep=dp)[group]
 
 
 def tp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, tp: int, layers: int,
@@ -353,6 +408,30 @@ def tp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, tp: int, layers: 
                                                            tp)
     out["total"] = sum(out[op] for op in OPS)
     return out
+
+
+def tp_block_comm_bytes(tokens: int, hidden: int, tp: int, sp: bool = False,
+                        dtype: str = "mixed", arch: str = "gpt",
+                        bias: bool = True) -> dict[str, dict[str, int]]:
+    """Bytes one rank sends for one transformer layer and a micro-batch of ``tokens`` = b s
+    tokens, by pass and op: ``{"forward": {op: bytes}, "backward": {op: bytes}}``.
+
+    The per-layer part of ``tp_comm_bytes`` (no recomputation): 2 all-reduces of b s h each
+    way; with ``sp`` 2 all-gathers and 2 reduce-scatters each way (the same bytes), plus, in
+    backward, the all-reduces of the replicated parameters' partial gradients.
+    """
+    if tp == 1:
+        return {"forward": {}, "backward": {}}
+    e = ACTIVATION_BYTES[dtype]
+    act = tokens * hidden * e
+    if not sp:
+        twice = {"all_reduce": 2 * ring_bytes("all_reduce", act, tp)}
+        return {"forward": dict(twice), "backward": dict(twice)}
+    vectors = 6 if arch == "gpt" and bias else 2
+    both = {"all_gather": 2 * ring_bytes("all_gather", act, tp),
+            "reduce_scatter": 2 * ring_bytes("reduce_scatter", act, tp)}
+    return {"forward": dict(both),
+            "backward": {**both, "all_reduce": vectors * ring_bytes("all_reduce", hidden * e, tp)}}
 
 
 def pp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, pp: int, microbatches: int = 1,

@@ -1,0 +1,108 @@
+"""What every command line of minipar shares (torch-free, so the planner can use it too).
+
+* ``ArgumentParser``: argparse whose ``--help`` shows each option's default, and whose bad
+  flag raises ``UsageError`` (one line, see below) instead of printing the usage block.
+* ``main_guard(main)``: runs an entry point; ``UsageError`` (bad input, found before any
+  work starts) becomes ``error: ...`` on stderr and exit status 2; a failed or timed-out
+  rank (``minipar.dist.RankFailed``, ``TimeoutError``) its message and exit status 1; a
+  reader who leaves early (``| head``) is not an error.
+* Number parsers for ``type=``: ``positive_int`` (1, 2, ...), ``count`` ("175B", "6.7e9",
+  "350M"), ``fraction`` (0 to 1).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from .errors import UsageError
+
+
+def _shows_default(action) -> bool:
+    """An option whose default is worth printing (not None, not an off switch)."""
+    return bool(action.option_strings) and not any(
+        action.default is nothing for nothing in (None, False, argparse.SUPPRESS))
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Add ``(default: X)`` to every option that has a default and does not say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not _shows_default(action) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with defaults in ``--help``; a bad flag raises ``UsageError`` (one line, exit
+    status 2 through ``main_guard``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        if action.help is None and _shows_default(action):   # argparse skips an empty help
+            action.help = "(default: %(default)s)"
+        return action
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def main_guard(main, argv=None):
+    """Run ``main(argv)`` as a command line; return its result, or exit with status 2 (bad
+    input) or 1 (a rank failed or timed out) after one message on stderr."""
+    try:
+        return main(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except BrokenPipeError:                  # the reader left early (| head): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as e:
+        # a rank can only have failed if the launcher (minipar.dist, torch) is loaded
+        rank_failed = getattr(sys.modules.get("minipar.dist"), "RankFailed", None)
+        if isinstance(e, TimeoutError) or (rank_failed is not None and isinstance(e, rank_failed)):
+            print(str(e), file=sys.stderr)
+            sys.exit(1)
+        raise
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a count of ranks, steps, sequences...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+_SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def count(text: str) -> int:
+    """argparse type: '175e9', '175B', '6.7b', '1T', '350M' -> an integer."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMbBgGtT]?)\s*", str(text))
+    try:
+        value = float(match.group(1)) * _SUFFIX[match.group(2).upper()]
+    except (AttributeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 175e9 or 175B)") from None
+    return int(round(value))
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text!r}")
+    return value

@@ -1,0 +1,66 @@
+"""The command lines' shared plumbing (minipar.cli): defaults in --help, bad input is one
+line and exit status 2, the number parsers."""
+import argparse
+
+import pytest
+
+from conftest import cli
+from minipar import cli as mcli
+from minipar.errors import UsageError
+from minipar.plan.__main__ import build_parser
+from minipar.train import parser
+
+
+def _entries(help_text):
+    """{flag: its help, joined over lines} from argparse's options section."""
+    out, flag = {}, None
+    for line in help_text.split("options:")[1].splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            out[flag] = line
+        elif flag:
+            out[flag] += " " + line.strip()
+    return {f: " ".join(h.split()) for f, h in out.items()}
+
+
+def test_help_shows_every_default():
+    text = parser().format_help()
+    entries = _entries(text)
+    for flag, default in [("--tp", "1"), ("--steps", "20"), ("--seed", "0"), ("--lr", "0.001"),
+                          ("--schedule", "1f1b"), ("--bucket-mb", "4.0")]:
+        assert f"(default: {default})" in entries[flag], entries[flag]
+    assert "(default: None)" not in text and "(default: False)" not in text
+    memory = build_parser()._subparsers._group_actions[0].choices["memory"].format_help()
+    assert "(default: mixed)" in memory and "(default: 1)" in memory
+
+
+def test_bad_flag_raises_one_line():
+    with pytest.raises(UsageError, match=r"^python -m minipar.train: argument --tp: invalid"):
+        parser().parse_args(["--tp", "x"])
+
+
+def test_number_parsers():
+    assert mcli.positive_int("3") == 3 and mcli.count("6.7B") == 6_700_000_000
+    assert mcli.count("350M") == 350_000_000 and mcli.fraction("0.25") == 0.25
+    for parse, text in [(mcli.positive_int, "0"), (mcli.positive_int, "1.5"),
+                        (mcli.count, "lots"), (mcli.fraction, "1.5")]:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+
+
+def test_main_guard_exit_status(capsys):
+    def bad(argv):
+        raise UsageError("no such layout; use --tp 2")
+    with pytest.raises(SystemExit) as exit_:
+        mcli.main_guard(bad)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: no such layout; use --tp 2\n"
+    assert mcli.main_guard(lambda argv: 7) == 7
+
+
+@pytest.mark.parametrize("command", [["minipar.bench", "dp", "--nproc", "0"],
+                                     ["minipar.exercises", "check"]])
+def test_commands_refuse_bad_input_with_one_line(command):
+    r = cli(*command)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr

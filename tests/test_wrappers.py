@@ -1,0 +1,308 @@
+"""minipar's DP and ZeRO as wrappers outside code can use: toy models in a plain loop.
+
+Each rank builds its model from its own seed (the wrappers broadcast rank 0's), trains on
+its half of every global batch with an ordinary ``loss.backward(); opt.step()`` loop, with
+and without accumulation, and must end where the single-process run on whole batches ends
+(from rank 0's seed) and where torch's twin ends: DistributedDataParallel for every DP mode,
+DDP + ZeroRedundancyOptimizer for ZeRO-1/2 (``ShardedOptimizer``). ZeRO-3 runs through
+``ShardedEngine`` on the same non-GPT models. Two gloo ranks, one launch per family.
+"""
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minipar import comm, dist, dp, zero
+from minipar.errors import UsageError
+
+D, STEPS, BATCH, SEED = 2, 3, 8, 100
+MODELS = ("mlp", "tied")
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+class Tied(nn.Module):
+    """A language-model shape: the output layer shares the embedding's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.body = nn.Embedding(10, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(self.emb(x))))
+
+
+def make(kind, seed):
+    torch.manual_seed(seed)
+    return MLP() if kind == "mlp" else Tied()
+
+
+def batch(kind, step):
+    g = torch.Generator().manual_seed(step)
+    if kind == "mlp":
+        return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+    x = torch.randint(0, 10, (BATCH,), generator=g)
+    return x, (x * 3 + 1) % 10
+
+
+def loss_fn(kind, out, y):
+    return F.mse_loss(out, y) if kind == "mlp" else F.cross_entropy(out, y)
+
+
+def train(kind, model, opt, micro, rank=0, d=1, no_sync=None, before=None, after=None):
+    """The plain loop: ``micro`` backward passes per step (all but the last in no_sync)."""
+    for step in range(STEPS):
+        x, y = batch(kind, step)
+        x, y = x.chunk(d)[rank], y.chunk(d)[rank]
+        (before or opt.zero_grad)()
+        for k, (xb, yb) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            last = k == micro - 1
+            with (no_sync() if (no_sync and not last) else _nothing()):
+                (loss_fn(kind, model(xb), yb) / micro).backward()
+        (after or opt.step)()
+    return model
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def params_of(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def serial(kind, micro=1, optimizer=adamw):
+    """The single-process reference: rank 0's seed, whole batches."""
+    model = make(kind, SEED)
+    opt = optimizer(model.parameters())
+    train(kind, model, opt, micro)
+    return params_of(model), opt.state_dict()
+
+
+def assert_close(got: dict, ref: dict, tol=1e-5):
+    assert set(got) == set(ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+# --------------------------------------------------------------------------------------
+# DataParallel against serial and DDP
+# --------------------------------------------------------------------------------------
+def _dp_runs():
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    out = {}
+    for kind in MODELS:
+        for micro in (1, 2):
+            for mode in dp.MODES:
+                model = dp.DataParallel(make(kind, SEED + r), mode=mode, bucket_mb=0.0005)
+                assert model.d == d                     # group=None: the whole world
+                train(kind, model, adamw(model.parameters()), micro, r, d, model.no_sync)
+                out[(kind, micro, mode)] = params_of(model)
+                if r == 0:
+                    assert list(model.state_dict()) == list(model.module.state_dict())
+            ddp = nn.parallel.DistributedDataParallel(make(kind, SEED + r), bucket_cap_mb=0.0005)
+            train(kind, ddp, adamw(ddp.parameters()), micro, r, d, ddp.no_sync)
+            out[(kind, micro, "ddp")] = params_of(ddp.module)
+    return out
+
+
+_CACHE = {}
+
+
+def launched(name, fn):
+    if name not in _CACHE:
+        _CACHE[name] = dist.launch(fn, D, timeout=240)
+    return _CACHE[name]
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("mode", dp.MODES)
+@pytest.mark.parametrize("kind", MODELS)
+def test_data_parallel_equals_serial_and_ddp(kind, mode, micro):
+    ref, _ = serial(kind, micro)
+    for rank_out in launched("dp", _dp_runs):
+        assert_close(rank_out[(kind, micro, mode)], ref)
+        assert_close(rank_out[(kind, micro, mode)], rank_out[(kind, micro, "ddp")], tol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# ShardedOptimizer (ZeRO-1/2) and ShardedEngine (ZeRO-3) against serial and torch's ZeRO
+# --------------------------------------------------------------------------------------
+def _zero_runs():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    out = {}
+    for kind in MODELS:
+        for micro in (1, 2):
+            for stage in (1, 2):
+                model = make(kind, SEED + r)
+                opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                            lr=1e-2, weight_decay=0.1)
+                train(kind, model, opt, micro, r, d)
+                out[(kind, micro, f"zero{stage}")] = (params_of(model), opt.state_dict())
+            model = make(kind, SEED + r)
+            engine = zero.ShardedEngine(model, None, zero.zero_spec(3, d), adamw)
+            train(kind, model, engine, micro, r, d, before=engine.zero_grad, after=engine.step)
+            out[(kind, micro, "zero3")] = ({n: p for n, (p, _) in engine.full_named_parameters().items()}, None)
+            ddp = nn.parallel.DistributedDataParallel(make(kind, SEED + r))
+            zro = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+            train(kind, ddp, zro, micro, r, d, ddp.no_sync)
+            out[(kind, micro, "zro")] = (params_of(ddp.module), None)
+    # a checkpoint in torch's layout: saved at stage 1, loaded at stage 2, one more step on both
+    a = make("mlp", SEED + r)
+    opt_a = zero.ShardedOptimizer(a.parameters(), torch.optim.AdamW, stage=1, lr=1e-2)
+    train("mlp", a, opt_a, 1, r, d)
+    saved = opt_a.state_dict()
+    b = make("mlp", 0)
+    b.load_state_dict(a.state_dict())
+    opt_b = zero.ShardedOptimizer(b.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    opt_b.load_state_dict(saved)
+    reloaded = opt_b.state_dict()
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        x, y = batch("mlp", 7)
+        opt.zero_grad()
+        loss_fn("mlp", model(x.chunk(d)[r]), y.chunk(d)[r]).backward()
+        opt.step()
+    out["resume"] = (saved, reloaded, params_of(a), params_of(b))
+    # SGD with momentum and two parameter groups, stage 2
+    model = make("mlp", SEED + r)
+    groups = [{"params": model.fc1.parameters(), "lr": 0.05},
+              {"params": list(model.fc2.parameters()) + list(model.fc3.parameters())}]
+    opt = zero.ShardedOptimizer(groups, torch.optim.SGD, stage=2, lr=0.1, momentum=0.9)
+    train("mlp", model, opt, 1, r, d)
+    out[("mlp", 1, "sgd-groups")] = (params_of(model), opt.state_dict())
+    return out
+
+
+def sgd_groups(params):
+    params = list(params)
+    return torch.optim.SGD([{"params": params[:2], "lr": 0.05}, {"params": params[2:]}],
+                           lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind", MODELS)
+def test_zero_equals_serial_and_torch(kind, stage, micro):
+    ref, ref_state = serial(kind, micro)
+    for rank_out in launched("zero", _zero_runs):
+        got, state = rank_out[(kind, micro, f"zero{stage}")]
+        assert_close(got, ref)
+        if stage < 3:   # torch's own state_dict, gathered from the slices
+            assert state["param_groups"] == ref_state["param_groups"]
+            assert set(state["state"]) == set(ref_state["state"])
+            for i, s in ref_state["state"].items():
+                assert_close(state["state"][i], s)
+            assert_close(got, rank_out[(kind, micro, "zro")][0], tol=1e-6)
+
+
+def test_sharded_optimizer_resumes_from_its_state_dict_across_stages():
+    for rank_out in launched("zero", _zero_runs):
+        saved, reloaded, a, b = rank_out["resume"]
+        assert saved["param_groups"] == reloaded["param_groups"]
+        for i, s in saved["state"].items():
+            assert_close(reloaded["state"][i], s, tol=0)
+        assert_close(a, b, tol=1e-6)
+
+
+def test_sharded_optimizer_param_groups_and_sgd():
+    ref, ref_state = serial("mlp", 1, sgd_groups)
+    for rank_out in launched("zero", _zero_runs):
+        got, state = rank_out[("mlp", 1, "sgd-groups")]
+        assert_close(got, ref)
+        assert state["param_groups"] == ref_state["param_groups"]
+        for i, s in ref_state["state"].items():
+            assert_close(state["state"][i], s)
+
+
+# --------------------------------------------------------------------------------------
+# Never a silent wrong number
+# --------------------------------------------------------------------------------------
+def _raises(fn, *errors):
+    try:
+        fn()
+    except errors as e:
+        return str(e)
+    return None
+
+
+def _misuse():
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    x, y = batch("mlp", 0)
+    out = {}
+
+    # 1. every backward inside no_sync, then the optimizer: the gradients are this rank's alone
+    model = dp.DataParallel(make("mlp", SEED + r))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.no_sync():
+        loss_fn("mlp", model(x.chunk(d)[r]), y.chunk(d)[r]).backward()
+    out["no_sync then step"] = _raises(opt.step, RuntimeError)
+    model.finish_grad_sync()                    # the explicit fix: now it steps
+    out["after finish"] = _raises(opt.step, RuntimeError)
+
+    # 2. the engine's way, one more backward than begin_step announced, into a bucket in flight
+    model = make("mlp", SEED + r)
+    engine = dp.DataParallel(model, mode="overlapped", bucket_mb=0.0005)
+    engine.zero_grad(); engine.begin_step(1)
+    loss_fn("mlp", model(x), y).backward()
+    out["extra micro-batch"] = _raises(lambda: loss_fn("mlp", model(x), y).backward(), RuntimeError)
+    engine.step()
+
+    # 3. ZeRO: a parameter without a gradient, a non-element-wise optimizer, DP + ZeRO
+    model = make("mlp", SEED + r)
+    opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    loss_fn("mlp", model.fc1(x).sum(-1, keepdim=True), y[:, :1]).backward()
+    out["unused parameter"] = _raises(opt.step, RuntimeError)
+    if hasattr(torch.optim, "Adafactor"):
+        out["adafactor"] = _raises(lambda: zero.ShardedOptimizer(
+            make("mlp", 0).parameters(), torch.optim.Adafactor), UsageError)
+    wrapped = dp.DataParallel(make("mlp", SEED + r))
+    out["dp + zero"] = _raises(lambda: zero.ShardedOptimizer(
+        wrapped.parameters(), torch.optim.AdamW), UsageError)
+    out["solo"] = dp.DataParallel(make("mlp", 0), group=comm.SOLO).d
+    return out
+
+
+def test_a_missing_average_is_an_error_never_a_silent_gradient():
+    for out in launched("misuse", _misuse):
+        assert "not averaged" in out["no_sync then step"]
+        assert out["after finish"] is None
+        assert "already being averaged" in out["extra micro-batch"]
+        assert "no gradient" in out["unused parameter"]
+        if "adafactor" in out:
+            assert "element-wise" in out["adafactor"]
+        assert "a second time" in out["dp + zero"]
+        assert out["solo"] == 1
+
+
+def test_units_of_any_module():
+    mlp, tied = MLP(), Tied()
+    assert [m for m, _ in zero.units_of(mlp)] == [mlp.fc1, mlp.fc2, mlp.fc3]
+    # the tied weight belongs to both the embedding and the head: one unit on the root
+    units = zero.units_of(tied)
+    assert [m for m, _ in units] == [tied, tied.body]
+    assert units[0][1] == [tied.emb.weight]
+    assert [m for m, _ in zero.units_of(mlp, [mlp.fc3])] == [mlp, mlp.fc3]
+    assert [m for m, _ in zero.units_of(mlp, lambda m: isinstance(m, nn.Linear))] == \
+        [mlp.fc1, mlp.fc2, mlp.fc3]
+    from minipar.model import build
+    gpt = build("nano")
+    assert [m for m, _ in zero.units_of(gpt)] == gpt.parts()
