@@ -11,5 +11,7 @@ Modules, one per paradigm, on shared foundations:
   train  the trainer;  plan  the planner (torch-free; every closed-form volume lives there)
   bench  benchmarks against torch's own versions;  lab  the code behind the notebooks
   cli    what the command lines share (errors -> exit 2, number parsers, --help defaults)
+  optim  LR schedule, global-norm clipping, weight decay;  pieces  a rank's state in serial names
+  checkpoint  DCP checkpoints that move between layouts;  sample  text from a checkpoint
 """
 __version__ = "0.1.0"

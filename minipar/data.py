@@ -6,7 +6,9 @@ text file; ``download_tiny_shakespeare()`` is an optional helper that the tests 
 
 Determinism is what lets every layout be compared with the serial run: step k's global batch
 (B sequences of L tokens) depends only on (seed, k), and a data-parallel rank takes a
-contiguous slice of it, so the union over ranks is always the same global batch.
+contiguous slice of it, so the union over ranks is always the same global batch. Training
+batches come from the first 90% of the corpus; the last 10% is held out for evaluation
+(``split``), and each evaluation reads the same held-out batches.
 """
 from __future__ import annotations
 
@@ -85,6 +87,15 @@ class Batches:
         per_rank = self.global_batch // dp
         sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         return x[sl], y[sl]
+
+
+HELD_OUT = 0.1   # the last tenth of the corpus: the validation split
+
+
+def split(tokens: torch.Tensor, held_out: float = HELD_OUT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training, validation): the last ``held_out`` of the tokens is never trained on."""
+    n_val = int(tokens.numel() * held_out)
+    return tokens[:tokens.numel() - n_val], tokens[tokens.numel() - n_val:]
 
 
 def microbatches(x: torch.Tensor, y: torch.Tensor, m: int):

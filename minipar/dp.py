@@ -50,10 +50,20 @@ a parameter no backward reached gets a zero gradient (torch's optimizers would s
 
 The trainer drives it as an engine instead (shared with ``minipar.zero``): ``zero_grad()``,
 ``begin_step(m)``, the m backward passes, ``step()`` (average, then the optimizer), and
-``model_state_bytes()``, ``full_named_parameters()``. ``begin_step(m)`` announces that each
+``model_state_bytes()``, ``full_named_parameters()``, and ``flat_ranges()``/``sync_params()``
+(for clipping and checkpoints). ``begin_step(m)`` announces that each
 parameter receives m gradients this step: an overlapped bucket starts once each of its
 gradients has had all m, and one more gradient into a bucket already being averaged is an
 error, never a silent wrong sum.
+
+Mixed precision (``--dtype bf16``, ``minipar.precision``): the parameters and the buckets are
+bf16. ``reduce_dtype=torch.float32`` (``--reduce-dtype fp32``, the default, as Megatron-LM)
+casts each bf16 bucket to an fp32 copy just before its all-reduce: the sum is taken in fp32,
+the wire carries 4 bytes per gradient (Ψ = 4 Φ), and the copy (4 Φ bytes in all, transient)
+lives until the optimizer step, which reads it as each parameter's ``main_grad``; the bf16
+``.grad`` gets the averaged values too. ``reduce_dtype=None`` reduces the bf16 buckets in place
+(Ψ = 2 Φ) and the optimizer casts afterwards, tensor by tensor. One process (d = 1) reduces
+nothing but still casts bucket by bucket: one kernel per bucket rather than one per tensor.
 """
 from __future__ import annotations
 
@@ -76,11 +86,13 @@ def tensor_bytes(tensors) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of every tensor in the optimizer's state (Adam: m, v and the step counters)."""
+    """Bytes of every tensor in the optimizer's state (Adam: m, v and the step counters),
+    and the fp32 master weights of a mixed-precision one (``minipar.precision``)."""
     if optimizer is None:
         return 0
-    return sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
-               for state in optimizer.state.values())
+    masters = optimizer.master_bytes() if hasattr(optimizer, "master_bytes") else 0
+    return masters + sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
+                         for state in optimizer.state.values())
 
 
 class Bucket:
@@ -97,6 +109,7 @@ class Bucket:
             offset += p.numel()
         self.ready = 0          # parameters whose gradient is final this step
         self.handle = None      # the all-reduce in flight
+        self.main = None        # mixed precision: the fp32 copy being reduced (transient)
 
     def attach(self):
         for p in self.params:
@@ -112,6 +125,19 @@ class Bucket:
             else:
                 view.copy_(p.grad)
             p.grad = view
+
+    def hand_over(self, averaged: bool = True):
+        """After a reduction in a wider dtype: ``.grad`` gets the averaged values (if there
+        was an average to take) and each parameter's ``main_grad`` (what the fp32 master
+        reads) is a view into ``main``."""
+        if self.main is None:
+            return
+        if averaged:
+            self.buffer.copy_(self.main)
+        offset = 0
+        for p in self.params:
+            p.main_grad = self.main[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
@@ -222,7 +248,7 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group=None, mode: str = "overlapped",
                  bucket_mb: float = 4.0, optimizer: torch.optim.Optimizer | None = None,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -243,6 +269,9 @@ class DataParallel(nn.Module):
             b.attach()
         # --
         broadcast_module(module, self.group)
+        # a wider dtype to reduce in than the gradients' own (None: their own, in place)
+        widen = reduce_dtype is not None and any(p.dtype != reduce_dtype for p in self.params)
+        self.reduce_dtype = reduce_dtype if widen else None
         self.buckets: list[Bucket] = []
         if mode != "naive":
             self.buckets = make_buckets(self.params, int(bucket_mb * 2**20))
@@ -325,7 +354,7 @@ class DataParallel(nn.Module):
         while self._next < len(self.buckets) and \
                 self.buckets[self._next].ready == len(self.buckets[self._next].params):
             b = self.buckets[self._next]
-            b.handle = comm.all_reduce(b.buffer, self.group, op="avg", async_op=True)
+            self._start_reduce(b)
             self._next += 1
 
     def _end_of_backward(self):
@@ -359,6 +388,14 @@ class DataParallel(nn.Module):
         self._in_backward = False
         self._rearm()
 
+    def _start_reduce(self, b: Bucket):
+        """The bucket's all-reduce (average), in ``reduce_dtype`` if one is set."""
+        if self.reduce_dtype is None:
+            b.handle = comm.all_reduce(b.buffer, self.group, op="avg", async_op=True)
+        else:
+            b.main = b.buffer.to(self.reduce_dtype)
+            b.handle = comm.all_reduce(b.main, self.group, op="avg", async_op=True)
+
     def finish_grad_sync(self):
         """Every gradient becomes the average over the group (nothing to do if nothing was
         accumulated since the last average)."""
@@ -368,12 +405,22 @@ class DataParallel(nn.Module):
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                comm.all_reduce(p.grad, self.group, op="avg")
+                if self.reduce_dtype is None:
+                    comm.all_reduce(p.grad, self.group, op="avg")
+                else:
+                    p.main_grad = p.grad.to(self.reduce_dtype)
+                    comm.all_reduce(p.main_grad, self.group, op="avg")
+                    p.grad.copy_(p.main_grad)
         elif self.mode == "bucketed":
             for b in self.buckets:
                 for p in b.params:
                     b.adopt(p)
-            sync_buckets(self.buckets, self.group)
+            if self.reduce_dtype is None:
+                sync_buckets(self.buckets, self.group)
+            else:
+                for b in self.buckets:
+                    self._start_reduce(b)
+                    b.handle.wait()
         else:
             for b in self.buckets[self._next:]:   # reached by no backward, or not by all m
                 for p in b.params:
@@ -382,6 +429,8 @@ class DataParallel(nn.Module):
             self._start_ready_buckets()
             for b in self.buckets:
                 b.handle.wait()
+        for b in self.buckets:
+            b.hand_over(averaged=self.d > 1)
         self.sync_tagged()
         _UNSYNCED.discard(self)
         self._rearm()
@@ -391,17 +440,48 @@ class DataParallel(nn.Module):
         for b in self.tagged_buckets:
             for p in b.params:
                 b.adopt(p)
-            comm.all_reduce(b.buffer, b.params[0].grad_group, op="sum")
-            b.buffer.div_(self.d)
+            flat = b.buffer if self.reduce_dtype is None else b.buffer.to(self.reduce_dtype)
+            comm.all_reduce(flat, b.params[0].grad_group, op="sum")
+            flat.div_(self.d)
+            if self.reduce_dtype is not None:      # mixed precision: as the other buckets
+                b.main = flat
+                b.hand_over(averaged=True)
 
     def step(self):
         self.finish_grad_sync()
         if self.optimizer is not None:
             self.optimizer.step()
+        if self.reduce_dtype is not None:  # the fp32 copies were transient
+            for b in self.buckets + self.tagged_buckets:
+                b.main = None
+            for p in self.params + self.tagged:
+                p.main_grad = None
 
     def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """{name: (parameter, gradient)}: every rank holds them whole already."""
         return {n: (p.detach(), p.grad) for n, p in self.module.named_parameters()}
+
+    def flat_ranges(self) -> list[tuple[str, torch.Size, int, dict[str, torch.Tensor], bool]]:
+        """What this rank's optimizer updates, for clipping and checkpoints (``minipar.pieces``):
+        per parameter (local name, shape, first element 0, 1-D views of the parameter, its
+        gradient and optimizer states, owner). Every replica holds whole tensors; rank 0 of
+        the group owns them."""
+        owner = comm.rank(self.group) == 0
+        out = []
+        for name, p in self.module.named_parameters():
+            views = {"param": p.detach().view(-1)}
+            if p.grad is not None:
+                views["grad"] = p.grad.view(-1)
+            state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
+            views.update({k: v.view(-1) for k, v in state.items()
+                          if torch.is_tensor(v) and v.numel() == p.numel()})
+            # an MoE expert is owned by the first of its replicas (its own group)
+            mine = comm.rank(p.grad_group) == 0 if hasattr(p, "grad_group") else owner
+            out.append((name, p.shape, 0, views, mine))
+        return out
+
+    def sync_params(self):
+        """After parameters were set outside ``step()`` (a checkpoint): nothing to gather."""
 
     # -- accounting ----------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:

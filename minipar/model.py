@@ -8,6 +8,13 @@ projection and loss (``minipar.tp``), pipeline parallelism gives each stage a co
 slice of ``[embed, *blocks, head]`` (``minipar.pp``), and the sharded engines wrap
 parameters without touching the code here (``minipar.zero``).
 
+Activation recomputation (``recompute``, Korthikanti et al. 2022): ``"full"`` keeps only each
+Block's input for the backward pass and runs the Block's forward again there; ``"selective"``
+does that for the attention core alone (the softmax(Q K^T) V that holds the s x s scores,
+when the kernel stores them). Both use ``torch.utils.checkpoint`` (non-reentrant), so they
+compose with whatever the parallel versions swap in and with hooks on the Block: the
+recomputed forward runs the same code on the same (gathered) parameters.
+
 Every layout builds this full model first with the same seed and then slices it, so the same
 seed gives the same initial weights whatever the layout. The head is untied from the token
 embedding (as in LLaMA), so the first and last pipeline stages share no parameter.
@@ -21,6 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils.checkpoint import checkpoint
+
+RECOMPUTE = ("none", "selective", "full")
 
 from .moe import MoE, penalty
 
@@ -43,6 +53,7 @@ class GPTConfig:
     moe_aux_coef: float = 0.01     # load-balancing loss coefficient (Switch)
     moe_z_coef: float = 0.0        # router z-loss coefficient (ST-MoE)
     moe_noise: float = 0.0         # std of noise on the router logits while training
+    recompute: str = "none"    # activation recomputation: none, selective, full (see above)
 
     @property
     def ffn(self) -> int:
@@ -110,12 +121,20 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.recompute_core = cfg.recompute == "selective"
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal: (b h s d) x 3 -> (b h s d)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
         q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, d=self.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.recompute_core and torch.is_grad_enabled():
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            y = self.core(q, k, v)
         return self.proj(rearrange(y, "b h s d -> b s (h d)"))
 
 
@@ -141,8 +160,14 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MoE(cfg, MLP) if moe else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.recompute = cfg.recompute == "full"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self.layer, x, use_reentrant=False)
+        return self.layer(x)
+
+    def layer(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.mlp(self.ln2(x)))
 

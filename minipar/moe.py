@@ -293,7 +293,7 @@ def step_stats(model: nn.Module) -> dict:
 # --------------------------------------------------------------------------------------
 # What composes (checked before any process starts)
 # --------------------------------------------------------------------------------------
-def validate(cfg, ep: int, dp: int, tp: int = 1, pp: int = 1) -> None:
+def validate(cfg, ep: int, dp: int, tp: int = 1, pp: int = 1, recompute: str = "none") -> None:
     """Raise UsageError (one line) for an MoE/EP layout minipar cannot run."""
     E = cfg.moe_experts
     if E < 0:
@@ -316,6 +316,9 @@ def validate(cfg, ep: int, dp: int, tp: int = 1, pp: int = 1) -> None:
     if tp > 1 or pp > 1:
         raise UsageError(f"MoE runs with data parallelism, expert parallelism and ZeRO only; "
                          f"use --tp 1 --pp 1 (got tp={tp} pp={pp})")
+    if recompute != "none":
+        raise UsageError("MoE layers are not recomputed (the recomputed forward would run the "
+                         "all-to-alls and count the routing again); use --recompute none")
     if dp % ep:
         raise UsageError(f"--ep {ep} must divide the data-parallel degree {dp} (EP groups are "
                          f"consecutive data-parallel ranks); use an --ep that divides {dp}")

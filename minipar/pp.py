@@ -472,7 +472,8 @@ class PipelineRunner:
         return local_name.split(".", 2)[2]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Run the schedule on the local batch; the sum of loss_i / m (last stage; else 0)."""
+        """Run the schedule on the local batch; the sum of loss_i / m (last stage: a 0-d tensor
+        on the device; else 0.0)."""
         self.micro = data.microbatches(x, y, self.m)
         self.shape = (x.shape[0] // self.m, x.shape[1] // self.seq_split, self.d_model)
         self.inputs, self.outputs, self.grad_out, self.grad_in = {}, {}, {}, {}
@@ -493,6 +494,36 @@ class PipelineRunner:
         self.sending = {}
         return self.loss
 
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward only (held-out loss): each micro-batch through the virtual stages in order.
+
+        Stage r runs (micro-batch i, chunk c) in the order of (i, c); what it waits for, the
+        output of virtual stage c p + r - 1, comes earlier in that same order on the previous
+        stage, and sends do not wait, so no schedule list is needed to stay deadlock-free.
+        Returns the mean loss on the last stage, 0 elsewhere.
+        """
+        shape = (x.shape[0] // self.m, x.shape[1] // self.seq_split, self.d_model)
+        loss, sending = 0.0, []
+        for xb, yb in data.microbatches(x, y, self.m):
+            for c in range(self.v):
+                k = c * self.p + self.r
+                if k == 0:
+                    inp = xb
+                else:
+                    inp = torch.empty(shape, dtype=self.act_dtype, device=self.device)
+                    comm.recv(inp, self.grid.stage_rank(k - 1))
+                with self.autocast():
+                    out = self.module.chunks[c](inp, yb)
+                if k == self.V - 1:
+                    loss += out.item() / self.m
+                else:
+                    out = out.to(self.act_dtype).contiguous()
+                    sending.append((comm.isend(out, self.grid.stage_rank(k + 1)), out))
+        for handle, _ in sending:
+            handle.wait()
+        return loss
+
     # One method per instruction: (instruction, (micro-batch, chunk), virtual stage)
     def _forward(self, ins, key, k):
         x, y = self.micro[ins.mb]
@@ -501,7 +532,7 @@ class PipelineRunner:
             out = self.module.chunks[ins.chunk](inp, y)
         if k == self.V - 1:
             out = out / self.m
-            self.loss += out.item()
+            self.loss = self.loss + out.detach()     # stays on the device: no host sync
         self.outputs[key] = out      # the activations autograd keeps until the backward
         self.held += 1
         self.peak_stash = max(self.peak_stash, self.held)

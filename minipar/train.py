@@ -31,9 +31,10 @@ from typing import Protocol
 
 import torch
 
-from . import cli, comm, data, dist, dp, moe, sharding
+from . import cli, comm, data, dist, dp, mfu, moe, optim, sharding
 from .errors import UsageError
-from .model import PRESETS, GPTConfig, build, config
+from .model import PRESETS, RECOMPUTE, GPTConfig, build, config
+from .precision import DTYPES, MixedPrecision
 
 
 # --------------------------------------------------------------------------------------
@@ -72,12 +73,46 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="a text file (default: built-in corpus)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: bf16 parameters and gradients, fp32 master weights and Adam "
+                        "states (2+2+12 bytes per parameter)")
+    p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="with --dtype bf16: the dtype gradients are summed in across ranks")
+    p.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
+                   help="activation recomputation: selective = the attention core, "
+                        "full = each transformer block")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block's forward")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak TFLOP/s for MFU (default: looked up from the GPU's "
+                        "name; none on a CPU)")
     p.add_argument("--metrics", default=None, help="write one JSON line per step (rank 0)")
     p.add_argument("--log-every", type=int, default=1, help="progress line every K steps")
     p.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="with --nproc: kill every rank after this many seconds")
+    # a full training run: schedule, clipping, decay, evaluation, checkpoints (minipar.optim,
+    # minipar.checkpoint)
+    p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
+                   help="clip the global gradient norm (over every shard) to NORM")
+    p.add_argument("--warmup", type=int, default=0, help="linear LR warm-up steps")
+    p.add_argument("--lr-schedule", default="constant", choices=list(optim.SCHEDULES),
+                   help="after warm-up: constant, or decay to --min-lr at the final step")
+    p.add_argument("--min-lr", type=float, default=0.0, help="the LR at the final step")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="decoupled (AdamW) weight decay on matrices, not biases/norms/positions")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out loss every K steps (0: never)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="global batches of the held-out split per evaluation")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="write checkpoints (DCP) to DIR/step-NNNNNN at the end")
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="with --save: also every K steps")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="with --save: keep the newest N checkpoints (0: all)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint (or DIR's newest) up to --steps, in any layout")
     g = p.add_argument_group("mixture of experts (minipar.moe)")
     g.add_argument("--moe-experts", type=int, default=0, metavar="E",
                    help="experts per MoE layer (0: a dense model)")
@@ -121,11 +156,27 @@ class RunConfig:
     seed: int
     data: str | None
     dtype: str
+    reduce_dtype: str              # the dtype gradients are reduced in (with dtype bf16)
+    recompute: str                 # none, selective, full (also in model_cfg)
+    compile: bool
+    peak_tflops: float | None      # None: from the device's name (minipar.flops)
     metrics: str | None
     log_every: int
     quiet: bool
     timeout: float
     ep: int = 1                    # expert parallelism (MoE: model_cfg.moe_experts > 0)
+    clip_grad: float | None = None
+    warmup: int = 0
+    lr_schedule: str = "constant"
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    eval_every: int = 0
+    eval_batches: int = 4
+    save: str | None = None
+    save_every: int = 0
+    keep: int = 0
+    resume: str | None = None      # resolved: the checkpoint folder itself
+    start_step: int = 0            # the resumed checkpoint's step (0: a fresh run)
 
     @property
     def world(self) -> int:
@@ -192,16 +243,25 @@ def parse_config(argv: list[str]) -> RunConfig:
             raise UsageError(f"--metrics {a.metrics}: its folder is not writable")
     if a.seq_len is not None and a.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {a.seq_len}")
-    model_cfg = config(a.model, **({} if a.seq_len is None else {"seq_len": a.seq_len}))
+    if a.peak_tflops is not None:
+        _positive("peak-tflops", a.peak_tflops)
+    if a.reduce_dtype == "bf16" and a.dtype == "fp32":
+        raise UsageError("--reduce-dtype bf16 reduces bf16 gradients; it needs --dtype bf16")
+    model_cfg = config(a.model, recompute=a.recompute,
+                       **({} if a.seq_len is None else {"seq_len": a.seq_len}))
     model_cfg = dataclasses.replace(model_cfg, moe_experts=a.moe_experts, moe_top_k=a.moe_top_k,
                                     moe_every=a.moe_every, capacity_factor=a.capacity_factor,
                                     moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
-    moe.validate(model_cfg, a.ep, d, a.tp, a.pp)
+    moe.validate(model_cfg, a.ep, d, a.tp, a.pp, a.recompute)
+    if model_cfg.moe_experts and a.dtype != "fp32" and (a.zero is not None or a.shard is not None):
+        raise UsageError("MoE under ZeRO runs in fp32 only (the experts stay outside the fp32 "
+                         "master shards); use --dtype fp32, or plain DP for bf16")
     corpus = _corpus_bytes(a.data)
-    if corpus < model_cfg.seq_len + 2:
+    if int(corpus * data.HELD_OUT) < model_cfg.seq_len + 2:   # the held-out tenth is the shorter
         raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of "
-                         f"{model_cfg.seq_len} tokens; use a longer --data file or a smaller "
-                         f"--seq-len")
+                         f"{model_cfg.seq_len} tokens in its held-out tenth; use a longer --data file "
+                         f"or a smaller --seq-len")
+    resume, start = _check_run_flags(a, model_cfg)
     if a.backend == "nccl" or (a.backend == "auto" and a.nproc is not None):
         dist.resolve_backend(a.backend, a.nproc if a.nproc is not None else 1)
     if a.tp > 1:
@@ -229,8 +289,54 @@ def parse_config(argv: list[str]) -> RunConfig:
                      chunks=a.chunks, microbatches=m, dp_mode=a.dp_mode, bucket_mb=a.bucket_mb,
                      model=a.model, model_cfg=model_cfg, steps=a.steps,
                      batch_size=a.batch_size, lr=a.lr, seed=a.seed, data=a.data,
-                     dtype=a.dtype, metrics=a.metrics, log_every=a.log_every, quiet=a.quiet,
-                     timeout=a.timeout, ep=a.ep)
+                     dtype=a.dtype, reduce_dtype=a.reduce_dtype, recompute=a.recompute,
+                     compile=a.compile, peak_tflops=a.peak_tflops, metrics=a.metrics,
+                     log_every=a.log_every, quiet=a.quiet, timeout=a.timeout, clip_grad=a.clip_grad,
+                     warmup=a.warmup, lr_schedule=a.lr_schedule, min_lr=a.min_lr,
+                     weight_decay=a.weight_decay, eval_every=a.eval_every,
+                     eval_batches=a.eval_batches, save=a.save, save_every=a.save_every,
+                     keep=a.keep, resume=resume, start_step=start, ep=a.ep)
+
+
+def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:
+    """Schedule, clipping, evaluation and checkpoint flags; returns (checkpoint, its step)."""
+    if a.clip_grad is not None:
+        _positive("clip-grad", a.clip_grad)
+    _positive("min-lr", a.min_lr, strict=False)
+    _positive("weight-decay", a.weight_decay, strict=False)
+    if a.min_lr > a.lr:
+        raise UsageError(f"--min-lr {a.min_lr} is above --lr {a.lr}; the schedule decays from "
+                         f"--lr down to --min-lr")
+    for name in ("warmup", "eval_every", "save_every", "keep"):
+        if getattr(a, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    if a.warmup >= a.steps and a.lr_schedule != "constant":
+        raise UsageError(f"--warmup {a.warmup} leaves no step of --steps {a.steps} to decay "
+                         f"over; use a --warmup below {a.steps}")
+    if a.eval_batches < 1:
+        raise UsageError(f"--eval-batches must be >= 1, got {a.eval_batches}")
+    if (a.save_every or a.keep) and not a.save:
+        raise UsageError("--save-every and --keep need --save DIR")
+    if a.save:   # created when the first checkpoint is written; its nearest existing folder
+        probe = os.path.abspath(a.save)
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            raise UsageError(f"--save {a.save}: {probe} is a file; give a folder")
+        if not os.access(probe, os.W_OK):
+            raise UsageError(f"--save {a.save}: {probe} is not writable")
+    if a.dtype != "fp32" and (a.weight_decay or a.save or a.resume):
+        raise UsageError("--weight-decay, --save and --resume act on the fp32 parameters and do not "
+                         "yet handle --dtype bf16's fp32 master copies; use --dtype fp32 for them")
+    if a.resume is None:
+        return None, 0
+    from . import checkpoint
+    path = checkpoint.find(a.resume)
+    manifest = checkpoint.check(path, model_cfg)
+    if manifest["step"] >= a.steps:
+        raise UsageError(f"--resume {path} is at step {manifest['step']}: --steps is the final "
+                         f"step number, so give --steps above {manifest['step']}")
+    return path, int(manifest["step"])
 
 
 def _corpus_bytes(path: str | None) -> int:
@@ -251,7 +357,11 @@ class Runner(Protocol):
 
     module: torch.nn.Module
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float: ...
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | float:
+        """The sum of the micro-batches' loss / m, as a 0-d tensor left on the device (read
+        once per step, for the metrics) or 0.0 where this rank holds no loss."""
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float: ...
 
     def serial_name(self, local_name: str) -> str: ...
 
@@ -269,10 +379,22 @@ class Engine(Protocol):
 
     def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]: ...
 
+    # what its optimizer updates, as flat ranges of local parameters (minipar.pieces: the
+    # global gradient norm, checkpoints); and re-gathering parameters set outside step()
+    optimizer: torch.optim.Optimizer
+
+    def flat_ranges(self) -> list[tuple[str, torch.Size, int, dict[str, torch.Tensor], bool]]: ...
+
+    def sync_params(self) -> None: ...
+
 
 def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
-    """The full serial model from the seed (same on every rank), then the TP slice of it
-    (or, for an MoE, this rank's experts)."""
+    """The full serial model from the seed (same on every rank), then the TP slice of it, in
+    the run's dtype (bf16: the parameters themselves; ``build_engine`` adds fp32 masters), or
+    for an MoE this rank's experts.
+
+    ``cfg.model_cfg.recompute`` is honoured by the Blocks themselves; ``--compile`` compiles
+    each Block's forward (module hooks, such as ZeRO-3's gathers, stay outside the graph)."""
     model = build(cfg.model_cfg, seed=cfg.seed)
     model.full_params = sum(p.numel() for p in model.parameters())
     if grid.tp > 1:
@@ -280,7 +402,11 @@ def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
         model = tp.parallelize(model, grid, sequence_parallel=cfg.sp)
     if cfg.model_cfg.moe_experts:
         model = moe.expert_parallel(model, grid, cfg.ep)
-    return model.to(device)
+    model = model.to(device=device, dtype=DTYPES[cfg.dtype])
+    if cfg.compile:
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward)
+    return model
 
 
 class LocalRunner:
@@ -289,13 +415,21 @@ class LocalRunner:
     def __init__(self, model, microbatches: int, autocast=contextlib.nullcontext):
         self.module, self.m, self.autocast = model, microbatches, autocast
 
-    def forward_backward(self, x, y) -> float:
-        total = 0.0
+    def forward_backward(self, x, y) -> torch.Tensor:
+        total = torch.zeros((), device=x.device)
         for xb, yb in data.microbatches(x, y, self.m):
             with self.autocast():
                 loss = self.module(xb, yb) / self.m
             loss.backward()
-            total += loss.item()
+            total += loss.detach()      # on the device: no host sync per micro-batch
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, x, y) -> float:
+        total = 0.0
+        for xb, yb in data.microbatches(x, y, self.m):
+            with self.autocast():
+                total += (self.module(xb, yb) / self.m).item()
         return total
 
     def serial_name(self, local_name: str) -> str:
@@ -312,27 +446,46 @@ def build_runner(cfg: RunConfig, grid: dist.Grid, model, autocast=contextlib.nul
 
 
 def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    """AdamW; torch's fused CUDA kernel when every parameter is on a GPU (one launch)."""
+    params = list(params)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                             **({"fused": True} if fused else {}))
 
 
 def build_engine(cfg: RunConfig, grid: dist.Grid, module) -> Engine:
+    """DP or ZeRO/AMSP; with bf16, the optimizer updates fp32 masters (``minipar.precision``)
+    and gradients are reduced in ``--reduce-dtype``."""
+    def optimizer(params):
+        if cfg.dtype == "fp32":
+            return make_optimizer(params, cfg.lr)
+        return MixedPrecision(params, lambda masters: make_optimizer(masters, cfg.lr))
+
+    reduce_dtype = DTYPES[cfg.reduce_dtype] if cfg.dtype != "fp32" else None
     if cfg.spec is not None:
         from . import zero
-        return zero.ShardedEngine(module, grid, cfg.spec,
-                                  lambda params: make_optimizer(params, cfg.lr))
+        return zero.ShardedEngine(module, grid, cfg.spec, optimizer, reduce_dtype=reduce_dtype)
     # the grid hands out None for a data-parallel group of one; DataParallel reads None as the world
     group = comm.SOLO if grid.dp_group is None else grid.dp_group
     return dp.DataParallel(module, group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
-                           optimizer=make_optimizer(module.parameters(), cfg.lr))
+                           optimizer=optimizer(module.parameters()), reduce_dtype=reduce_dtype)
 
 
 # --------------------------------------------------------------------------------------
 # The loop (runs on every rank)
 # --------------------------------------------------------------------------------------
 def _autocast_factory(dtype: str, device: torch.device):
-    if dtype == "bf16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    """No autocast: with --dtype bf16 the parameters themselves are bf16 (``build_model``),
+    so every matmul runs in bf16 without casting fp32 weights at each use. (The seam stays
+    for runners that want one.)"""
     return contextlib.nullcontext
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch to the device; on a GPU from pinned memory, without blocking the host."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def collect_state(grid: dist.Grid, runner: Runner, engine: Engine) -> dict:
@@ -397,23 +550,42 @@ def worker(cfg: RunConfig, return_state: bool = False):
     torch.manual_seed(cfg.seed)
 
     tokens = data.ByteTokenizer().encode(data.load_text(cfg.data))
-    batches = data.Batches(tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    train_tokens, val_tokens = data.split(tokens)
+    batches = data.Batches(train_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    val_batches = data.Batches(val_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     autocast = _autocast_factory(cfg.dtype, device)
 
     model = build_model(cfg, grid, device)
     runner = build_runner(cfg, grid, model, autocast)
     engine = build_engine(cfg, grid, runner.module)
 
+    flops = mfu.step_flops(cfg.model_cfg, cfg.batch_size, cfg.recompute)
+    peak = cfg.peak_tflops or (mfu.peak_tflops(torch.cuda.get_device_name(device), cfg.dtype)
+                               if device.type == "cuda" else None)
     log = print if (is_rank0 and not cfg.quiet) else (lambda *a, **k: None)
     log(banner(cfg, backend, device, model.full_params,
                sum(p.numel() for p in runner.module.parameters())))
-    metrics_file = open(cfg.metrics, "w") if (cfg.metrics and is_rank0) else None
+    if cfg.resume:
+        from . import checkpoint
+        saved = checkpoint.load(cfg.resume, grid, runner, engine)
+        log(f"resumed from {cfg.resume} (step {saved['step']}, saved as "
+            f"{_layout_words(saved['layout'])})")
+        _note_changed_training(log, saved["training"], cfg)
+    hook = optim.install(grid, runner, engine, clip=cfg.clip_grad, weight_decay=cfg.weight_decay)
+    progress = Progress(cfg.start_step, cfg.steps, show_eta=is_rank0 and sys.stdout.isatty())
+    # a resumed run appends to its metrics file; a fresh one starts it
+    metrics_file = (open(cfg.metrics, "a" if cfg.resume else "w")
+                    if (cfg.metrics and is_rank0) else None)
     history = []
     try:
-        for step in range(1, cfg.steps + 1):
+        for step in range(cfg.start_step + 1, cfg.steps + 1):
+            lr = optim.lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule, cfg.min_lr)
+            optim.set_lr(engine.optimizer, lr)
             x, y = batches.local_batch(step, grid.dp_rank, grid.dp)
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), to_device(y, device)
             comm.reset()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             engine.zero_grad()
             engine.begin_step(cfg.microbatches)
@@ -429,14 +601,23 @@ def worker(cfg: RunConfig, return_state: bool = False):
             # The loss lives on the last stage; every TP rank has the same value.
             holds_loss = grid.is_last_stage and grid.tp_rank == 0
             state = engine.model_state_bytes()
-            loss_sum, = comm.all_reduce_scalars([local_loss if holds_loss else 0.0], comm.WORLD)
+            memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            loss_sum, = comm.all_reduce_scalars([float(local_loss) if holds_loss else 0.0],
+                                                comm.WORLD)
             peaks = comm.all_reduce_scalars([state["params"], state["grads"], state["optimizer"],
-                                             state["total"], step_time], comm.WORLD, op="max")
+                                             state["total"], step_time, memory], comm.WORLD,
+                                            op="max")
             record = dict(step=step, loss=loss_sum / grid.dp, step_time_s=peaks[4],
                           tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
                           model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
                                                  optimizer=int(peaks[2]), total=int(peaks[3])),
-                          comm_bytes=sent)
+                          comm_bytes=sent, grad_norm=hook.grad_norm, lr=lr,
+                          **mfu.utilisation(flops, peaks[4], peak, cfg.world))
+            if device.type == "cuda":
+                record["peak_memory_bytes"] = int(peaks[5])
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                record["val_loss"] = evaluate(cfg, grid, runner, val_batches, device)
+                moe.step_stats(runner.module)     # MoE: forget the evaluation's routing
             if cfg.model_cfg.moe_experts:
                 aux, dropped, assigned = comm.all_reduce_scalars(
                     [routing["aux_loss"], routing["dropped"], routing["assigned"]], comm.WORLD)
@@ -447,9 +628,16 @@ def worker(cfg: RunConfig, return_state: bool = False):
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
                 if step % cfg.log_every == 0 or step == cfg.steps:
+                    util = f" | MFU {record['mfu']:5.1%}" if record["mfu"] is not None else ""
+                    val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
                     log(f"step {step:4d}/{cfg.steps} | loss {record['loss']:.4f} | "
                         f"{record['tokens_per_s']:8.0f} tok/s | {record['step_time_s']*1e3:7.1f} ms"
-                        f" | rank 0 sent {sum(sent.values()) / 2**20:6.2f} MiB")
+                        f" | rank 0 sent {sum(sent.values()) / 2**20:6.2f} MiB{val}{util}"
+                        f"{progress.eta(step)}")
+            if cfg.save and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
+                from . import checkpoint
+                manifest = checkpoint.manifest_for(cfg, step, tokens.numel())
+                log(f"saved {checkpoint.save(cfg.save, step, manifest, grid, runner, engine, cfg.keep)}")
     finally:
         if metrics_file:
             metrics_file.close()
@@ -458,6 +646,50 @@ def worker(cfg: RunConfig, return_state: bool = False):
     if return_state:
         return dict(history=history, **collect_state(grid, runner, engine))
     return history if is_rank0 else None
+
+
+def evaluate(cfg: RunConfig, grid: dist.Grid, runner: Runner, batches: data.Batches,
+             device) -> float:
+    """Mean held-out loss over ``cfg.eval_batches`` global batches (always the same ones),
+    through the same runner (pipeline, TP) without gradients."""
+    total = 0.0
+    for i in range(1, cfg.eval_batches + 1):
+        x, y = batches.local_batch(i, grid.dp_rank, grid.dp)
+        total += runner.evaluate(x.to(device), y.to(device))
+    holds_loss = grid.is_last_stage and grid.tp_rank == 0
+    loss_sum, = comm.all_reduce_scalars([total if holds_loss else 0.0], comm.WORLD)
+    return loss_sum / (grid.dp * cfg.eval_batches)
+
+
+class Progress:
+    """An ETA for the step lines, on a terminal only (logs and notebooks keep the plain line)."""
+
+    def __init__(self, first: int, last: int, show_eta: bool):
+        self.first, self.last, self.show = first, last, show_eta
+        self.t0 = time.perf_counter()
+
+    def eta(self, step: int) -> str:
+        done = step - self.first
+        if not self.show or done < 1 or step >= self.last:
+            return ""
+        left = (time.perf_counter() - self.t0) / done * (self.last - step)
+        return f" | ETA {int(left // 60)}m{int(left % 60):02d}s"
+
+
+def _layout_words(layout: dict) -> str:
+    sharding = (f", shard {layout['shard']}" if layout.get("shard") else
+                f", ZeRO-{layout['zero']}" if layout.get("zero") is not None else "")
+    return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']}"
+            f"{' +sp' if layout.get('sp') else ''}{sharding}")
+
+
+def _note_changed_training(log, saved: dict, cfg: RunConfig) -> None:
+    """Say in one line which training flags differ from the checkpoint's (never silently)."""
+    changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in
+               ("batch_size", "seed", "lr", "lr_schedule", "warmup", "min_lr", "weight_decay",
+                "clip_grad", "dtype") if k in saved and saved[k] != getattr(cfg, k)]
+    if changed:
+        log("note: continuing with other training flags than the checkpoint's: " + ", ".join(changed))
 
 
 def _maybe_crash(rank: int, step: int) -> None:
@@ -483,12 +715,22 @@ def summary(history: list[dict]) -> str:
     tps = sum(h["tokens_per_s"] for h in timed) / len(timed)
     ms = last["model_state_bytes"]
     sent = last["comm_bytes"]
+    util = ""
+    if last.get("mfu") is not None:
+        mean = lambda key: sum(h[key] for h in timed) / len(timed)   # noqa: E731
+        util = f", MFU {mean('mfu'):.1%} (HFU {mean('hfu'):.1%})"
     lines = [f"summary: {len(history)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
-             f"{tps:,.0f} tokens/s (mean after step 1)",
+             f"{tps:,.0f} tokens/s (mean after step 1){util}",
              f"  model state per rank (the largest over ranks): params {ms['params']:,} B, "
              f"grads {ms['grads']:,} B, optimizer {ms['optimizer']:,} B, total {ms['total']:,} B",
+             *([f"  held-out loss {evals[-1]['val_loss']:.4f} at step {evals[-1]['step']}"]
+               if (evals := [h for h in history if "val_loss" in h]) else []),
              "  sent by rank 0 in the last step: " +
              (", ".join(f"{op} {b:,} B" for op, b in sorted(sent.items()) if b) or "nothing")]
+    if "peak_memory_bytes" in last:
+        peak = max(h["peak_memory_bytes"] for h in history)
+        lines.append(f"  peak GPU memory (torch.cuda.max_memory_allocated, the largest over "
+                     f"ranks): {peak / 2**30:.2f} GiB")
     return "\n".join(lines)
 
 

@@ -56,8 +56,8 @@ from ZeRO-1 to ZeRO-3):
 
 Model-state bytes one rank holds between steps (Phi' = padded parameter count)::
 
-    fp32:   4 Phi'/s_p + 4 Phi'/s_g + 8 Phi'/s_os  (+ 4 B of Adam step counter per unit)
-    mixed:  2 Phi'/s_p + 2 Phi'/s_g + 12 Phi'/s_os
+    fp32:   4 Phi'/s_p + 4 Phi'/s_g + 8 Phi'/s_os   (+ 4 B of Adam step counter per unit)
+    mixed:  2 Phi'/s_p + 2 Phi'/s_g + 12 Phi'/s_os  (+ 4 B per unit: the masters' counters)
 
 Bytes one rank sends per step (Psi = 4 Phi', ring volumes, m micro-batches), by group, with
 (P, G, O, R) = (s_p, s_g/s_p, s_os/s_g, d/s_os) the mesh's sides::
@@ -77,6 +77,16 @@ Bytes one rank sends per step (Psi = 4 Phi', ring volumes, m micro-batches), by 
 With m = 1: plain DP 2 Psi (d-1)/d (all-reduce), ZeRO-1 and ZeRO-2 2 Psi (d-1)/d
 (reduce-scatter + all-gather), ZeRO-3 3 Psi (d-1)/d.
 
+Mixed precision (``--dtype bf16``; ``minipar.precision``). The flat buffers, so the P and G
+shards, are bf16; the optimizer updates an fp32 master copy of this rank's OS shard, with fp32
+Adam moments: the 12 bytes per parameter that s_os divides. Gradients are reduced in
+``reduce_dtype`` (``--reduce-dtype``): with fp32 (the default, as Megatron-LM) each
+micro-batch's reduce-scatter over the G group sends an fp32 copy of the bf16 gradient
+(``Unit.flat_grad``) and the sum is rounded into the bf16 G shard; at the step the G shard is
+cast to an fp32 copy (``Unit.widen``, 4 Phi'/s_g bytes, transient) whose reduction over
+zero_os and zero_rep the master reads directly. So fp32 reduction sends Psi = 4 Phi' bytes of
+gradient and bf16 reduction 2 Phi'; the parameter all-gathers always carry bf16 (2 Phi').
+
 With tensor and pipeline parallelism the engine shards whatever parameters this rank's
 module holds (a TP slice, a pipeline stage) over its own data-parallel line of the grid;
 every spec composes with both. Under a pipeline, each micro-batch's forward and backward
@@ -88,7 +98,8 @@ out of the shards: parameters tagged with ``p.grad_group`` are kept whole, as in
 summed over that group (the expert's replicas) at the step and divided by d.
 
 The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
-``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``.
+``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``,
+``flat_ranges()`` and ``sync_params()`` (for clipping and checkpoints).
 
 Outside the trainer, on any model in a plain loop (group=None: the whole world; rank 0's
 parameters are broadcast first, so ranks may start from different seeds)::
@@ -305,9 +316,12 @@ class Unit:
     ``os_param``, ``os_grad``  this rank's OS shard of the parameters (a view into
                     ``p_shard``) and of the averaged gradient (a view into ``grad_shard``):
                     what the optimizer sees.
+    ``reduce_dtype`` None: gradients are reduced in the parameters' dtype; else in this one
+                    (mixed precision's fp32 reduction: ``flat_grad`` and ``widen``).
     """
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], mesh: Mesh):
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], mesh: Mesh,
+                 reduce_dtype: torch.dtype | None = None):
         s_p, s_g, s_os = mesh.spec
         self.module, self.params = module, params
         self.numel = sum(p.numel() for p in params)
@@ -329,8 +343,11 @@ class Unit:
         self.g_slice = self.p_shard[mesh.g_index * n_g:(mesh.g_index + 1) * n_g]
         self.os_param = self.g_slice[mesh.os_index * n_os:(mesh.os_index + 1) * n_os]
         self.grad_shard = torch.zeros(n_g, dtype=like.dtype, device=like.device)
-        self.os_grad = self.grad_shard[mesh.os_index * n_os:(mesh.os_index + 1) * n_os]
+        self.os_slice = slice(mesh.os_index * n_os, (mesh.os_index + 1) * n_os)
+        self.os_grad = self.grad_shard[self.os_slice]
         self.os_param.grad = self.os_grad
+        self.reduce_dtype = reduce_dtype
+        self._narrow = None     # the bf16 G shard and its OS view while ``widen`` is in effect
         self.handle = None      # a parameter all-gather in flight
         self.ready = 0          # gradients accumulated in this step (one per param per micro-batch)
 
@@ -345,7 +362,24 @@ class Unit:
         """The unit's gradients as one padded flat tensor (zeros for a parameter without one)."""
         grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
                  for p in self.params]
-        return torch.cat(grads + [self.flat.new_zeros(self.N - self.numel)])
+        flat = torch.cat(grads + [self.flat.new_zeros(self.N - self.numel)])
+        return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
+
+    def widen(self):
+        """Before the step's reductions (mixed precision, fp32 reduction): ``grad_shard`` becomes
+        an fp32 copy of the bf16 G shard, so ``sharded_optimizer_step`` reduces in fp32, and its
+        OS slice ``os_grad`` is what the fp32 master reads (``os_param.main_grad``)."""
+        self._narrow = self.grad_shard, self.os_grad
+        self.grad_shard = self.grad_shard.to(self.reduce_dtype)
+        self.os_grad = self.grad_shard[self.os_slice]
+        self.os_param.main_grad = self.os_grad
+
+    def narrow(self):
+        """After the step: the bf16 G shard again, its OS slice holding the averaged gradient."""
+        grad_shard, os_grad = self._narrow
+        os_grad.copy_(self.os_grad)
+        self.grad_shard, self.os_grad, self._narrow = grad_shard, os_grad, None
+        self.os_param.main_grad = None
 
 
 def reduce_scatter_down(x: torch.Tensor, groups) -> torch.Tensor:
@@ -424,7 +458,7 @@ class ShardedEngine:
     """
 
     def __init__(self, module: nn.Module, grid, spec: Spec, make_optimizer,
-                 prefetch: bool = True, units=None):
+                 prefetch: bool = True, units=None, reduce_dtype: torch.dtype | None = None):
         grid = as_grid(grid)
         self.module, self.spec, self.prefetch = module, Spec(*spec), prefetch
         reason = spec_violation(self.spec, grid.dp)
@@ -432,7 +466,13 @@ class ShardedEngine:
             raise UsageError(reason)
         dp.broadcast_module(module, grid.dp_group)
         self.mesh = Mesh(grid, self.spec)
-        self.units = [Unit(m, params, self.mesh) for m, params in units_of(module, units)]
+        # a wider dtype to reduce gradients in than the parameters' own (None: their own)
+        if reduce_dtype is not None and (self.mesh.d == 1 or all(
+                p.dtype == reduce_dtype for p in module.parameters())):
+            reduce_dtype = None
+        self.reduce_dtype = reduce_dtype
+        self.units = [Unit(m, params, self.mesh, reduce_dtype)
+                      for m, params in units_of(module, units)]
         self._unit_of = {p: u for u in self.units for p in u.params}
         # -- MoE: experts (tagged with their own reduction group) stay whole, as in plain DP
         self.tagged = [p for p in module.parameters() if hasattr(p, "grad_group")]
@@ -533,7 +573,14 @@ class ShardedEngine:
                 p.grad = torch.zeros_like(p)
             comm.all_reduce(p.grad, p.grad_group)
             p.grad.div_(self.mesh.d)
+        if self.reduce_dtype is None:
+            sharded_optimizer_step(self.units, self.optimizer, self.mesh)
+            return
+        for u in self.units:
+            u.widen()
         sharded_optimizer_step(self.units, self.optimizer, self.mesh)
+        for u in self.units:
+            u.narrow()
 
     def model_state_bytes(self) -> dict[str, int]:
         """Storage this rank holds now (between steps: only the shards the spec keeps)."""
@@ -569,6 +616,47 @@ class ShardedEngine:
         for p in self.tagged:
             out[names[p]] = (p.detach(), p.grad)
         return out
+
+
+    def flat_ranges(self) -> list[tuple[str, torch.Size, int, dict[str, torch.Tensor], bool]]:
+        """What this rank's optimizer updates, for clipping and checkpoints (``minipar.pieces``):
+        each parameter's part of this rank's OS shard, as (local name, shape, first element,
+        1-D views of the parameter, the averaged gradient and Adam's states, owner). The OS
+        shards of one replica tile each unit; replica 0 (of ``zero_rep``) owns them."""
+        s_p, s_g, s_os = self.spec
+        names = {p: n for n, p in self.module.named_parameters()}
+        owner = comm.rank(self.mesh.rep_group) == 0
+        out = []
+        for u in self.units:
+            # the OS shard is chunk os of chunk g of chunk p of the unit's flat buffer
+            lo = (self.mesh.p_index * (u.N // s_p) + self.mesh.g_index * (u.N // s_g)
+                  + self.mesh.os_index * (u.N // s_os))
+            hi = lo + u.N // s_os
+            flat = {"param": u.os_param.detach(), "grad": u.os_grad}
+            flat.update({k: v for k, v in self.optimizer.state.get(u.os_param, {}).items()
+                         if torch.is_tensor(v) and v.numel() == u.os_param.numel()})
+            offset = 0
+            for p in u.params:
+                a, b = max(lo, offset), min(hi, offset + p.numel())
+                if a < b:
+                    out.append((names[p], p.shape, a - offset,
+                                {k: v[a - lo:b - lo] for k, v in flat.items()}, owner))
+                offset += p.numel()
+        for p in self.tagged:       # MoE experts: whole, owned by the first of their replicas
+            views = {"param": p.detach().view(-1)}
+            if p.grad is not None:
+                views["grad"] = p.grad.view(-1)
+            views.update({k: v.view(-1) for k, v in self.optimizer.state.get(p, {}).items()
+                          if torch.is_tensor(v) and v.numel() == p.numel()})
+            out.append((names[p], p.shape, 0, views, comm.rank(p.grad_group) == 0))
+        return out
+
+    def sync_params(self):
+        """After the OS shards of the parameters were set outside ``step()`` (a checkpoint):
+        gather them up into every rank's P shard, as the end of a step does."""
+        for u in self.units:
+            all_gather_in_place(u.g_slice, self.mesh.os_group)
+            all_gather_in_place(u.p_shard, self.mesh.g_group)
 
 
 def gather_up(x: torch.Tensor, groups) -> torch.Tensor:

@@ -172,18 +172,20 @@ def moe_run(nproc, *extra):
     return _RUNS[key]
 
 
-@pytest.mark.parametrize("nproc,extra", [
-    (2, ["--ep", "2"]),
-    (4, ["--ep", "4"]),
-    (4, ["--ep", "2"]),                      # two EP groups: experts averaged over replicas
-    (4, ["--ep", "2", "--zero", "1"]),
-    pytest.param(4, ["--ep", "2", "--dp-mode", "naive"], marks=pytest.mark.slow),
-    pytest.param(4, ["--ep", "2", "--zero", "3", "--microbatches", "2"], marks=pytest.mark.slow),
+@pytest.mark.parametrize("nproc,extra,same", [
+    (2, ["--ep", "2"], []),
+    (4, ["--ep", "4"], []),
+    (4, ["--ep", "2"], []),                  # two EP groups: experts averaged over replicas
+    (4, ["--ep", "2", "--zero", "1"], []),
+    # clipping: each expert's norm counted once, by the first of its replicas
+    (4, ["--ep", "2"], ["--clip-grad", "0.05"]),
+    pytest.param(4, ["--ep", "2", "--dp-mode", "naive"], [], marks=pytest.mark.slow),
+    pytest.param(4, ["--ep", "2", "--zero", "3"], ["--microbatches", "2"], marks=pytest.mark.slow),
 ])
-def test_trainer_expert_parallel_equals_serial(nproc, extra):
-    accumulate = extra[extra.index("--microbatches"):][:2] if "--microbatches" in extra else []
-    ref = serial_state(MOE + accumulate)
-    got = moe_run(nproc, *extra)
+def test_trainer_expert_parallel_equals_serial(nproc, extra, same):
+    """``extra``: the layout; ``same``: flags the serial reference runs with too."""
+    ref = serial_state(MOE + same)
+    got = moe_run(nproc, *extra, *same)
     # parameters after 8 Adam steps within 1e-4 (Adam divides by sqrt(v): a tiny gradient's
     # reordering noise moves its parameter by up to lr); losses and gradients within 1e-5
     assert_same_training(got, ref, loss_tol=1e-5, tol=1e-4)

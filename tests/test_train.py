@@ -54,6 +54,21 @@ BAD = [
     (["--log-every", "0"], "--log-every must be >= 1"),
     (["--metrics", "/no/such/dir/m.jsonl"], "folder does not exist"),
     (["--seq-len", "100000000"], "too few for sequences"),
+    (["--clip-grad", "0"], "--clip-grad must be a positive finite number"),
+    (["--clip-grad", "inf"], "--clip-grad must be a positive finite number"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--warmup", "20", "--steps", "20", "--lr-schedule", "cosine"], "leaves no step"),
+    (["--min-lr", "-1"], "--min-lr must be a positive finite number"),
+    (["--min-lr", "0.1", "--lr", "0.01"], "is above --lr"),
+    (["--weight-decay", "nan"], "--weight-decay must be a positive finite number"),
+    (["--eval-every", "-2"], "--eval-every must be >= 0"),
+    (["--eval-batches", "0"], "--eval-batches must be >= 1"),
+    (["--save-every", "5"], "need --save DIR"),
+    (["--keep", "2"], "need --save DIR"),
+    (["--save", "/etc/passwd"], "is a file"),
+    (["--save", "/etc/passwd/run"], "/etc/passwd is a file"),
+    (["--resume", "/no/such/checkpoint"], "no such folder"),
+    (["--resume", "/tmp"], "no complete checkpoint"),
 ]
 
 

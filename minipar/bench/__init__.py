@@ -7,6 +7,7 @@
     python -m minipar.bench moe     expert-parallel MoE layer vs one process with the same routing
     python -m minipar.bench calibrate   measure this machine into a planner hardware file
     python -m minipar.bench validate    the planner's step times against the trainer's here
+    python -m minipar.bench gpu     the trainer vs a plain (nanoGPT-style) loop on one GPU: MFU
 
 Each prints median step times, ratios to the native twin, and measured bytes next to the
 formula. Timings depend on the machine and on what else runs on it: each bench names the
@@ -17,7 +18,7 @@ import statistics
 
 import torch
 
-BENCHES = ("dp", "tp", "pp", "zero", "moe", "calibrate", "validate")
+BENCHES = ("dp", "tp", "pp", "zero", "moe", "gpu", "calibrate", "validate")
 
 
 def machine() -> str:

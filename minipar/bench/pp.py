@@ -97,7 +97,7 @@ def compare_with_torch(schedule="1f1b", microbatches=4, model_name="nano", micro
             comm.barrier(comm.WORLD)
             t = time.perf_counter()
             if who == "mine":
-                loss = runner.forward_backward(x, y)
+                loss = float(runner.forward_backward(x, y))
             else:
                 loss = torch_step(sched, r, p, x, y)
             elapsed = time.perf_counter() - t

@@ -166,8 +166,8 @@ def train_twin(kind: str, model_name: str = "nano", steps: int = 20, batch: int 
     """
     r, d = tdist.get_rank(), tdist.get_world_size()
     cfg = config(model_name)
-    batches = data.Batches(data.ByteTokenizer().encode(data.load_text(None)), cfg.seq_len,
-                           batch, seed=seed)
+    train_tokens, _ = data.split(data.ByteTokenizer().encode(data.load_text(None)))
+    batches = data.Batches(train_tokens, cfg.seq_len, batch, seed=seed)   # the trainer's batches
     v = Variant(kind, lr=lr, model_name=model_name, seed=seed)
     losses = []
     for step in range(1, steps + 1):

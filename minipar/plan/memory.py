@@ -17,7 +17,11 @@ the search enumerates fewer). Shards are rounded up (a flat buffer padded to a m
 the group size), so the numbers are the storage a rank allocates. PyTorch's Adam also keeps
 a 4-byte step counter per tensor it updates: ``step_counters`` adds them, for byte-exact
 comparison with a measured run (``minipar.zero`` gives its optimizer one flat tensor per
-unit, plain DP one per parameter tensor); at scale they are noise.
+unit, plain DP one per parameter tensor; in mixed precision these are the fp32 master
+tensors, so the counts are the same); at scale they are noise. Given ``n_params`` as the
+padded per-unit count Phi' that ``minipar.zero`` allocates (each unit rounded up to a
+multiple of s_os), the result is the engine's measured bytes exactly, in fp32 and in mixed
+precision (``--dtype bf16``; tests/test_precision.py).
 
 Phi per device under tensor and pipeline parallelism is not quite Phi_model / (t p): as in
 Megatron-LM, every TP rank keeps a full copy of the LayerNorms (RMSNorms), the row-parallel

@@ -1,0 +1,107 @@
+"""Around Adam's update: the learning-rate schedule, global gradient clipping, weight decay.
+
+**Schedule** (``lr_at``): linear warm-up from 0 over ``warmup`` steps, then ``constant``, or
+a ``cosine`` or ``linear`` decay from ``lr`` down to ``min_lr`` at the final step (nanoGPT's
+shape). It is a function of the step alone, so a resumed run continues it exactly.
+
+**Clipping** (``--clip-grad``): the norm is the *global* one, of the whole serial model's
+gradient, so every layout must count each element exactly once:
+
+* TP ranks hold different slices of a split matrix (sum over TP), but the *same* copy of a
+  replicated norm, row bias or position table (count it on one TP rank), and vocabulary
+  padding rows that are no parameter of the serial model (leave them out);
+* pipeline stages hold different layers (sum over PP);
+* plain DP replicas hold the same averaged gradient (count it once); a ZeRO rank's optimizer
+  sees only its OS shard of the averaged gradient (sum over the shards, once per replica).
+
+``minipar.pieces`` gives exactly that set: the pieces a rank *owns* tile the serial model.
+So ``norm^2 = all_reduce(sum over owned pieces of grad^2)`` over every rank (one 8-byte
+scalar; metrics bookkeeping, not counted in ``comm_bytes``), and every rank scales all the
+gradients its optimizer sees by the same ``min(1, max_norm / (norm + 1e-6))``, as
+``torch.nn.utils.clip_grad_norm_`` does.
+
+**Weight decay** (``--weight-decay``), decoupled as in AdamW (``p *= 1 - lr wd`` before the
+update), on the matrices only: not on biases, LayerNorms and the position table (as nanoGPT
+and Megatron-LM). The choice is made by the serial name, so every layout decays the same
+elements; a ZeRO unit's flat shard mixes kinds, so decay is applied piece by piece rather
+than through Adam's parameter groups (Adam itself runs with weight_decay = 0).
+
+All three run in the optimizer's step pre-hook (``install``): the one moment at which every
+engine holds the averaged gradients of exactly what it is about to update.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import comm
+from .pieces import pieces
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def lr_at(step: int, lr: float, steps: int, warmup: int = 0, schedule: str = "constant",
+          min_lr: float = 0.0) -> float:
+    """The learning rate of optimizer step ``step`` (1-based) of a run of ``steps`` steps."""
+    if warmup and step <= warmup:
+        return lr * step / warmup
+    if schedule == "constant" or steps <= warmup:
+        return lr
+    progress = min(1.0, (step - warmup) / (steps - warmup))
+    if schedule == "cosine":
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+    if schedule == "linear":
+        return lr + progress * (min_lr - lr)
+    raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def decays(serial_name: str, ndim: int) -> bool:
+    """Weight decay on matrices (and the token embedding), not on biases, norms, positions."""
+    return ndim >= 2 and serial_name != "embed.pos.weight"
+
+
+def global_grad_norm(grid, runner, engine) -> float:
+    """The serial model's gradient norm, from the pieces this rank owns (collective)."""
+    sums = [piece.views["grad"].double().pow(2).sum() for piece in pieces(grid, runner, engine)
+            if piece.owner and "grad" in piece.views]
+    local = float(torch.stack(sums).sum()) if sums else 0.0      # one device sync, not one per piece
+    total, = comm.all_reduce_scalars([local], comm.WORLD)
+    return math.sqrt(total)
+
+
+class StepHook:
+    """Clip, then decay, right before each Adam update; remembers the norm for the metrics."""
+
+    def __init__(self, grid, runner, engine, clip: float | None = None,
+                 weight_decay: float = 0.0):
+        self.grid, self.runner, self.engine = grid, runner, engine
+        self.clip, self.weight_decay = clip, weight_decay
+        self.grad_norm = None
+
+    def __call__(self, optimizer, args=(), kwargs=None):
+        self.grad_norm = global_grad_norm(self.grid, self.runner, self.engine)
+        if self.clip is not None:
+            coef = self.clip / (self.grad_norm + 1e-6)
+            if coef < 1.0:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+        if self.weight_decay:
+            lr = optimizer.param_groups[0]["lr"]
+            for piece in pieces(self.grid, self.runner, self.engine):
+                if decays(piece.name, len(piece.shape)):
+                    piece.views["param"].mul_(1.0 - lr * self.weight_decay)
+
+
+def install(grid, runner, engine, clip: float | None = None,
+            weight_decay: float = 0.0) -> StepHook:
+    hook = StepHook(grid, runner, engine, clip, weight_decay)
+    engine.optimizer.register_step_pre_hook(hook)
+    return hook
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
