@@ -20,6 +20,8 @@ all_reduce         2 (n-1)/n * N               reduce-scatter + all-gather
 reduce_scatter     (n-1)/n * N                 N = full input, each rank keeps N/n
 all_gather         (n-1)/n * N                 N = full output
 broadcast          N on the source, 0 else     a tree/ring may spread it, same total
+all_to_all         sum of the rows it sends    exact: the rows it keeps are not
+                   to the other ranks          counted (uneven splits allowed)
 send               N                           point-to-point, exact payload
 recv               0                           (received bytes are in ``received``)
 =================  ==========================  ==================================
@@ -32,6 +34,7 @@ gloo has no AVG for every collective, so ``op="avg"`` is a sum followed by a div
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import defaultdict
 
@@ -281,6 +284,30 @@ def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
     sent = _nbytes(t) if me == src else 0
     return _run("broadcast", group, sent, _nbytes(t) - sent,
                 lambda a: dist.broadcast(t, src=src, group=_pg(group), async_op=a), async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None, group=None, op: str = "all_to_all"):
+    """Rank i sends rows ``in_splits[j]`` of ``inp`` (its j-th block, dim 0) to rank j and
+    receives rank j's block for it into ``out``; None means n equal blocks.
+
+    Sends exactly the rows addressed to other ranks (the block for itself stays local).
+    ``op`` names the record (e.g. ``all_to_all_counts`` for routing metadata); it keeps
+    ``all_to_all`` in it so the trainer's metrics group every all-to-all together.
+    """
+    n = size(group)
+    if n == 1:
+        out.copy_(inp)
+        return None
+    me = rank(group)
+    row = math.prod(inp.shape[1:]) * inp.element_size()      # bytes of one row
+    sends = in_splits if in_splits is not None else [inp.shape[0] // n] * n
+    gets = out_splits if out_splits is not None else [out.shape[0] // n] * n
+    sent = row * (sum(sends) - sends[me])
+    received = row * (sum(gets) - gets[me])
+    return _run(op, group, sent, received,
+                lambda a: dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits,
+                                                 group=_pg(group), async_op=a), False)
 
 
 def send(t: torch.Tensor, dst: int) -> None:

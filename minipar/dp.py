@@ -22,6 +22,11 @@ Communication per step, each rank (Ψ = gradient bytes, ring all-reduce over d r
 
 gloo has no AVG for every collective: each all-reduce sums, then divides by d.
 
+Parameters with their own reduction group (``p.grad_group``: MoE experts, ``minipar.moe``)
+are broadcast and summed over that group instead (still divided by d), in buckets of their
+own reduced when the rest is averaged, in the same order on every rank: 2 (r-1)/r * Ψ_experts
+over the r = d/ep replicas of a rank's experts (the rest, Ψ - Ψ_experts, as above).
+
 Use it like torch's ``DistributedDataParallel`` (any ``nn.Module``, any optimizer)::
 
     model = dp.DataParallel(Net())           # rank 0's weights everywhere; group: the world
@@ -199,8 +204,14 @@ def broadcast_from_first(tensors, group) -> None:
 
 def broadcast_module(module: nn.Module, group) -> None:
     """Give every rank of ``group`` its first rank's parameters and buffers, as DDP does when it
-    is built: ranks may have built their models from different seeds."""
-    broadcast_from_first(itertools.chain(module.parameters(), module.buffers()), group)
+    is built: ranks may have built their models from different seeds. A parameter with its own
+    group (``p.grad_group``: an MoE expert, which differs across its EP group) comes from the
+    first rank of that group instead."""
+    own = [p for p in module.parameters() if hasattr(p, "grad_group")]
+    rest = (p for p in module.parameters() if not hasattr(p, "grad_group"))
+    broadcast_from_first(itertools.chain(rest, module.buffers()), group)
+    for p in own:
+        broadcast_from_first([p], p.grad_group)
 
 
 # DataParallels holding gradients accumulated (no_sync, or begin_step) but not averaged yet.
@@ -249,6 +260,14 @@ class DataParallel(nn.Module):
         if any(getattr(p, "_minipar_data_parallel", False) for p in self.params):
             raise ValueError("these parameters are already wrapped by a minipar DataParallel; "
                              "wrap each module once")
+        # -- MoE: parameters tagged with their own reduction group (their replicas) are
+        # broadcast and averaged over it, in buckets of their own (see the docstring)
+        self.tagged = [p for p in self.params if hasattr(p, "grad_group")]
+        self.params = [p for p in self.params if not hasattr(p, "grad_group")]
+        self.tagged_buckets = make_buckets(self.tagged, int(bucket_mb * 2**20)) if self.tagged else []
+        for b in self.tagged_buckets:
+            b.attach()
+        # --
         broadcast_module(module, self.group)
         # a wider dtype to reduce in than the gradients' own (None: their own, in place)
         widen = reduce_dtype is not None and any(p.dtype != reduce_dtype for p in self.params)
@@ -259,7 +278,7 @@ class DataParallel(nn.Module):
             for b in self.buckets:
                 b.attach()
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._param_ids = {id(p) for p in self.params}
+        self._param_ids = {id(p) for p in self.params + self.tagged}
         self.microbatches: int | None = None   # set by begin_step (the engine's way)
         self._no_sync = False
         self._in_backward = False     # a backward pass has reached us; its end callback is queued
@@ -348,7 +367,7 @@ class DataParallel(nn.Module):
         """Zero the gradients and start a new step. The bucketed modes zero their buffers in
         place (each ``.grad`` stays a view into one); ``naive`` follows ``set_to_none``."""
         self._rearm()
-        for b in self.buckets:
+        for b in self.buckets + self.tagged_buckets:
             b.buffer.zero_()
             b.attach()  # in case someone set .grad to None
         if not self.buckets:
@@ -412,17 +431,30 @@ class DataParallel(nn.Module):
                 b.handle.wait()
         for b in self.buckets:
             b.hand_over(averaged=self.d > 1)
+        self.sync_tagged()
         _UNSYNCED.discard(self)
         self._rearm()
+
+    def sync_tagged(self):
+        """MoE experts: sum over their own group (a rank's experts share one), divide by d."""
+        for b in self.tagged_buckets:
+            for p in b.params:
+                b.adopt(p)
+            flat = b.buffer if self.reduce_dtype is None else b.buffer.to(self.reduce_dtype)
+            comm.all_reduce(flat, b.params[0].grad_group, op="sum")
+            flat.div_(self.d)
+            if self.reduce_dtype is not None:      # mixed precision: as the other buckets
+                b.main = flat
+                b.hand_over(averaged=True)
 
     def step(self):
         self.finish_grad_sync()
         if self.optimizer is not None:
             self.optimizer.step()
         if self.reduce_dtype is not None:  # the fp32 copies were transient
-            for b in self.buckets:
+            for b in self.buckets + self.tagged_buckets:
                 b.main = None
-            for p in self.params:
+            for p in self.params + self.tagged:
                 p.main_grad = None
 
     def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -443,7 +475,9 @@ class DataParallel(nn.Module):
             state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
             views.update({k: v.view(-1) for k, v in state.items()
                           if torch.is_tensor(v) and v.numel() == p.numel()})
-            out.append((name, p.shape, 0, views, owner))
+            # an MoE expert is owned by the first of its replicas (its own group)
+            mine = comm.rank(p.grad_group) == 0 if hasattr(p, "grad_group") else owner
+            out.append((name, p.shape, 0, views, mine))
         return out
 
     def sync_params(self):
@@ -451,11 +485,12 @@ class DataParallel(nn.Module):
 
     # -- accounting ----------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
-        params = tensor_bytes(self.params)
+        params = tensor_bytes(self.params) + tensor_bytes(self.tagged)
         if self.buckets:
             grads = tensor_bytes(b.buffer for b in self.buckets)
         else:
             grads = tensor_bytes(p.grad for p in self.params)
+        grads += tensor_bytes(b.buffer for b in self.tagged_buckets)
         optimizer = optimizer_state_bytes(self.optimizer)
         return dict(params=params, grads=grads, optimizer=optimizer,
                     total=params + grads + optimizer)

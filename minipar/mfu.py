@@ -56,6 +56,11 @@ def shape_of(cfg) -> ModelShape:
 def step_flops(cfg, batch: int, recompute: str = "none") -> dict[str, float]:
     """{"model": FLOPs MFU counts, "hardware": FLOPs HFU counts} for ``batch`` sequences."""
     shape = shape_of(cfg)
+    if getattr(cfg, "moe_experts", 0):       # MoE: only the k chosen experts per token count
+        from .plan import moe
+        spec = moe.MoE(cfg.moe_experts, cfg.moe_top_k, cfg.moe_every)
+        return {"model": moe.training_flops(shape, spec, batch, "none"),
+                "hardware": moe.training_flops(shape, spec, batch, recompute)}
     return {"model": training_flops(shape, batch, "none"),
             "hardware": training_flops(shape, batch, recompute)}
 

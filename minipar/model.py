@@ -32,6 +32,8 @@ from torch.utils.checkpoint import checkpoint
 
 RECOMPUTE = ("none", "selective", "full")
 
+from .moe import MoE, penalty
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -43,6 +45,14 @@ class GPTConfig:
     d_ff: int = 0              # 0 means 4 * d_model
     dropout: float = 0.0       # 0 keeps every layout bit-comparable with the serial run
     bias: bool = True
+    # mixture of experts (minipar.moe): E experts replace the MLP of every moe_every-th block
+    moe_experts: int = 0       # 0: dense
+    moe_top_k: int = 2         # experts per token
+    moe_every: int = 1         # 2: blocks 1, 3, 5... (every other block, as GShard)
+    capacity_factor: float = 0.0   # 0: dropless; C: ceil(C s k / E) slots per expert and sequence
+    moe_aux_coef: float = 0.01     # load-balancing loss coefficient (Switch)
+    moe_z_coef: float = 0.0        # router z-loss coefficient (ST-MoE)
+    moe_noise: float = 0.0         # std of noise on the router logits while training
     recompute: str = "none"    # activation recomputation: none, selective, full (see above)
 
     @property
@@ -52,6 +62,9 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe_experts > 0 and layer % self.moe_every == self.moe_every - 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,14 +149,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
 
-    def __init__(self, cfg: GPTConfig):
+    With ``moe`` the MLP is a mixture of experts, each expert an MLP (``minipar.moe``)."""
+
+    def __init__(self, cfg: GPTConfig, moe: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, MLP) if moe else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute = cfg.recompute == "full"
 
@@ -183,7 +198,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layer))
         self.head = LMHead(cfg)
         self.apply(self._init)
         # GPT-2: scale the residual projections by 1/sqrt(2 n_layer)
@@ -206,7 +221,7 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(x, targets)
+        return self.head(x, targets) + penalty(self)   # MoE: the router's auxiliary losses
 
 
 def build(cfg: GPTConfig | str = "tiny", seed: int = 0) -> GPT:

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from . import cli, comm, data, dist, dp, mfu, optim, sharding
+from . import cli, comm, data, dist, dp, mfu, moe, optim, sharding
 from .errors import UsageError
 from .model import PRESETS, RECOMPUTE, GPTConfig, build, config
 from .precision import DTYPES, MixedPrecision
@@ -113,6 +113,20 @@ def parser() -> cli.ArgumentParser:
                    help="with --save: keep the newest N checkpoints (0: all)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a checkpoint (or DIR's newest) up to --steps, in any layout")
+    g = p.add_argument_group("mixture of experts (minipar.moe)")
+    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                   help="experts per MoE layer (0: a dense model)")
+    g.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
+    g.add_argument("--moe-every", type=int, default=1, metavar="N",
+                   help="every N-th block's MLP becomes an MoE layer")
+    g.add_argument("--capacity-factor", type=float, default=0.0, metavar="C",
+                   help="slots per expert and sequence: ceil(C seq_len K / E); 0 = dropless")
+    g.add_argument("--moe-aux-coef", type=float, default=0.01, metavar="X",
+                   help="load-balancing loss coefficient")
+    g.add_argument("--moe-z-coef", type=float, default=0.0, metavar="X",
+                   help="router z-loss coefficient")
+    g.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert-parallel degree: experts split over N consecutive DP ranks")
     return p
 
 
@@ -150,6 +164,7 @@ class RunConfig:
     log_every: int
     quiet: bool
     timeout: float
+    ep: int = 1                    # expert parallelism (MoE: model_cfg.moe_experts > 0)
     clip_grad: float | None = None
     warmup: int = 0
     lr_schedule: str = "constant"
@@ -238,6 +253,13 @@ def parse_config(argv: list[str]) -> RunConfig:
         raise UsageError("--reduce-dtype bf16 reduces bf16 gradients; it needs --dtype bf16")
     model_cfg = config(a.model, recompute=a.recompute,
                        **({} if a.seq_len is None else {"seq_len": a.seq_len}))
+    model_cfg = dataclasses.replace(model_cfg, moe_experts=a.moe_experts, moe_top_k=a.moe_top_k,
+                                    moe_every=a.moe_every, capacity_factor=a.capacity_factor,
+                                    moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
+    moe.validate(model_cfg, a.ep, d, a.tp, a.pp, a.recompute)
+    if model_cfg.moe_experts and a.dtype != "fp32" and (a.zero is not None or a.shard is not None):
+        raise UsageError("MoE under ZeRO runs in fp32 only (the experts stay outside the fp32 "
+                         "master shards); use --dtype fp32, or plain DP for bf16")
     corpus = _corpus_bytes(a.data)
     if int(corpus * data.HELD_OUT) < model_cfg.seq_len + 2:   # the held-out tenth is the shorter
         raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of "
@@ -277,7 +299,7 @@ def parse_config(argv: list[str]) -> RunConfig:
                      warmup=a.warmup, lr_schedule=a.lr_schedule, min_lr=a.min_lr,
                      weight_decay=a.weight_decay, eval_every=a.eval_every,
                      eval_batches=a.eval_batches, save=a.save, save_every=a.save_every,
-                     keep=a.keep, resume=resume, start_step=start)
+                     keep=a.keep, resume=resume, start_step=start, ep=a.ep)
 
 
 def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:
@@ -383,7 +405,8 @@ class Engine(Protocol):
 
 def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
     """The full serial model from the seed (same on every rank), then the TP slice of it, in
-    the run's dtype (bf16: the parameters themselves; ``build_engine`` adds fp32 masters).
+    the run's dtype (bf16: the parameters themselves; ``build_engine`` adds fp32 masters), or
+    for an MoE this rank's experts.
 
     ``cfg.model_cfg.recompute`` is honoured by the Blocks themselves; ``--compile`` compiles
     each Block's forward (module hooks, such as ZeRO-3's gathers, stay outside the graph)."""
@@ -392,6 +415,8 @@ def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
     if grid.tp > 1:
         from . import tp
         model = tp.parallelize(model, grid, sequence_parallel=cfg.sp)
+    if cfg.model_cfg.moe_experts:
+        model = moe.expert_parallel(model, grid, cfg.ep)
     model = model.to(device=device, dtype=DTYPES[cfg.dtype])
     if cfg.compile:
         for block in model.blocks:
@@ -519,10 +544,13 @@ def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
              else f"1 process on {device}")
     layout = f"dp={cfg.dp} pp={cfg.pp} tp={cfg.tp}{' +sp' if cfg.sp else ''}, {engine_name(cfg)}"
     held = ("" if local_params == full_params else
-            f"; rank 0's pipeline stage and TP slice: {local_params:,}")
+            f"; rank 0's {'experts and rest' if cfg.ep > 1 else 'pipeline stage and TP slice'}: "
+            f"{local_params:,}")
     return (f"minipar: {where} ({layout}), model {cfg.model} ({full_params:,} parameters{held}), "
             f"global batch {cfg.batch_size} x {cfg.seq_len} tokens in "
-            f"{_plural(cfg.microbatches, 'micro-batch')}".replace("micro-batchs", "micro-batches"))
+            f"{_plural(cfg.microbatches, 'micro-batch')}".replace("micro-batchs", "micro-batches")
+            + (f", MoE {cfg.model_cfg.moe_experts} experts top-{cfg.model_cfg.moe_top_k} ep={cfg.ep}"
+               if cfg.model_cfg.moe_experts else ""))
 
 
 def worker(cfg: RunConfig, return_state: bool = False):
@@ -577,6 +605,8 @@ def worker(cfg: RunConfig, return_state: bool = False):
             engine.zero_grad()
             engine.begin_step(cfg.microbatches)
             local_loss = runner.forward_backward(x, y)
+            routing = moe.step_stats(runner.module)   # MoE: aux loss and drops; 0 when dense
+            local_loss -= routing["penalty"]          # report the cross-entropy as the loss
             _maybe_crash(grid.rank, step)
             engine.step()
             if device.type == "cuda":
@@ -603,6 +633,11 @@ def worker(cfg: RunConfig, return_state: bool = False):
                 record["peak_memory_bytes"] = int(peaks[5])
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 record["val_loss"] = evaluate(cfg, grid, runner, val_batches, device)
+                moe.step_stats(runner.module)     # MoE: forget the evaluation's routing
+            if cfg.model_cfg.moe_experts:
+                aux, dropped, assigned = comm.all_reduce_scalars(
+                    [routing["aux_loss"], routing["dropped"], routing["assigned"]], comm.WORLD)
+                record.update(aux_loss=aux / cfg.world, drop_rate=dropped / assigned)
             if is_rank0:
                 history.append(record)
                 if metrics_file:

@@ -93,6 +93,10 @@ every spec composes with both. Under a pipeline, each micro-batch's forward and 
 gathers the parameters again, 2 m all-gathers per step: that is why Megatron-DeepSpeed
 pairs pipelines with ZeRO-1, whose traffic does not grow with m.
 
+MoE experts (``minipar.moe``) differ from one expert-parallel rank to the next, so they stay
+out of the shards: parameters tagged with ``p.grad_group`` are kept whole, as in plain DP,
+summed over that group (the expert's replicas) at the step and divided by d.
+
 The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
 ``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``,
 ``flat_ranges()`` and ``sync_params()`` (for clipping and checkpoints).
@@ -255,14 +259,16 @@ def units_of(module: nn.Module, units=None) -> list[tuple[nn.Module, list[nn.Par
         for p in {id(p) for p in part.parameters()}:
             owners[p] = owners.get(p, 0) + 1
     seen = {p for p, n in owners.items() if n > 1}      # tied across units: the root's
+    experts = {id(p) for p in module.parameters() if hasattr(p, "grad_group")}  # MoE: not sharded
     out = []
     for part in parts:
-        params = [p for p in part.parameters() if p.requires_grad and id(p) not in seen]
+        params = [p for p in part.parameters()
+                  if p.requires_grad and id(p) not in seen and id(p) not in experts]
         seen.update(map(id, params))
         if params:
             out.append((part, params))
-    rest = [p for p in module.parameters() if p.requires_grad and (id(p) not in seen
-                                                                  or owners.get(id(p), 0) > 1)]
+    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in experts
+            and (id(p) not in seen or owners.get(id(p), 0) > 1)]
     if rest:
         out.insert(0, (module, rest))
     return out
@@ -468,7 +474,9 @@ class ShardedEngine:
         self.units = [Unit(m, params, self.mesh, reduce_dtype)
                       for m, params in units_of(module, units)]
         self._unit_of = {p: u for u in self.units for p in u.params}
-        self.optimizer = make_optimizer([u.os_param for u in self.units])
+        # -- MoE: experts (tagged with their own reduction group) stay whole, as in plain DP
+        self.tagged = [p for p in module.parameters() if hasattr(p, "grad_group")]
+        self.optimizer = make_optimizer([u.os_param for u in self.units] + self.tagged)
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if self.spec.p > 1:
@@ -536,6 +544,8 @@ class ShardedEngine:
     def zero_grad(self):
         """Zero the gradients; a G shard's memory is released until backward refills it
         (as ``set_to_none`` does), so the forward pass runs without any gradient storage."""
+        for p in self.tagged:
+            p.grad = None
         for u in self.units:
             if self.spec.g == 1:
                 u.grad_shard.zero_()
@@ -558,6 +568,11 @@ class ShardedEngine:
             if self.spec.g > 1 and (storage_bytes(u.grad_shard) == 0
                                     or any(p.grad is not None for p in u.params)):
                 self._reduce(u)                 # a unit whose backward never finished
+        for p in self.tagged:                   # MoE experts: sum over their replicas, / d
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, p.grad_group)
+            p.grad.div_(self.mesh.d)
         if self.reduce_dtype is None:
             sharded_optimizer_step(self.units, self.optimizer, self.mesh)
             return
@@ -575,6 +590,8 @@ class ShardedEngine:
         grads = sum(storage_bytes(u.grad_shard) for u in self.units)
         if self.spec.g > 1:
             grads += sum(storage_bytes(p.grad) for u in self.units for p in u.params)
+        params += sum(p.numel() * p.element_size() for p in self.tagged)
+        grads += sum(storage_bytes(p.grad) for p in self.tagged)
         optimizer = optimizer_state_bytes(self.optimizer)
         return dict(params=params, grads=grads, optimizer=optimizer,
                     total=params + grads + optimizer)
@@ -596,6 +613,8 @@ class ShardedEngine:
                     sl = slice(offset, offset + p.numel())
                     out[names[p]] = (flat[sl].view_as(p), grad[sl].view_as(p))
                     offset += p.numel()
+        for p in self.tagged:
+            out[names[p]] = (p.detach(), p.grad)
         return out
 
 
@@ -623,6 +642,13 @@ class ShardedEngine:
                     out.append((names[p], p.shape, a - offset,
                                 {k: v[a - lo:b - lo] for k, v in flat.items()}, owner))
                 offset += p.numel()
+        for p in self.tagged:       # MoE experts: whole, owned by the first of their replicas
+            views = {"param": p.detach().view(-1)}
+            if p.grad is not None:
+                views["grad"] = p.grad.view(-1)
+            views.update({k: v.view(-1) for k, v in self.optimizer.state.get(p, {}).items()
+                          if torch.is_tensor(v) and v.numel() == p.numel()})
+            out.append((names[p], p.shape, 0, views, comm.rank(p.grad_group) == 0))
         return out
 
     def sync_params(self):

@@ -9,6 +9,7 @@
                                   layouts against the serial run
     nb06  06_scaling_experiments  weak/strong scaling measured and predicted, the pipeline's
                                   micro-batch trade-off, GPT 22B-1T on Frontier
+    nb08  08_mixture_of_experts   routing, load balance, all-to-all bytes, dense vs MoE
 
 A notebook imports its module (``from minipar.lab import nb03``) and the package it teaches;
 it carries no second copy of the code. Functions named ``*_experiment`` or documented as

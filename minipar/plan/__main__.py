@@ -21,6 +21,7 @@ from .frameworks import FRAMEWORKS, check_framework
 from .hardware import load_hardware
 from .layout import ORDERS, Layout, check_layout, dp_per_node
 from .memory import model_state_bytes
+from . import moe as moe_plan
 from .search import OBJECTIVES, SCHEDULES, explain, search
 from .shapes import (RECOMPUTE_MODES, ModelShape, megatron_flops, megatron_params,
                      model_preset, training_flops)
@@ -92,12 +93,20 @@ def cmd_flops(args) -> None:
         batch = args.batch or (shape.global_batch_tokens // shape.seq_len) or 1
     model_f = training_flops(shape, batch, "none")
     hardware_f = training_flops(shape, batch, args.recompute)
+    moe = moe_plan.from_args(args)                      # MoE: FLOPs follow the active params
+    if moe is not None:
+        model_f = moe_plan.training_flops(shape, moe, batch, "none")
+        hardware_f = moe_plan.training_flops(shape, moe, batch, args.recompute)
     data = {"batch": batch, "seq_len": shape.seq_len, "recompute": args.recompute,
             "model_flops": model_f, "hardware_flops": hardware_f}
     rows = [["global batch (sequences)", batch],
             ["model FLOPs (no recomputation)", f"{model_f:.4g}"],
             [f"hardware FLOPs (recompute={args.recompute})", f"{hardware_f:.4g}"]]
-    if shape.arch == "gpt":
+    if moe is not None:
+        data["moe"] = moe_plan.summary(shape, moe)
+        rows += [["MoE parameters (total)", f"{data['moe']['total_params']:,}"],
+                 ["MoE parameters active per token", f"{data['moe']['active_params']:,}"]]
+    if shape.arch == "gpt" and moe is None:
         data["megatron_flops"] = megatron_flops(batch, shape.seq_len, shape.layers,
                                                 shape.hidden, shape.vocab,
                                                 recompute=args.recompute == "full")
@@ -140,10 +149,20 @@ def cmd_memory(args) -> None:
     spec = _spec(args, dp)
     out = model_state_bytes(n if shape is None else shape, dp, shard=spec, tp=args.tp,
                             pp=args.pp, dtype=args.dtype)
+    moe = moe_plan.from_args(args)                      # MoE: experts split by --ep
+    if moe is not None:
+        if shape is None:
+            raise PlanError("--moe-experts needs the model's shape: give --model NAME, not --params")
+        out = moe_plan.state_bytes(shape, moe, dp, args.ep, shard=spec, tp=args.tp, pp=args.pp,
+                                   dtype=args.dtype)
+        n = moe_plan.params(shape, moe)["total"]
     data = {"params_bytes": out["params"], "grads_bytes": out["grads"],
             "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
             "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
             "shard": {"p": spec[0], "g": spec[1], "os": spec[2]}}
+    if moe is not None:
+        data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep,
+                           expert_params_per_device=out["expert_params"])
     rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"]
             for k in ("params", "grads", "optimizer", "total")]
     text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp} dp={dp}, "
@@ -172,15 +191,24 @@ LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); b: mi
 
 
 def cmd_search(args) -> None:
+    moe = moe_plan.from_args(args)
     results = search(args.model, args.gpus, args.hardware, tp=args.tp, pp=args.pp,
                      global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
                      micro_batch=args.micro_batch, shard=args.shard, zero=args.zero,
-                     recompute=args.recompute, top=args.top, max_tp=args.max_tp,
+                     recompute=args.recompute, top=args.top if moe is None else 10**6,
+                     max_tp=args.max_tp,
                      order=args.order, overlap=args.overlap, flash=args.flash_attention,
                      dtype=args.dtype, framework=args.framework, sp=args.sp,
                      v=args.chunks, schedule=args.schedule, objective=args.objective,
                      reserve=args.reserve)
+    if moe is not None:                                 # MoE: re-rank the dense candidates
+        results = moe_plan.rerank(results, model_preset(args.model, args.seq_len), moe, args.ep,
+                                  load_hardware(args.hardware), args.top,
+                                  args.order or FRAMEWORKS[args.framework].order,
+                                  args.overlap, args.dtype)
     why = explain(results[0], results[1] if len(results) > 1 else None)
+    if moe is not None:
+        why += "\n  " + results[0].notes[-1]
     data = [e.to_json() for e in results]
     data[0]["explain"] = why
     first = results[0].layout
@@ -235,9 +263,15 @@ def cmd_estimate(args) -> None:
     e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
                  flash=args.flash_attention, dtype=args.dtype, framework=fw,
                  reserve=args.reserve)
+    moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
+    if moe is not None:
+        e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.overlap, args.dtype)
     data = e.to_json()
     data["explain"] = explain(e, label="layout")
     data["notes"] = notes
+    if moe is not None:
+        data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
+        data["explain"] += "\n  " + e.notes[-1]
     _emit(args, data, f"{args.model} on {layout.gpus} x {args.hardware} with {fw.name}; "
           + "; ".join(notes) + "\n" + _results_table([e]) + "\n\n" + data["explain"]
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))
@@ -384,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree")
     _add_spec(p)
     p.add_argument("--dtype", choices=["mixed", "fp32"], default="mixed", help="mixed: bf16 + fp32 Adam (2+2+12 bytes); fp32: 4+4+8")
+    moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("params", help="parameter count of a shape")
@@ -399,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", type=positive_float, help="measured seconds per iteration")
     p.add_argument("--gpus", type=positive, help="devices, with --step-time")
     p.add_argument("--hardware", help="a preset or JSON file, with --step-time (its peak)")
+    moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("search", help="rank the layouts that fit")
@@ -428,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "time with nothing hidden, under the memory limit")
     _add_spec(p, searching=True)
     _add_costs(p)
+    moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("estimate", help="predict one given layout")
@@ -451,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (interleaved needs --chunks >= 2)")
     _add_spec(p)
     _add_costs(p)
+    moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("calibrate", help="measure this machine into a hardware file")

@@ -1,0 +1,281 @@
+"""Mixture of experts in the planner: parameters, FLOPs, memory and all-to-all traffic.
+
+The model is ``minipar.moe``'s: every N-th layer's MLP becomes E expert MLPs of the dense
+width F and a router (an h x E matrix); each token runs k of them. With l layers there are
+l_moe = floor(l / N) MoE layers, and an expert MLP has m_p = 2hF + b(F + h) parameters
+(GPT; 3hF for LLaMA's SwiGLU).
+
+Parameters::
+
+    total   = dense + l_moe ((E - 1) m_p + h E)
+    active  = dense + l_moe ((k - 1) m_p + h E)      what one token passes through
+
+Training FLOPs: the dense count plus, per MoE layer and token, the k - 1 extra expert MLPs
+and the router, 2 ((k-1) m_mm + h E) forward (m_mm = 2hF, or 3hF for LLaMA), times 3 for
+forward and backward (4 with full recomputation). Compute follows the active parameters;
+memory follows the total.
+
+Model states per device, expert parallelism over ep ranks of the data-parallel group: the
+experts are split over ep and kept whole (``minipar.zero`` leaves them out of its shards, so
+they are sharded by ep alone), the rest of the model is sharded by the spec as usual::
+
+    bytes = states(non-expert params, spec) + (w + g + o) * l_moe / pp * (E / ep) * m_p / tp
+
+Traffic per device and step, t tokens per device per micro-batch, m micro-batches, b bytes
+per activation element (``minipar.moe``'s docstring; the trainer measures it):
+
+    all_to_all          4 (ep-1)/ep * t k h b * l_moe * m       balanced routing, no drops
+                        2 (a_out + a_in) h b per layer and micro-batch, for measured routing
+    all_to_all_counts   (ep-1) E/ep * 8 * l_moe * m
+    expert gradients    all-reduce over the d/ep replicas (instead of over d)
+
+The all-to-alls are on the critical path (each layer waits for its tokens): time = count x
+((ep-1) alpha + bytes / beta), beta the slowest link the EP group crosses (``network``).
+``adjust`` turns a dense estimate into the MoE's: compute grows by the extra FLOPs (and the
+pipeline bubble with it), the data-parallel traffic is recomputed for the non-expert
+parameters plus the experts' all-reduce over their replicas, with the dense estimate's share
+of it hidden behind compute.
+Not modelled: MoE activation memory beyond the dense model's (k MLP activations per token
+and the dispatch buffers) and load imbalance (the busiest expert sets the pace).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .errors import PlanError
+from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
+from .shapes import ModelShape
+
+COUNT_BYTES = 8     # int64 routing counts
+
+
+@dataclass(frozen=True)
+class MoE:
+    experts: int        # E
+    top_k: int = 2      # k
+    every: int = 1      # N: every N-th layer is an MoE layer
+
+    def layers(self, shape: ModelShape) -> int:
+        return shape.layers // self.every
+
+
+def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> None:
+    """PlanError (one line) for an MoE/EP that cannot be laid out."""
+    if moe is None:
+        if ep > 1:
+            raise PlanError("--ep splits the experts of an MoE model; give --moe-experts E too")
+        return
+    if not 1 <= moe.top_k <= moe.experts:
+        raise PlanError(f"--moe-top-k must be between 1 and --moe-experts {moe.experts}, "
+                        f"got {moe.top_k}")
+    if moe.every < 1:
+        raise PlanError(f"--moe-every must be >= 1, got {moe.every}")
+    if moe.experts % ep:
+        raise PlanError(f"--moe-experts {moe.experts} must be a multiple of --ep {ep}")
+    if dp is not None and dp % ep:
+        raise PlanError(f"--ep {ep} must divide the data-parallel degree {dp}")
+
+
+# --------------------------------------------------------------------------------------
+# Parameters and FLOPs
+# --------------------------------------------------------------------------------------
+def expert_params(shape: ModelShape) -> int:
+    """One expert: the dense MLP's parameters."""
+    h, f = shape.hidden, shape.ffn
+    if shape.arch == "llama":
+        return 3 * h * f
+    return 2 * h * f + (f + h if shape.bias else 0)
+
+
+def params(shape: ModelShape, moe: MoE) -> dict[str, int]:
+    """Total and active (per token) parameters, and those of the experts."""
+    l_moe, m_p, router = moe.layers(shape), expert_params(shape), shape.hidden * moe.experts
+    return dict(total=shape.params + l_moe * ((moe.experts - 1) * m_p + router),
+                active=shape.params + l_moe * ((moe.top_k - 1) * m_p + router),
+                experts=l_moe * moe.experts * m_p, router=l_moe * router)
+
+
+def extra_forward_flops(shape: ModelShape, moe: MoE, batch: int) -> float:
+    """Forward FLOPs an MoE adds to the dense model on ``batch`` sequences."""
+    h, f = shape.hidden, shape.ffn
+    mlp_mm = (3 if shape.arch == "llama" else 2) * h * f
+    tokens = batch * shape.seq_len
+    return 2.0 * tokens * moe.layers(shape) * ((moe.top_k - 1) * mlp_mm + h * moe.experts)
+
+
+def training_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "none") -> float:
+    from .shapes import training_flops as dense
+    factor = 4 if recompute == "full" else 3
+    return dense(shape, batch, recompute) + factor * extra_forward_flops(shape, moe, batch)
+
+
+# --------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------
+def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=None,
+                zero: int | None = None, tp: int = 1, pp: int = 1,
+                dtype: str = "mixed") -> dict[str, int]:
+    """Model-state bytes per device: non-expert parameters sharded by the spec, experts
+    split by ep (and tp, pp) and kept whole."""
+    check(moe, ep, dp)
+    l_stage = math.ceil(moe.layers(shape) / pp)
+    m_p = expert_params(shape)
+    non_expert = (stage_params(shape, tp, pp) - l_stage * math.ceil(m_p / tp)
+                  + l_stage * shape.hidden * moe.experts)
+    out = model_state_bytes(non_expert, dp, shard=shard, zero=zero, dtype=dtype)
+    experts = l_stage * (moe.experts // ep) * math.ceil(m_p / tp)
+    for key, per_param in zip(("params", "grads", "optimizer"), BYTES_PER_PARAM[dtype]):
+        out[key] += per_param * experts
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    out["expert_params"], out["non_expert_params"] = experts, non_expert
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Traffic
+# --------------------------------------------------------------------------------------
+def all_to_all_bytes(sent_rows: int, received_rows: int, d_model: int, elem_bytes: int) -> int:
+    """One MoE layer, one micro-batch, measured routing: the dispatch and combine all-to-alls
+    forward and backward send 2 (a_out + a_in) rows of d_model elements."""
+    return 2 * (sent_rows + received_rows) * d_model * elem_bytes
+
+
+def all_to_all_bytes_balanced(tokens: int, top_k: int, d_model: int, ep: int,
+                              elem_bytes: int) -> float:
+    """The same with balanced routing and no drops: 4 (ep-1)/ep t k d_model b."""
+    return 4 * (ep - 1) / ep * tokens * top_k * d_model * elem_bytes
+
+
+def step_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, ep: int,
+                    microbatches: int = 1, elem_bytes: int = 4) -> dict[str, float]:
+    """MoE traffic one device sends per step (balanced routing, no drops); ``tokens`` per
+    device per micro-batch."""
+    calls = moe.layers(shape) * microbatches
+    out = dict(all_to_all=calls * all_to_all_bytes_balanced(tokens, moe.top_k, shape.hidden,
+                                                              ep, elem_bytes),
+               all_to_all_counts=calls * (ep - 1) * (moe.experts // ep) * COUNT_BYTES)
+    return {k: v for k, v in out.items() if v}
+
+
+def all_to_all_time(nbytes: float, calls: int, ep: int, stride: int, hw) -> float:
+    """``calls`` all-to-alls sending ``nbytes`` in all, over ep ranks ``stride`` apart."""
+    from .network import placement
+    if ep <= 1 or calls == 0:
+        return 0.0
+    per_node, nodes = placement(ep, stride, hw.gpus_per_node)
+    if nodes == 1:
+        beta, alpha = hw.intra_node_bandwidth, hw.intra_node_latency
+    else:
+        beta = min(hw.intra_node_bandwidth, hw.inter_node_bandwidth * per_node / hw.gpus_per_node)
+        alpha = hw.inter_node_latency
+    return calls * (ep - 1) * alpha + nbytes / beta
+
+
+# --------------------------------------------------------------------------------------
+# One layout: the dense estimate, adjusted
+# --------------------------------------------------------------------------------------
+def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
+           overlap: float | None = None, dtype: str | None = None):
+    """The dense ``Estimate`` of ``shape`` turned into the MoE model's: model states (experts
+    split by ep), compute (active parameters), the all-to-alls (blocking) and the expert
+    gradients' all-reduce over their replicas. Returns a new Estimate (``times['ep_comm']``
+    added) and its MoE figures in ``notes``."""
+    from .network import collective_time, zero_collectives
+    lay = e.layout
+    dtype = dtype or hw.dtype
+    check(moe, ep, lay.dp, lay.tp)
+    memory = dict(e.memory)
+    states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,
+                         dtype=dtype)
+    for key in ("params", "grads", "optimizer"):
+        memory["total"] += states[key] - memory[key]
+        memory[key] = states[key]
+
+    times = dict(e.times)
+    l_stage = math.ceil(moe.layers(shape) / lay.pp)
+    extra = (4 if lay.recompute == "full" else 3) * extra_forward_flops(shape, moe, lay.global_batch)
+    extra_stage = extra * l_stage / max(1, moe.layers(shape))
+    busy = times["compute"] + times["tp_comm"]
+    times["compute"] += extra_stage / (lay.dp * lay.tp) / hw.achievable_flops
+    times["bubble"] *= (times["compute"] + times["tp_comm"]) / busy    # the bubble scales with it
+
+    strides = lay.strides(order)
+    tokens = lay.micro_batch * shape.seq_len // (lay.tp if lay.sp else 1)
+    elem = ACTIVATION_BYTES[dtype]
+    a2a = l_stage * lay.microbatches * all_to_all_bytes_balanced(tokens, moe.top_k, shape.hidden,
+                                                                 ep, elem)
+    times["ep_comm"] = all_to_all_time(a2a, 4 * l_stage * lay.microbatches, ep, strides["dp"], hw)
+
+    collectives = zero_collectives(states["non_expert_params"], lay.dp, lay.shard, dtype, lay.microbatches,
+                                   recompute=lay.recompute == "full")
+    dp_comm = sum(c.count * c.calls * collective_time(c.op, c.nbytes / c.calls, c.size,
+                                                      c.stride * strides["dp"], hw)
+                  for c in collectives)
+    dp_comm += collective_time("all_reduce", states["expert_params"] * BYTES_PER_PARAM[dtype][1],
+                               lay.dp // ep, strides["dp"] * ep, hw)
+    # the same share of it hides behind compute as in the dense estimate
+    hidden_share = 1 - e.times["dp_exposed"] / e.times["dp_comm"] if e.times.get("dp_comm") else 0.0
+    times["dp_comm"] = dp_comm
+    times["dp_exposed"] = dp_comm * (1 - hidden_share)
+    times["step"] = sum(times[k] for k in ("compute", "tp_comm", "bubble", "pp_comm",
+                                           "dp_exposed", "ep_comm"))
+    model_flops = training_flops(shape, moe, lay.global_batch, "none")
+    hw_flops = training_flops(shape, moe, lay.global_batch, lay.recompute)
+    peak = times["step"] * lay.gpus * hw.peak_flops
+    p = params(shape, moe)
+    note = (f"MoE: {moe.experts} experts, top-{moe.top_k}, every {moe.every} layer(s), ep={ep}: "
+            f"{p['total']:,} parameters, {p['active']:,} active per token; all-to-all "
+            f"{a2a / 2**20:,.1f} MiB per device per step ({times['ep_comm'] * 1e3:.2f} ms, "
+            f"blocking); activations as the dense model's")
+    return dataclasses.replace(
+        e, memory=memory, times=times, flops={"model": model_flops, "hardware": hw_flops},
+        tokens_per_s=lay.global_batch * shape.seq_len / times["step"],
+        mfu=model_flops / peak, hfu=hw_flops / peak, notes=[*e.notes, note])
+
+
+# --------------------------------------------------------------------------------------
+# The command line's hooks
+# --------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                   help="experts per MoE layer (0: dense)")
+    g.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
+    g.add_argument("--moe-every", type=int, default=1, metavar="N",
+                   help="every N-th layer is an MoE layer")
+    g.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert-parallel degree (divides dp and E)")
+
+
+def from_args(args) -> MoE | None:
+    if args.moe_experts < 0 or args.ep < 1:
+        raise PlanError(f"--moe-experts must be >= 0 and --ep >= 1 (got {args.moe_experts}, "
+                        f"{args.ep})")
+    moe = MoE(args.moe_experts, args.moe_top_k, args.moe_every) if args.moe_experts else None
+    check(moe, args.ep)
+    return moe
+
+
+def summary(shape: ModelShape, moe: MoE) -> dict:
+    p = params(shape, moe)
+    return dict(experts=moe.experts, top_k=moe.top_k, every=moe.every,
+                moe_layers=moe.layers(shape), total_params=p["total"],
+                active_params=p["active"], expert_params=p["experts"])
+
+
+def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
+           order: str = "tp,pp,dp", overlap: float | None = None, dtype: str | None = None) -> list:
+    """The dense search's candidates as MoE layouts: adjusted, those that fit, fastest first.
+
+    The search itself ranks dense layouts; ``cmd_search`` asks it for many candidates and
+    this keeps the MoE's best ``top``. Layouts whose dp is not a multiple of ep are skipped.
+    """
+    out = [adjust(e, shape, moe, ep, hw, order, overlap, dtype) for e in results
+           if e.layout.dp % ep == 0]
+    out = sorted((e for e in out if e.fits), key=lambda e: e.step_time)
+    if not out:
+        raise PlanError(f"no layout of the {len(results)} candidates fits the MoE model with "
+                        f"ep={ep} (dp must be a multiple of ep); try a larger --ep or more GPUs")
+    return out[:top]

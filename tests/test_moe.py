@@ -1,0 +1,248 @@
+"""Mixture of experts and expert parallelism (minipar.moe) against the single-process run.
+
+The serial MoE model is the reference: the same seed on --ep 2 and --ep 4 (alone and with
+data parallelism across EP groups, and under ZeRO-1) must give its losses, gradients,
+parameters, routing decisions, aux loss and drop rate; the all-to-all bytes each rank
+records must equal the formula evaluated on the routing that rank actually made.
+"""
+import math
+
+import pytest
+import torch
+
+from conftest import NANO, assert_same_training, cli, serial_state
+from minipar import comm, dist, moe
+from minipar.model import build, config
+from minipar.plan import moe as plan_moe
+from minipar.plan.shapes import trainer_presets
+from minipar.train import run_state
+
+E, K = 4, 2
+MOE = ["--moe-experts", str(E), "--moe-top-k", str(K), "--capacity-factor", "1.0",
+       "--steps", "8"]
+
+
+# --------------------------------------------------------------------------------------
+# The layer on its own, one process
+# --------------------------------------------------------------------------------------
+def test_router_weights_are_the_renormalised_top_k():
+    logits = torch.randn(50, E, generator=torch.Generator().manual_seed(0))
+    probs, weights, experts = moe.route(logits, K)
+    torch.testing.assert_close(probs, torch.softmax(logits, -1))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(50))
+    for t in range(50):
+        best = sorted(range(E), key=lambda e: -probs[t, e].item())[:K]
+        assert experts[t].tolist() == best
+        assert torch.allclose(weights[t], probs[t, best] / probs[t, best].sum())
+
+
+def test_aux_loss_is_one_when_balanced_and_E_when_collapsed():
+    s = 8                                                # two sequences of 8 tokens, top-1
+    uniform = torch.full((2 * s, E), 1 / E)
+    balanced = torch.arange(2 * s).remainder(E).unsqueeze(1)
+    assert moe.load_balancing_loss(uniform, balanced, s).item() == pytest.approx(1.0)
+    onehot = torch.zeros(2 * s, E)
+    onehot[:, 0] = 1
+    collapsed = torch.zeros(2 * s, 1, dtype=torch.long)
+    assert moe.load_balancing_loss(onehot, collapsed, s).item() == pytest.approx(E)
+    # per sequence, then the mean: sequence 1 collapsed, sequence 2 balanced
+    mixed = torch.cat([onehot[:s], uniform[s:]]), torch.cat([collapsed[:s], balanced[s:]])
+    assert moe.load_balancing_loss(*mixed, s).item() == pytest.approx((E + 1) / 2)
+
+
+def test_capacity_keeps_first_choices_first_then_positions():
+    s, cf = 6, 1.0
+    experts = torch.randint(0, E, (2 * s, K), generator=torch.Generator().manual_seed(1))
+    keep = moe.capacity_mask(experts, s, E, cf)
+    capacity = math.ceil(cf * s * K / E)
+    for b in range(2):                                   # a plain loop, in GShard's order
+        used = [0] * E
+        for j in range(K):
+            for pos in range(s):
+                e = experts[b * s + pos, j].item()
+                assert keep[b * s + pos, j].item() == (used[e] < capacity)
+                used[e] += 1
+    assert moe.capacity_mask(experts, s, E, 0.0).all()  # dropless
+
+
+def test_moe_model_build_is_deterministic_and_counted_by_the_planner():
+    cfg = config("nano", moe_experts=E, moe_top_k=K, moe_every=2)
+    a, b = build(cfg, seed=3), build(cfg, seed=3)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    shape = trainer_presets()["nano"]
+    counted = plan_moe.params(shape, plan_moe.MoE(E, K, 2))
+    assert counted["total"] == sum(p.numel() for p in a.parameters())
+    assert counted["experts"] == sum(p.numel() for n, p in a.named_parameters() if ".experts." in n)
+    assert [i for i, blk in enumerate(a.blocks) if isinstance(blk.mlp, moe.MoE)] == [1, 3]
+
+
+# --------------------------------------------------------------------------------------
+# The layer on 4 ranks: routing, outputs, gradients and bytes equal the serial model's
+# --------------------------------------------------------------------------------------
+def _batch():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 256, (8, 16), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _serial(cf):
+    model = build(config("nano", moe_experts=E, moe_top_k=K, capacity_factor=cf), seed=0)
+    x, y = _batch()
+    loss = model(x, y)
+    loss.backward()
+    routing = [m.routing for m in moe.moe_layers(model)]
+    stats = moe.step_stats(model)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), routing, stats, grads
+
+
+def _ep_rank(ep, cf):
+    from minipar import dp
+    grid = dist.Grid(dp=4)
+    model = moe.expert_parallel(build(config("nano", moe_experts=E, moe_top_k=K,
+                                             capacity_factor=cf), seed=0), grid, ep)
+    engine = dp.DataParallel(model, grid.dp_group, mode="bucketed")
+    x, y = _batch()
+    rows = slice(2 * grid.dp_rank, 2 * grid.dp_rank + 2)
+    comm.reset()
+    engine.zero_grad()
+    loss = model(x[rows], y[rows])
+    loss.backward()
+    moved = {op: b for op, b in comm.stats.bytes_by_op().items() if "all_to_all" in op}
+    engine.finish_grad_sync()
+    return dict(loss=loss.item(), routing=[m.routing for m in moe.moe_layers(model)],
+                stats=moe.step_stats(model), moved=moved,
+                grads={n: p.grad.clone() for n, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("cf", [0.0, 1.0])
+def test_expert_parallel_layer_equals_serial(ep, cf):
+    loss, routing, stats, grads = _serial(cf)
+    ranks = dist.launch(_ep_rank, 4, ep, cf, timeout=120)
+    # the loss of the global batch and the routing of every token
+    assert sum(r["loss"] for r in ranks) / 4 == pytest.approx(loss, abs=1e-5)
+    t = 2 * 16                                           # tokens per rank
+    for layer, (experts, keep) in enumerate(routing):
+        for i, r in enumerate(ranks):
+            got_experts, got_keep = r["routing"][layer]
+            assert torch.equal(got_experts, experts[i * t:(i + 1) * t]), f"layer {layer} rank {i}"
+            assert torch.equal(got_keep, keep[i * t:(i + 1) * t]), f"layer {layer} rank {i}"
+    # aux loss (mean over ranks) and drops (sum over ranks) are the serial ones
+    assert sum(r["stats"]["aux_loss"] for r in ranks) / 4 == pytest.approx(stats["aux_loss"], abs=1e-6)
+    assert sum(r["stats"]["dropped"] for r in ranks) == stats["dropped"]
+    assert (stats["dropped"] > 0) == (cf > 0)
+    # every gradient: experts summed over their replicas / d, the rest averaged over d
+    merged = {}
+    for r in ranks:
+        merged.update(r["grads"])
+    assert set(merged) == set(grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(merged[name], g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    # bytes: 2 (a_out + a_in) rows of d_model fp32 per layer, from this rank's routing
+    d_model, per_rank = 32, E // ep
+    for i, r in enumerate(ranks):
+        group = range(i - i % ep, i - i % ep + ep)      # this rank's EP group
+        expected = planned = 0
+        for experts, keep in routing:
+            def rows(src, dst):                          # kept assignments src sends to dst
+                e = experts[src * t:(src + 1) * t][keep[src * t:(src + 1) * t]]
+                return int(((e // per_rank) == dst % ep).sum())
+            a_out = sum(rows(i, j) for j in group if j != i)
+            a_in = sum(rows(j, i) for j in group if j != i)
+            # forward: dispatch a_out rows, combine a_in rows; backward: the same again
+            expected += (a_out + a_in + a_out + a_in) * d_model * 4
+            planned += plan_moe.all_to_all_bytes(a_out, a_in, d_model, 4)
+        assert planned == expected
+        assert r["moved"]["all_to_all"] == expected
+        assert r["moved"]["all_to_all_counts"] == len(routing) * (ep - 1) * per_rank * 8
+
+
+# --------------------------------------------------------------------------------------
+# The trainer: --ep 2, --ep 4, EP x DP, EP x ZeRO-1 against the serial MoE run
+# --------------------------------------------------------------------------------------
+_RUNS = {}
+
+
+def moe_run(nproc, *extra):
+    key = (nproc, *extra)
+    if key not in _RUNS:
+        _RUNS[key] = run_state(NANO + MOE + list(extra), nproc=nproc)
+    return _RUNS[key]
+
+
+@pytest.mark.parametrize("nproc,extra,same", [
+    (2, ["--ep", "2"], []),
+    (4, ["--ep", "4"], []),
+    (4, ["--ep", "2"], []),                  # two EP groups: experts averaged over replicas
+    (4, ["--ep", "2", "--zero", "1"], []),
+    # clipping: each expert's norm counted once, by the first of its replicas
+    (4, ["--ep", "2"], ["--clip-grad", "0.05"]),
+    pytest.param(4, ["--ep", "2", "--dp-mode", "naive"], [], marks=pytest.mark.slow),
+    pytest.param(4, ["--ep", "2", "--zero", "3"], ["--microbatches", "2"], marks=pytest.mark.slow),
+])
+def test_trainer_expert_parallel_equals_serial(nproc, extra, same):
+    """``extra``: the layout; ``same``: flags the serial reference runs with too."""
+    ref = serial_state(MOE + same)
+    got = moe_run(nproc, *extra, *same)
+    # parameters after 8 Adam steps within 1e-4 (Adam divides by sqrt(v): a tiny gradient's
+    # reordering noise moves its parameter by up to lr); losses and gradients within 1e-5
+    assert_same_training(got, ref, loss_tol=1e-5, tol=1e-4)
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], g, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"grad {name}: {m}")
+    for a, b in zip(got["history"], ref["history"]):
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=1e-6)
+        assert a["drop_rate"] == pytest.approx(b["drop_rate"], abs=1e-9)
+    assert any(h["drop_rate"] > 0 for h in ref["history"])
+    assert got["history"][-1]["comm_bytes"]["all_to_all"] > 0
+
+
+def test_trainer_measurements_equal_the_planner(capsys):
+    """fp32, plain DP, dp=4, ep=2: parameters and gradients per rank, and the routing-count
+    all-to-all, as minipar.plan.moe and ``python -m minipar.plan memory`` say."""
+    import json
+    from minipar.plan.__main__ import main as plan_main
+    last = moe_run(4, "--ep", "2")["history"][-1]
+    got = last["model_state_bytes"]
+    shape = trainer_presets()["nano"]
+    plan = plan_moe.state_bytes(shape, plan_moe.MoE(E, K), dp=4, ep=2, zero=0, dtype="fp32")
+    assert (got["params"], got["grads"]) == (plan["params"], plan["grads"])
+    assert plan_main(["memory", "--model", "nano", "--gpus", "4", "--zero", "0", "--dtype", "fp32",
+                      "--moe-experts", str(E), "--ep", "2", "--json"]) == 0
+    cli_plan = json.loads(capsys.readouterr().out)
+    assert (cli_plan["params_bytes"], cli_plan["grads_bytes"]) == (got["params"], got["grads"])
+    counts = plan_moe.step_comm_bytes(shape, plan_moe.MoE(E, K), tokens=2 * 16, ep=2)
+    assert last["comm_bytes"]["all_to_all_counts"] == counts["all_to_all_counts"]
+
+
+def test_aux_loss_reaches_the_objective():
+    """With a huge aux coefficient the router learns balance: aux loss falls towards 1."""
+    hist = run_state(NANO + ["--moe-experts", "4", "--steps", "15", "--moe-aux-coef", "1.0",
+                             "--lr", "1e-2"], nproc=1)["history"]
+    free = run_state(NANO + ["--moe-experts", "4", "--steps", "15", "--moe-aux-coef", "0",
+                             "--lr", "1e-2"], nproc=1)["history"]
+    assert hist[-1]["aux_loss"] < free[-1]["aux_loss"]
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--nproc", "2", "--tp", "2"], "--tp 1 --pp 1"),
+    (["--nproc", "4", "--ep", "3"], "divide"),
+    (["--nproc", "2", "--ep", "2", "--moe-experts", "0"], "--moe-experts"),
+    (["--nproc", "2", "--moe-top-k", "5"], "--moe-top-k"),
+    (["--nproc", "2", "--capacity-factor", "-1"], "--capacity-factor"),
+])
+def test_bad_moe_layouts_are_refused_before_any_work(flags, words):
+    from minipar.errors import UsageError
+    from minipar.train import parse_config
+    args = ["--model", "nano", "--batch-size", "8", "--moe-experts", "4", *flags]
+    with pytest.raises(UsageError, match=words.replace("-", r"\-")):
+        parse_config(args)
+
+
+def test_bad_moe_layout_exits_2_with_one_line():
+    out = cli("minipar.train", "--model", "nano", "--moe-experts", "4", "--nproc", "2",
+              "--tp", "2", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "MoE" in out.stderr, out.stderr
