@@ -529,13 +529,14 @@ def _start(cfg: RunConfig) -> tuple[str, torch.device]:
     """Join the process group (torchrun, srun, --nproc) or pick the single process's device."""
     if dist.env_from_os():
         return dist.init(cfg.backend)
-    if cfg.backend != "gloo" and torch.cuda.is_available():
-        return "none", torch.device("cuda", 0)
-    return "none", torch.device("cpu")
+    _, device, note = dist.resolve(cfg.backend, 1)     # one process: the same device rule
+    if note:
+        print(note, flush=True)
+    return "none", device
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith(('s', 'h')) else 's'}"
 
 
 def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
@@ -548,7 +549,7 @@ def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
             f"{local_params:,}")
     return (f"minipar: {where} ({layout}), model {cfg.model} ({full_params:,} parameters{held}), "
             f"global batch {cfg.batch_size} x {cfg.seq_len} tokens in "
-            f"{_plural(cfg.microbatches, 'micro-batch')}".replace("micro-batchs", "micro-batches")
+            f"{_plural(cfg.microbatches, 'micro-batch')}"
             + (f", MoE {cfg.model_cfg.moe_experts} experts top-{cfg.model_cfg.moe_top_k} ep={cfg.ep}"
                if cfg.model_cfg.moe_experts else ""))
 
