@@ -465,6 +465,9 @@ def _context():
 
     Inside a Jupyter kernel too: the forkserver is a fresh interpreter (not a fork of the
     kernel and its threads), started once and reused by every launch of the session.
+    ``torch._dynamo`` is preloaded too: torch's optimizers import it when the first one is built,
+    which otherwise costs every rank of every launch several seconds (measured: 8 s against
+    0.001 s per rank on a busy 2-core machine).
     """
     global _CONTEXT
     if _CONTEXT is None:
@@ -472,7 +475,7 @@ def _context():
         methods = mp.get_all_start_methods()
         if "forkserver" in methods:
             _CONTEXT = mp.get_context("forkserver")
-            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "einops"])
+            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "einops"])
         else:
             _CONTEXT = mp.get_context("spawn")
     return _CONTEXT
