@@ -490,13 +490,14 @@ def main(argv=None):
 
 
 def _main(argv: list[str]) -> list[dict]:
+    from .cli import check_output_file
     args, trainer_argv = parser().parse_known_args(argv)
     for path, flag in ((args.out, "--out"), (args.plot, "--plot")):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise UsageError(f"{flag} {path}: its folder does not exist; create it first")
+        if path:
+            check_output_file(path, flag)   # a folder, a missing folder, not writable: now
     if args.tasks_per_node is not None and args.tasks_per_node < 1:
         raise UsageError(f"--tasks-per-node must be >= 1, got {args.tasks_per_node}")
-    if args.point_timeout <= 0:
+    if not 0 < args.point_timeout < float("inf"):
         raise UsageError(f"--point-timeout must be positive, got {args.point_timeout}")
     nproc_list = parse_nproc_list(args.nproc_list)
 

@@ -208,7 +208,8 @@ NEW_COMMANDS = {
         ("info {tmp}/empty.txt", "empty.txt"),
     ],
     "scaling": [
-        ("", "weak"),
+        ("", "mode"),
+        ("weak --nproc-list 1,2 --point-timeout nan", "--point-timeout"),
         ("bogus --nproc-list 1,2", "bogus"),
         ("weak --nproc-list 0,2", "--nproc-list"),
         ("weak --nproc-list 1,x", "--nproc-list"),
