@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from . import __version__, comm, dist
+from . import __version__, cli, comm, dist
 from .errors import UsageError
 from .model import GPT, GPTConfig
 from .pieces import pieces
@@ -346,11 +346,11 @@ def load_serial(path: str, device="cpu") -> tuple[GPTConfig, dict[str, torch.Ten
 # --------------------------------------------------------------------------------------
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    dist.main_guard(_run, argv)
+    cli.main_guard(_run, argv)
 
 
 def _run(argv):
-    p = dist.ArgumentParser(prog="python -m minipar.checkpoint",
+    p = cli.ArgumentParser(prog="python -m minipar.checkpoint",
                             description="Inspect or export a minipar checkpoint.")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="print the manifest of a checkpoint")

@@ -4,19 +4,24 @@
   flag raises ``UsageError`` (one line, see below) instead of printing the usage block.
 * ``main_guard(main)``: runs an entry point; ``UsageError`` (bad input, found before any
   work starts) becomes ``error: ...`` on stderr and exit status 2; a failed or timed-out
-  rank (``minipar.dist.RankFailed``, ``TimeoutError``) its message and exit status 1; a
-  reader who leaves early (``| head``) is not an error.
-* Number parsers for ``type=``: ``positive_int`` (1, 2, ...), ``count`` ("175B", "6.7e9",
+  rank (``minipar.dist.RankFailed``, ``TimeoutError``) its message and exit status 1;
+  Ctrl-C one line and 130, a launcher stopped by SIGTERM one line and 143; a reader who
+  leaves early (``| head``) is not an error.
+* Number parsers for ``type=``: ``positive_int`` (1, 2, ...), ``nonnegative_int`` (0, 1, ...),
+  ``positive_float`` (finite, > 0: no NaN, no infinity), ``count`` ("175B", "6.7e9",
   "350M"), ``fraction`` (0 to 1).
+* ``check_output_file(path, flag)``: an output path that can be written, checked before any
+  work starts (not a folder, its folder exists, a file can be created there).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
 
-from .errors import UsageError
+from .errors import Stopped, UsageError
 
 
 def _shows_default(action) -> bool:
@@ -64,6 +69,13 @@ def main_guard(main, argv=None):
     except BrokenPipeError:                  # the reader left early (| head): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:                # Ctrl-C: one line, not a traceback
+        launched = "minipar.dist" in sys.modules
+        print("interrupted" + (": every rank was stopped" if launched else ""), file=sys.stderr)
+        sys.exit(130)
+    except Stopped as e:                     # SIGTERM to a launcher: it stopped every rank
+        print(str(e), file=sys.stderr)
+        sys.exit(128 + e.signum)
     except Exception as e:
         # a rank can only have failed if the launcher (minipar.dist, torch) is loaded
         rank_failed = getattr(sys.modules.get("minipar.dist"), "RankFailed", None)
@@ -106,3 +118,44 @@ def fraction(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text!r}")
     return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: a whole number >= 0 (warm-up steps, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a rate, a size, a time; not NaN, not infinity)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Raise UsageError unless ``path`` can be written: not a folder, in an existing folder
+    where a file can be created (tried, not guessed from permission bits)."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a folder; give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: its folder does not exist; create it first")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot be written ({e.strerror or e}); "
+                         f"choose another path") from None
+    if not existed:
+        os.remove(path)

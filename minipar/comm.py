@@ -140,6 +140,13 @@ class Stats:
             out[op] += b
         return dict(out)
 
+    def seconds_by_op(self) -> dict[str, float]:
+        """Seconds this rank spent blocked in each kind of op (waiting on async ones)."""
+        out = defaultdict(float)
+        for (op, _), s in self.seconds.items():
+            out[op] += s
+        return dict(out)
+
     def bytes_by_group(self) -> dict[str, int]:
         out = defaultdict(int)
         for (_, g), b in self.sent.items():

@@ -19,11 +19,15 @@ group from the same ``Grid``.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import re
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -31,50 +35,103 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import UsageError  # noqa: F401  (re-exported: dist.UsageError)
-
-
+from .cli import ArgumentParser, main_guard, positive_int  # noqa: F401  (re-exported)
+from .errors import Stopped, UsageError  # noqa: F401  (re-exported: dist.UsageError)
 
 
 def _timeout_s() -> float:
-    return float(os.environ.get("MINIPAR_TIMEOUT", "60"))
+    """The collective timeout, MINIPAR_TIMEOUT seconds (60 by default), for every group."""
+    text = os.environ.get("MINIPAR_TIMEOUT", "60")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"MINIPAR_TIMEOUT={text!r}: give the collective timeout as a positive "
+                         f"number of seconds (default 60)")
+    return value
+
+
+def collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=_timeout_s())
 
 
 # --------------------------------------------------------------------------------------
 # Backend and device
 # --------------------------------------------------------------------------------------
-def _gpus_fit(n_gpu: int, local_world_size: int) -> bool:
-    """Every local process can own a GPU: one per local rank, or exactly one visible per
-    process (Slurm's ``--gpus-per-task 1`` / ``--gpu-bind``, as on Frontier, binds each task to
-    its own GPU, which it then sees as device 0)."""
-    return n_gpu >= 1 and (n_gpu >= local_world_size or n_gpu == 1)
+def gpu_count() -> int:
+    """GPUs this process can see (CUDA or ROCm build of torch); 0 on a CPU-only build."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_backend(backend: str = "auto", local_world_size: int = 1) -> str:
-    """``auto``: NCCL (RCCL on ROCm builds) when every local process can own a GPU, else gloo."""
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "nccl" if _gpus_fit(n_gpu, local_world_size) else "gloo"
+_VISIBLE = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def slurm_binds_one_gpu(environ=os.environ) -> bool:
+    """Slurm gave each task its own GPU (``srun --gpus-per-task 1``, ``--gpu-bind``, Frontier).
+
+    Read from what srun sets for the task, never guessed from "one GPU is visible": that
+    alone also describes a one-GPU laptop running several processes.
+    """
+    if "SLURM_PROCID" not in environ:
+        return False
+    if environ.get("SLURM_GPUS_PER_TASK", "").strip() == "1":
+        return True
+    # --gpu-bind narrows each task's visible list to a subset of the step's GPUs.
+    step = [g for g in environ.get("SLURM_STEP_GPUS", "").split(",") if g.strip()]
+    for var in _VISIBLE:
+        seen = [g for g in environ.get(var, "").split(",") if g.strip()]
+        if len(seen) == 1 and len(step) > 1:
+            return True
+    return False
+
+
+def _local_rank(environ) -> int:
+    return int(environ.get("LOCAL_RANK", environ.get("SLURM_LOCALID", 0)))
+
+
+def resolve(backend: str = "auto", local_world_size: int = 1,
+            environ=os.environ) -> tuple[str, torch.device, str | None]:
+    """Pick the backend and this process's device; the one rule for every way of starting.
+
+    Returns ``(backend, device, note)``; ``note`` is one line to print when the choice needs
+    explaining (GPUs are present but not used), else None.
+
+    * ``auto``: NCCL (RCCL on ROCm builds) with one GPU per process when the local processes
+      can each own a distinct GPU: one per local rank, or Slurm bound one GPU to each task
+      (then it is the task's device 0). Otherwise gloo on the CPU.
+    * ``nccl``: the same condition, or a UsageError saying why not.
+    * ``gloo``: gloo on the CPU.
+    """
+    if backend not in ("auto", "gloo", "nccl"):
+        raise UsageError(f"unknown backend {backend!r}; choose auto, gloo or nccl")
+    if local_world_size < 1:
+        raise UsageError(f"the number of local processes must be >= 1, got {local_world_size}")
+    cpu = torch.device("cpu")
+    if backend == "gloo":
+        return "gloo", cpu, None
+    n_gpu = gpu_count()
+    bound = n_gpu >= 1 and slurm_binds_one_gpu(environ)
+    procs = f"{local_world_size} process{'es' if local_world_size > 1 else ''}"
+    gpus = f"{n_gpu} GPU{'s' if n_gpu != 1 else ''}"
+    if bound:
+        return "nccl", torch.device("cuda", 0), None
+    if n_gpu >= local_world_size:
+        return "nccl", torch.device("cuda", _local_rank(environ) % n_gpu), None
     if backend == "nccl":
         if n_gpu == 0:
             raise UsageError("--backend nccl needs a GPU but torch sees none; use --backend gloo "
                              "(or auto), or install a CUDA/ROCm build of torch")
-        if not _gpus_fit(n_gpu, local_world_size):
-            raise UsageError(f"--backend nccl needs one GPU per local process: {local_world_size} "
-                             f"processes but {n_gpu} GPUs; use fewer processes or --backend gloo")
-        return "nccl"
-    if backend == "gloo":
-        return "gloo"
-    raise UsageError(f"unknown backend {backend!r}; choose auto, gloo or nccl")
+        raise UsageError(f"--backend nccl needs one GPU per local process: {procs}, {gpus}; "
+                         f"use at most {n_gpu} processes per node, bind one GPU per task "
+                         f"(srun --gpus-per-task 1), or --backend gloo")
+    note = f"{procs}, {gpus}: using gloo on CPU" if n_gpu else None
+    return "gloo", cpu, note
 
 
-def device_for(backend: str, local_rank: int) -> torch.device:
-    """One GPU per process under NCCL: by local rank, or the only one a bound task sees."""
-    if backend == "nccl":
-        index = local_rank if local_rank < torch.cuda.device_count() else 0
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+def resolve_backend(backend: str = "auto", local_world_size: int = 1, environ=os.environ) -> str:
+    """The backend part of ``resolve`` (kept for callers that only check it)."""
+    return resolve(backend, local_world_size, environ)[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -134,24 +191,36 @@ def env_from_os(environ=os.environ) -> Env | None:
 def init(backend: str = "auto") -> tuple[str, torch.device]:
     """Initialise the default process group from torchrun/Slurm/launch() and pick the device.
 
-    Returns ``(backend, device)``. Collectives time out after MINIPAR_TIMEOUT seconds (60 by
-    default), so a rank stuck behind a dead peer errors out instead of waiting forever.
+    Returns ``(backend, device)`` as ``resolve`` decides them; rank 0 prints its note, if any.
+    Collectives time out after MINIPAR_TIMEOUT seconds (60 by default), in this group and in
+    every group made with ``new_group``, so a rank stuck behind a dead peer errors out
+    instead of waiting for the library's default of 30 minutes.
     """
+    env = env_from_os()
     if dist.is_initialized():
         b = dist.get_backend()
-        return b, device_for(b, int(os.environ.get("LOCAL_RANK", 0)))
-    env = env_from_os()
+        local = env.local_world_size if env else 1
+        return b, resolve(b, local)[1] if b == "nccl" else torch.device("cpu")
     if env is None:
         raise UsageError("no launcher environment found: use --nproc N, torchrun or srun")
-    backend = resolve_backend(backend, env.local_world_size)
+    backend, device, note = resolve(backend, env.local_world_size)
+    if note and env.rank == 0:
+        print(note, flush=True)
     # env:// also lets torchrun hand over its own rendezvous store (TORCHELASTIC_USE_AGENT_STORE).
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    device = device_for(backend, env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, init_method="env://",
-                            timeout=datetime.timedelta(seconds=_timeout_s()),
+                            timeout=collective_timeout(),
                             device_id=device if backend == "nccl" else None)
     return backend, device
+
+
+def new_group(ranks: list[int]):
+    """``torch.distributed.new_group`` with the collective timeout (the library's default is
+    30 minutes, whatever the default group has). Every sub-group goes through here."""
+    return dist.new_group(ranks, timeout=collective_timeout())
 
 
 # --------------------------------------------------------------------------------------
@@ -199,7 +268,7 @@ class Grid:
             return None
         mine = None
         for ranks in rank_lists:
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            g = new_group(ranks) if len(ranks) > 1 else None
             if self.rank in ranks:
                 mine = g
                 if g is not None:
@@ -227,7 +296,7 @@ class Grid:
 # The local launcher
 # --------------------------------------------------------------------------------------
 class RankFailed(RuntimeError):
-    """A rank raised (or died); the message carries its traceback."""
+    """A rank raised (or died); the message names it and carries its traceback."""
 
 
 def free_port() -> int:
@@ -236,35 +305,167 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, args, kwargs, rank, world, port, backend, queue, threads):
+# --------------------------------------------------------------------------------------
+# How a rank ends: one way, whatever happened
+# --------------------------------------------------------------------------------------
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
+            pass
+
+
+def finish(status: int = 0) -> "NoReturn":  # noqa: F821
+    """End this rank: bounded barrier (on success), ``destroy_process_group()``, flush, exit.
+
+    The exit is ``os._exit``: no interpreter finalization. In torch's CPU build gloo's worker
+    threads outlive ``destroy_process_group()``, and one that drops a finished work object
+    while the interpreter is finalizing takes the GIL, is force-unwound and calls
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT). Leaving
+    without finalization never gets there. The teardown runs in a thread and is given at
+    most MINIPAR_TIMEOUT seconds, so a dead peer cannot keep this rank alive.
+    """
+    if dist.is_initialized():
+        def teardown():
+            try:
+                if status == 0:
+                    dist.barrier()  # nobody leaves while a peer still needs its store
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - we are leaving either way
+                pass
+        t = threading.Thread(target=teardown, name="minipar-teardown", daemon=True)
+        t.start()
+        t.join(_timeout_s() if status == 0 else 5.0)
+    _flush()
+    os._exit(status)
+
+
+def _exit_on_signal(signum, frame):
+    """A rank told to stop (SIGTERM from torchrun or Slurm): one line, flush, leave now."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+    print(f"rank {rank}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+    _flush()
+    os._exit(128 + signum)
+
+
+def run_main(fn, argv=None):
+    """A command's entry point: ``fn(argv)`` in a plain process, a launcher, or a rank.
+
+    Not a rank (no torchrun/Slurm environment): as ``main_guard``. A rank: every ending goes
+    through ``finish`` with its status: 0, 2 after a UsageError (rank 0 prints the line),
+    130 after Ctrl-C, 1 after printing the traceback; SIGTERM ends it at once (143).
+    """
+    env = env_from_os()
+    if env is None:
+        return main_guard(fn, argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+    status = 0
+    try:
+        fn(argv)
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except UsageError as e:
+        if env.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        status = 2
+    except KeyboardInterrupt:
+        print(f"rank {env.rank}: interrupted", file=sys.stderr)
+        status = 130
+    except BaseException:  # noqa: BLE001 - every failure is printed, then the rank ends
+        print(f"rank {env.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
+        status = 1
+    finish(status)
+
+
+# --------------------------------------------------------------------------------------
+# The local launcher
+# --------------------------------------------------------------------------------------
+def _die_with(launcher_pid: int) -> None:
+    """A rank never outlives its launcher, whatever kills the launcher (SIGKILL included).
+
+    The forkserver, not the launcher, is a rank's parent, and it holds on as long as any rank
+    does; so the parent-death signal (Linux) covers the forkserver, and a watcher thread
+    waits on the launcher itself (a pidfd on Linux, polling elsewhere) and ends the rank.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            parent = os.getppid()
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        try:
+            fd = os.pidfd_open(launcher_pid)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            import select
+            select.select([fd], [], [])  # readable once the launcher has exited
+        else:
+            while True:
+                try:
+                    os.kill(launcher_pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    pass
+                time.sleep(0.5)
+        os._exit(1)  # nobody is left to report to; leave without a word
+
+    threading.Thread(target=watch, name="minipar-launcher-watch", daemon=True).start()
+
+
+def _worker(payload, rank, world, port, backend, queue, threads, launcher_pid, environ):
+    _die_with(launcher_pid)
+    # The forkserver's environment is a snapshot from its start; a rank sees the launcher's
+    # environment as it is now (MINIPAR_TIMEOUT set in a notebook after the first launch).
+    os.environ.clear()
+    os.environ.update(environ)
+    # Ctrl-C in a terminal reaches every process of the group; the launcher alone answers
+    # it (one line, every rank stopped), so the ranks do not print a traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     try:
+        # Unpickled here, not by multiprocessing, so a function that cannot be found in the
+        # child (defined in a notebook cell, say) is reported like any other error.
+        fn, args, kwargs = pickle.loads(payload)
         init(backend)
         result = fn(*args, **kwargs)
         # Plain pickle copies tensors into the message; torch's default queue pickling would
         # pass them as shared-memory file descriptors that die with this process.
-        queue.put((rank, "ok", pickle.dumps(result)))
+        message = (rank, "ok", pickle.dumps(result))
+        status = 0
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        queue.put((rank, "error", traceback.format_exc()))
-        queue.close()
-        queue.join_thread()  # the traceback must reach the parent before we vanish
-        # Leave at once: peers blocked in a collective are killed by the parent.
-        os._exit(1)
-    try:
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - results are already delivered
-        pass
+        message = (rank, "error", traceback.format_exc())
+        status = 1
+    queue.put(message)
+    queue.close()
+    queue.join_thread()  # the message is in the pipe before this process can vanish
+    finish(status)
 
 
 _CONTEXT = None
 
 
 def _context():
-    """forkserver with torch preloaded: a launch costs ~0.1 s instead of ~1.5 s with spawn."""
+    """forkserver with torch preloaded: a launch costs ~0.1 s instead of ~1.5 s with spawn.
+
+    Inside a Jupyter kernel too: the forkserver is a fresh interpreter (not a fork of the
+    kernel and its threads), started once and reused by every launch of the session.
+    """
     global _CONTEXT
     if _CONTEXT is None:
         import multiprocessing as mp
@@ -277,62 +478,154 @@ def _context():
     return _CONTEXT
 
 
+def _how_it_ended(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (exit {code})"
+    return f"exit code {code}"
+
+
+# What a rank sees when a peer is gone: a symptom, not the cause.
+_PEER_SYMPTOM = re.compile(r"Connection (reset|closed) by peer|Broken pipe|ECONNRESET|"
+                           r"Connection refused|timed? ?out|Timeout|closed by remote|"
+                           r"NCCL communicator was aborted|Socket closed", re.IGNORECASE)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "(no message)"
+
+
+def _failure_report(errors: dict[int, str], exits: dict[int, int | None],
+                    order: list[int]) -> RankFailed:
+    """Root cause first: a rank that died without a word (a signal, an exit), else a rank
+    whose error is not a peer's symptom, else the first to report. Then what the others saw."""
+    silent = [r for r, code in sorted(exits.items()) if code not in (None, 0) and r not in errors]
+    causes = [r for r in order if not _PEER_SYMPTOM.search(_last_line(errors[r]))]
+    if silent:
+        root = silent[0]
+        head = f"rank {root} died: {_how_it_ended(exits[root])}, no traceback"
+    else:
+        root = (causes or order)[0]
+        head = f"rank {root} failed:\n{errors[root].rstrip()}"
+    others = [f"  rank {r}: {_last_line(errors[r])}" for r in order if r != root]
+    others += [f"  rank {r}: died, {_how_it_ended(exits[r])}" for r in silent if r != root]
+    if others:
+        head += "\nthen what the other ranks saw:\n" + "\n".join(others)
+    return RankFailed(head)
+
+
+_WARNED_OVERSUBSCRIBED = False
+
+
+def _warn_if_oversubscribed(nprocs: int) -> None:
+    """Far more processes than cores still runs (time-shared, slowly): say so, once."""
+    global _WARNED_OVERSUBSCRIBED
+    cores = os.cpu_count() or 1
+    if nprocs > 4 * cores and not _WARNED_OVERSUBSCRIBED:
+        _WARNED_OVERSUBSCRIBED = True
+        print(f"warning: {nprocs} processes on {cores} CPU core{'s' if cores > 1 else ''}: "
+              f"they will take turns, so expect it to be slow", file=sys.stderr, flush=True)
+
+
 def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0,
            threads: int = 1, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return every rank's result, by rank.
 
-    ``fn`` must be importable (a module-level function). The default process group is
-    initialised before ``fn`` runs, so it can build a ``Grid`` or call collectives. If a rank
-    raises, all ranks are stopped and ``RankFailed`` carries that rank's traceback; past
-    ``timeout`` seconds every rank is killed and ``TimeoutError`` says which ranks were late.
+    ``fn`` must be importable (a module-level function in a .py file, not a notebook cell).
+    The default process group is initialised before ``fn`` runs, so it can build a ``Grid``
+    or call collectives. If a rank raises or dies, all ranks are stopped and ``RankFailed``
+    names the root cause first (the rank that died and how, or the one that raised, with its
+    traceback), then what the others saw. Past ``timeout`` seconds every rank is killed and
+    ``TimeoutError`` says which were late. Ctrl-C (KeyboardInterrupt) or SIGTERM stops every
+    rank at once; ranks also die with this process if it is killed outright.
     """
     import queue as queue_mod
+    if not (isinstance(nprocs, int) and nprocs >= 1):
+        raise UsageError(f"launch needs a whole number of processes >= 1, got {nprocs!r}")
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"launch timeout must be a positive number of seconds, got {timeout!r}")
+    _timeout_s()  # a bad MINIPAR_TIMEOUT is reported here, not by every rank
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise UsageError(f"launch({getattr(fn, '__name__', fn)}, ...): the ranks cannot import "
+                         f"a function defined interactively (a notebook cell); put it in a "
+                         f".py module and import it")
+    payload = pickle.dumps((fn, args, kwargs))
+    _warn_if_oversubscribed(nprocs)
     ctx = _context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, args, kwargs, r, nprocs, port, backend, q, threads),
-                         daemon=True) for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(payload, r, nprocs, port, backend, q, threads, os.getpid(),
+                               dict(os.environ)))
+             for r in range(nprocs)]
     results: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
+    errors: dict[int, str] = {}
+    order: list[int] = []
     failure = None
+    stop_signal = []
+
+    def on_sigterm(signum, frame):
+        stop_signal.append(signum)
+        raise Stopped(signum)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
     try:
-        while len(results) < nprocs and failure is None:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        trouble_since = None
+        while len(results) < nprocs:
             try:
-                rank, status, payload = q.get(timeout=0.2)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    # Drain a last message the dead rank may have sent before exiting.
-                    try:
-                        rank, status, payload = q.get(timeout=1.0)
-                    except queue_mod.Empty:
-                        failure = RankFailed(f"rank {dead[0]} died with exit code "
-                                             f"{procs[dead[0]].exitcode} and no traceback")
-                        break
-                elif time.monotonic() > deadline:
-                    late = [r for r in range(nprocs) if r not in results]
-                    failure = TimeoutError(f"launch({getattr(fn, '__name__', fn)}, {nprocs}) "
-                                           f"exceeded {timeout:.0f}s; ranks {late} did not finish")
-                    break
+                rank, status, payload = q.get(timeout=0.1)
+                if status == "ok":
+                    results[rank] = pickle.loads(payload)
                 else:
-                    continue
-            if status == "ok":
-                results[rank] = pickle.loads(payload)
-            else:
-                failure = RankFailed(f"rank {rank} failed:\n{payload}")
+                    errors[rank] = payload
+                    order.append(rank)
+                continue
+            except queue_mod.Empty:
+                pass
+            exits = {r: p.exitcode for r, p in enumerate(procs)}
+            silent = [r for r, c in exits.items() if c not in (None, 0) and r not in errors]
+            if errors or silent:
+                # Give the others a moment to report what they saw (a dead rank's last
+                # message may still be in the pipe), then stop everyone.
+                trouble_since = trouble_since or time.monotonic()
+                settled = all(r in results or r in errors or exits[r] is not None
+                              for r in range(nprocs))
+                if settled or time.monotonic() - trouble_since > 2.0:
+                    failure = _failure_report(errors, exits, order)
+                    break
+            elif time.monotonic() > deadline:
+                late = [r for r in range(nprocs) if r not in results]
+                failure = TimeoutError(f"launch({getattr(fn, '__name__', fn)}, {nprocs}) "
+                                       f"exceeded {timeout:.0f}s; ranks {late} did not finish")
+                break
+    except BaseException:
+        # Ctrl-C, SIGTERM, anything: stop every rank now, not after a grace period.
+        failure = failure or True
+        raise
     finally:
         if failure is not None:
             for p in procs:
-                if p.is_alive():
+                if p.pid is not None and p.is_alive():
                     p.kill()
         for p in procs:
+            if p.pid is None:
+                continue
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        q.close()
+        if in_main:
+            signal.signal(signal.SIGTERM, old_handler)
     if failure is not None:
         raise failure
     return [results[r] for r in range(nprocs)]

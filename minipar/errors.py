@@ -13,3 +13,12 @@ class PlanError(UsageError):
 
     Messages say what is wrong and what would fix it.
     """
+
+
+class Stopped(BaseException):
+    """A launcher was told to stop (SIGTERM) and stopped every rank; exit status 128 + signal."""
+
+    def __init__(self, signum: int):
+        import signal
+        super().__init__(f"stopped by {signal.Signals(signum).name}: every rank was stopped")
+        self.signum = signum

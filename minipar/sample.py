@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from . import checkpoint, dist
+from . import checkpoint, cli
 from .data import ByteTokenizer
 from .errors import UsageError
 from .model import GPT
@@ -47,7 +47,7 @@ def generate(model: GPT, prompt: torch.Tensor, tokens: int, temperature: float =
 
 
 def parser():
-    p = dist.ArgumentParser(prog="python -m minipar.sample",
+    p = cli.ArgumentParser(prog="python -m minipar.sample",
                             description="Generate text from a minipar checkpoint (serially).")
     p.add_argument("--resume", required=True, metavar="DIR",
                    help="a checkpoint, or a --save folder (its newest checkpoint)")
@@ -93,7 +93,7 @@ def run(argv) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    dist.main_guard(run, argv)
+    cli.main_guard(run, argv)
 
 
 if __name__ == "__main__":

@@ -241,6 +241,10 @@ def parse_config(argv: list[str]) -> RunConfig:
             raise UsageError(f"--metrics {a.metrics}: its folder does not exist; create it first")
         if not os.access(folder, os.W_OK):
             raise UsageError(f"--metrics {a.metrics}: its folder is not writable")
+    if a.metrics:
+        cli.check_output_file(a.metrics, "--metrics")   # tried, not guessed from mode bits
+    if not 0 <= a.seed < 2**32:
+        raise UsageError(f"--seed must be from 0 to 2**32 - 1, got {a.seed}")
     if a.seq_len is not None and a.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {a.seq_len}")
     if a.peak_tflops is not None:
@@ -346,7 +350,18 @@ def _corpus_bytes(path: str | None) -> int:
         raise UsageError(f"--data {path} is a folder; give a text file")
     if not os.path.isfile(path):
         raise UsageError(f"--data {path}: no such file")
-    return os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    # The corpus is read as UTF-8 text; a binary or differently encoded file would be
+    # trained on silently as replacement characters.
+    if b"\0" in raw:
+        raise UsageError(f"--data {path} looks binary (it holds NUL bytes); give a UTF-8 text file")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--data {path} is not UTF-8 text (byte {e.start}); convert it, "
+                         f"e.g. iconv -t UTF-8") from None
+    return len(raw)
 
 
 # --------------------------------------------------------------------------------------
@@ -514,13 +529,14 @@ def _start(cfg: RunConfig) -> tuple[str, torch.device]:
     """Join the process group (torchrun, srun, --nproc) or pick the single process's device."""
     if dist.env_from_os():
         return dist.init(cfg.backend)
-    if cfg.backend != "gloo" and torch.cuda.is_available():
-        return "none", torch.device("cuda", 0)
-    return "none", torch.device("cpu")
+    _, device, note = dist.resolve(cfg.backend, 1)     # one process: the same device rule
+    if note:
+        print(note, flush=True)
+    return "none", device
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith(('s', 'h')) else 's'}"
 
 
 def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
@@ -533,7 +549,7 @@ def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
             f"{local_params:,}")
     return (f"minipar: {where} ({layout}), model {cfg.model} ({full_params:,} parameters{held}), "
             f"global batch {cfg.batch_size} x {cfg.seq_len} tokens in "
-            f"{_plural(cfg.microbatches, 'micro-batch')}".replace("micro-batchs", "micro-batches")
+            f"{_plural(cfg.microbatches, 'micro-batch')}"
             + (f", MoE {cfg.model_cfg.moe_experts} experts top-{cfg.model_cfg.moe_top_k} ep={cfg.ep}"
                if cfg.model_cfg.moe_experts else ""))
 
@@ -598,6 +614,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
             sent = comm.stats.bytes_by_op()
+            waited = comm.stats.seconds_by_op()
             # The loss lives on the last stage; every TP rank has the same value.
             holds_loss = grid.is_last_stage and grid.tp_rank == 0
             state = engine.model_state_bytes()
@@ -611,7 +628,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
                           tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
                           model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
                                                  optimizer=int(peaks[2]), total=int(peaks[3])),
-                          comm_bytes=sent, grad_norm=hook.grad_norm, lr=lr,
+                          comm_bytes=sent, comm_seconds=waited, grad_norm=hook.grad_norm, lr=lr,
                           **mfu.utilisation(flops, peaks[4], peak, cfg.world))
             if device.type == "cuda":
                 record["peak_memory_bytes"] = int(peaks[5])
@@ -762,7 +779,9 @@ def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    cli.main_guard(run, argv)
+    # A torchrun/srun rank ends through dist.finish (no interpreter finalization); a
+    # plain process or the --nproc launcher as any CLI does.
+    dist.run_main(run, argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Every exercise: its student file is generated from the package, its checker passes the
 package's solution, fails the blank file, and catches typical wrong answers."""
+import time
+
 import pytest
 
+from conftest import cli
 from minipar import exercises
 
 IDS = list(exercises.registry())
@@ -65,3 +68,56 @@ def test_checker_catches_wrong_answers(tmp_path, ex_id, old, new, expected):
     failures = exercises.check(ex_id, path=_mutant(tmp_path, ex_id, old, new))
     assert failures, "the checker accepted a wrong answer"
     assert any(expected in f for f in failures), failures
+
+
+# --------------------------------------------------------------------------------------
+# The checker is a grader: anything but a clean pass is a FAIL with the reason
+# --------------------------------------------------------------------------------------
+HEADER = "from minipar.comm import *  # noqa\n"
+
+
+@pytest.mark.parametrize("body,reason", [
+    ("import sys\nsys.exit(0)\n", "calls sys.exit(0) when imported"),
+    ("import os\nos._exit(0)\n", "ended early with exit code 0"),
+    ("raise ValueError('oops')\n", "does not load: ValueError: oops"),
+    ("def ring_all_reduce(t, group:\n", "does not load: SyntaxError"),
+    ("def ring_all_reduce(t, group):\n    import sys; sys.exit(0)\n", "SystemExit"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n", "killed by SIGSEGV"),
+])
+def test_grader_fails_a_file_that_exits_raises_or_crashes(tmp_path, body, reason):
+    path = tmp_path / "ex01_student.py"
+    path.write_text(HEADER + body)
+    failures = exercises.check("ex01", path=path, timeout=240)
+    assert failures and reason in failures[0], failures
+
+
+def test_grader_stops_an_endless_loop(tmp_path):
+    path = tmp_path / "ex01_student.py"
+    path.write_text(HEADER + "while True:\n    pass\n")
+    t = time.monotonic()
+    failures = exercises.check("ex01", path=path, timeout=8)
+    assert failures and failures[0].startswith("timed out after 8 s"), failures
+    assert time.monotonic() - t < 20
+
+
+def test_check_cli_never_exits_0_without_a_verdict(tmp_path):
+    """The original bug: a file calling sys.exit(0) at import made `check` exit 0 silently."""
+    path = tmp_path / "ex01_student.py"
+    path.write_text(HEADER + "import sys\nsys.exit(0)\n")
+    r = cli("minipar.exercises", "check", "ex01", "--file", str(path), timeout=300)
+    assert r.returncode == 1 and "FAIL ex01" in r.stdout and "sys.exit(0)" in r.stdout, r
+
+
+def test_make_never_destroys_a_students_work(tmp_path):
+    (path,) = exercises.make(["ex01"], tmp_path)
+    assert exercises.make(["ex01"], tmp_path) == [path]        # unchanged blank: rewritten
+    path.write_text(path.read_text() + "\n# my work\n")
+    with pytest.raises(exercises.dist.UsageError, match="not overwritten.*--force"):
+        exercises.make(["ex01"], tmp_path)
+    assert path.read_text().endswith("# my work\n")
+    r = cli("minipar.exercises", "make", "ex01", "--out", str(tmp_path))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert path.read_text().endswith("# my work\n")
+    exercises.make(["ex01"], tmp_path, force=True)
+    assert path.read_text() == exercises.student_source("ex01")
+    assert path.with_name(path.name + ".bak").read_text().endswith("# my work\n")

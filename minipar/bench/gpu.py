@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .. import data, dist, mfu, train
+from .. import cli, data, dist, mfu, train
 from ..train import to_device
 from ..errors import UsageError
 from ..model import PRESETS, build
@@ -61,14 +61,14 @@ def plain_loop(cfg: train.RunConfig, device: torch.device, steps: int) -> list[f
 
 
 def main(argv=None):
-    p = dist.ArgumentParser(prog="python -m minipar.bench gpu")
+    p = cli.ArgumentParser(prog="python -m minipar.bench gpu")
     p.add_argument("--model", default="gpt2", choices=list(PRESETS))
-    p.add_argument("--batch-size", type=dist.positive_int, default=16, help="sequences")
+    p.add_argument("--batch-size", type=cli.positive_int, default=16, help="sequences")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--compile", action="store_true", help="torch.compile both")
-    p.add_argument("--steps", type=dist.positive_int, default=30)
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    p.add_argument("--steps", type=cli.positive_int, default=30)
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="steps left out of the medians")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke test on purpose (no GPU timing)")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -116,4 +116,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    dist.main_guard(main)
+    cli.main_guard(main)

@@ -106,7 +106,7 @@ def main(argv=None):
     p.add_argument("--batch", type=cli.positive_int, default=8)
     p.add_argument("--seq-len", type=cli.positive_int, default=128)
     p.add_argument("--reps", type=cli.positive_int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=3)
     args = p.parse_args(argv)
     print(f"minipar.bench tp: {args.nproc} gloo ranks, activations (b={args.batch}, "
           f"s={args.seq_len}, h={args.d_model}) fp32, forward+backward, median of {args.reps} "

@@ -256,7 +256,7 @@ def main(argv=None):
                    help="rank counts to measure (default: 2 then 4)")
     p.add_argument("--model", default="tiny", choices=list(PRESETS))
     p.add_argument("--steps", type=cli.positive_int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=3)
     p.add_argument("--batch-per-rank", type=cli.positive_int, default=8)
     args = p.parse_args(argv)
     for n in args.nproc:

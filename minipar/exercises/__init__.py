@@ -16,7 +16,12 @@ redefines NAMES, so everything else comes from the package. Commands::
     python -m minipar.exercises list
     python -m minipar.exercises check ex01              # checks exercises/ex01_*.py
     python -m minipar.exercises check ex01 --solution   # checks the package's own code
-    python -m minipar.exercises make [exNN ...]         # regenerate the student files
+    python -m minipar.exercises make [exNN ...]         # (re)generate the student files
+
+The checker is a grader: every check runs in a child process with a time limit, so a student
+file that exits, loops forever or crashes the interpreter is a FAIL with the reason, never a
+hang or a silent pass. ``make`` never overwrites a file the student has edited unless told
+to (``--force``), and then keeps the old one next to it as ``.bak``.
 """
 from __future__ import annotations
 
@@ -25,8 +30,12 @@ import importlib.util
 import inspect
 import os
 import pkgutil
+import json
 import re
+import signal
+import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -124,15 +133,38 @@ def student_source(ex_id: str) -> str:
     return header + imports + (extra.strip() + "\n" if extra else "") + "\n\n" + "\n\n".join(parts)
 
 
-def make(ex_ids=None, folder: Path | None = None) -> list[Path]:
+def make(ex_ids=None, folder: Path | None = None, force: bool = False) -> list[Path]:
+    """Write the student files. A file that differs from its blank (the student's work) is
+    not overwritten: UsageError, before anything is written, unless ``force``; then the old
+    file is kept as ``<name>.bak``."""
     folder = folder or exercises_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
+    if folder.exists() and not folder.is_dir():
+        raise dist.UsageError(f"{folder}: not a folder; give --out a folder for the exercises")
+    plan = []
     for ex_id in ex_ids or registry():
         path = student_path(ex_id, folder)
-        path.write_text(student_source(ex_id))
+        plan.append((path, student_source(ex_id)))
+    edited = [path for path, text in plan if path.exists() and _read(path) != text]
+    if edited and not force:
+        names = ", ".join(str(p) for p in edited)
+        raise dist.UsageError(f"{names}: differs from the blank exercise (your work?); not "
+                              f"overwritten. Rename it, or pass --force to overwrite (the old "
+                              f"file is kept as .bak)")
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path, text in plan:
+        if path in edited:
+            path.replace(path.with_name(path.name + ".bak"))
+        path.write_text(text)
         written.append(path)
     return written
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 # --------------------------------------------------------------------------------------
@@ -193,21 +225,112 @@ def run_check(ex_id: str, student) -> list[str]:
         return [f"your code raised {last}", tb]
 
 
-def check(ex_id: str, path=None, solution: bool = False) -> list[str]:
+def _check_here(ex_id: str, path: str | None, solution: bool) -> list[str]:
+    """The checks, in this process (the grader's child runs this)."""
     ex = get(ex_id)
     if solution:
         student = importlib.import_module(ex.MODULE)
     else:
-        path = Path(path) if path else student_path(ex_id)
-        if not path.exists():
-            raise dist.UsageError(f"{path}: no such file; run `python -m minipar.exercises make "
-                                  f"{ex_id}` to create it")
-        if path.suffix != ".py":
-            raise dist.UsageError(f"{path}: not a Python file; give the exercise's .py file")
         try:
             student = load(path)
-        except Exception:  # noqa: BLE001 - a syntax error is the most common student mistake
+        except SystemExit as e:
+            return [f"your file does not load: it calls sys.exit({e.code!r}) when imported"]
+        except BaseException:  # noqa: BLE001 - a syntax error is the most common student mistake
             tb = traceback.format_exc()
             last = [ln for ln in tb.strip().splitlines() if ln.strip()][-1]
             return [f"your file does not load: {last}", tb]
-    return run_check(ex_id, student)
+    try:
+        return run_check(ex_id, student)
+    except SystemExit as e:
+        return [f"your code called sys.exit({e.code!r}) during the checks"]
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - anything but a clean pass is a FAIL
+        return [f"your code raised {type(e).__name__}: {e}"]
+
+
+def student_file(ex_id: str, path=None) -> Path:
+    """The student file to check; a missing, empty or non-Python file is a UsageError."""
+    path = Path(path) if path else student_path(ex_id)
+    if not path.exists():
+        raise dist.UsageError(f"{path}: no such file; run `python -m minipar.exercises make "
+                              f"{ex_id}` to create it")
+    if path.is_dir() or path.suffix != ".py":
+        raise dist.UsageError(f"{path}: not a Python file; give the exercise's .py file")
+    text = _read(path)
+    if text is None:
+        raise dist.UsageError(f"{path}: cannot be read as UTF-8 text; is it the exercise's .py file?")
+    if not text.strip():
+        raise dist.UsageError(f"{path}: the file is empty; run `python -m minipar.exercises make "
+                              f"{ex_id} --force` to start again from the blank")
+    return path
+
+
+DEFAULT_CHECK_TIMEOUT = 600.0
+
+
+def check(ex_id: str, path=None, solution: bool = False,
+          timeout: float = DEFAULT_CHECK_TIMEOUT) -> list[str]:
+    """Grade: run the exercise's checks in a child process, at most ``timeout`` seconds.
+
+    Returns the failures in plain words (empty: PASS). A file that exits, loops, or takes
+    the interpreter down is a failure with the reason; only a clean run of every check with
+    no finding passes.
+    """
+    get(ex_id)
+    if not (timeout > 0 and timeout < float("inf")):
+        raise dist.UsageError(f"--timeout must be a positive number of seconds, got {timeout}")
+    target = None if solution else str(student_file(ex_id, path).resolve())
+    with tempfile.TemporaryDirectory(prefix="minipar-grade-") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-c", "from minipar.exercises import _grade_child; _grade_child()",
+               ex_id, target or "--solution", str(result)]
+        env = dict(os.environ)
+        root = str(PACKAGE_DIR.parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return [f"timed out after {timeout:.0f} s: the checks did not finish (an endless "
+                    f"loop, or a send without its matching receive?)"]
+        except BaseException:
+            _kill_group(proc)
+            raise
+        _kill_group(proc)  # ranks the student's code may have left behind
+        if result.exists():
+            failures = json.loads(result.read_text())
+            return failures if code == 0 or failures else [f"the checks ended with exit code {code}"]
+        if code < 0:
+            return [f"the checks were killed by {signal.Signals(-code).name} (your code crashed "
+                    f"the interpreter?)"]
+        return [f"the checks ended early with exit code {code} before reporting: your code "
+                f"exits the process (sys.exit / os._exit) instead of returning"]
+
+
+def _kill_group(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _grade_child() -> None:
+    """The grader's child: run the checks, write the failures as JSON."""
+    ex_id, target, out = sys.argv[1:4]
+    try:
+        import torch
+        torch.set_num_threads(1)
+        failures = _check_here(ex_id, None if target == "--solution" else target,
+                               target == "--solution")
+    except BaseException as e:  # noqa: BLE001 - the grader reports, it does not crash
+        failures = [f"the checker itself failed: {type(e).__name__}: {e}", traceback.format_exc()]
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump([str(x) for x in failures], f)
+    os.replace(tmp, out)
+    # A normal exit: the launches' queues unlink their semaphores. (A hang from here on is
+    # cut by the parent's timeout, and the result is already written.)
+    sys.exit(0)

@@ -1,7 +1,20 @@
 import sys
 
 from .. import cli
-from . import check, get, make, registry, student_path
+from ..errors import UsageError
+from . import DEFAULT_CHECK_TIMEOUT, check, get, make, registry, student_file, student_path
+
+
+def _seconds(text: str) -> float:
+    import argparse
+    import math
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def main(argv=None):
@@ -12,10 +25,14 @@ def main(argv=None):
     m = sub.add_parser("make", help="(re)generate student files from the package source")
     m.add_argument("ids", nargs="*")
     m.add_argument("--out", default=None, help="folder (default: the repo's exercises/)")
+    m.add_argument("--force", action="store_true",
+                   help="overwrite files you edited (the old one is kept as .bak)")
     c = sub.add_parser("check", help="run an exercise's checks")
     c.add_argument("id")
     c.add_argument("--file", default=None, help="the student file (default: exercises/exNN_*.py)")
     c.add_argument("--solution", action="store_true", help="check the package's own solution")
+    c.add_argument("--timeout", type=_seconds, default=DEFAULT_CHECK_TIMEOUT,
+                   help="seconds before the checks count as hung")
     args = p.parse_args(argv)
 
     if args.cmd == "list":
@@ -26,13 +43,18 @@ def main(argv=None):
         from pathlib import Path
         for ex_id in args.ids:
             get(ex_id)
-        for path in make(args.ids or None, Path(args.out) if args.out else None):
+        for path in make(args.ids or None, Path(args.out) if args.out else None, force=args.force):
             print(f"wrote {path}")
         return 0
     ex = get(args.id)
+    if args.solution and args.file:
+        raise UsageError("give --file or --solution, not both")
+    if not args.solution:
+        student_file(args.id, args.file)  # a missing, empty or unreadable file: one line, exit 2
     print(f"checking {args.id}: {ex.TITLE} "
-          f"({'package solution' if args.solution else args.file or student_path(args.id)})")
-    failures = check(args.id, args.file, args.solution)
+          f"({'package solution' if args.solution else args.file or student_path(args.id)})",
+          flush=True)
+    failures = check(args.id, args.file, args.solution, timeout=args.timeout)
     if not failures:
         print(f"PASS {args.id}: every check passed")
         return 0

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from ..cli import ArgumentParser, count, fraction
+from ..cli import ArgumentParser, check_output_file, count, fraction, positive_float
 from ..cli import positive_int as positive
 from ..errors import UsageError
 from .errors import PlanError
@@ -320,6 +320,7 @@ _LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2", "z3"
 
 
 def cmd_calibrate(args) -> None:
+    check_output_file(args.out, "--out")          # before the measurements, not after them
     from minipar.bench.calibrate import calibrate
     hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out, model=args.model,
                    batch_size=args.batch_size)
@@ -430,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-tokens", type=count, help="global batch in tokens (instead of --batch)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="full",
                    help="default full, as Megatron-LM's formula assumes")
-    p.add_argument("--step-time", type=float, help="measured seconds per iteration")
+    p.add_argument("--step-time", type=positive_float, help="measured seconds per iteration")
     p.add_argument("--gpus", type=positive, help="devices, with --step-time")
     p.add_argument("--hardware", help="a preset or JSON file, with --step-time (its peak)")
     moe_plan.add_arguments(p)

@@ -145,7 +145,7 @@ def load_hardware(name_or_path: str | Path | Hardware) -> Hardware:
                         f"({', '.join(hardware_presets())}) nor an existing JSON file")
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PlanError(f"cannot read hardware file {path}: {e}; fix the JSON or "
                         f"write a new one with 'python -m minipar.bench calibrate'") from None
     if not isinstance(data, dict):

@@ -1,0 +1,118 @@
+"""The scaling tool: its points, its arithmetic, its errors, and one real sweep (nano)."""
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from minipar import plan, scaling
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NANO = ["--model", "nano", "--steps", "3"]
+
+
+def test_weak_points_grow_the_batch_strong_points_keep_it():
+    weak = scaling.plan_points("weak", [2, 4, 8], NANO + ["--tp", "2", "--batch-size", "8",
+                                                          "--microbatches", "2"])
+    assert [(p.processes, p.dp, p.batch_size, p.micro_batch) for p in weak] == [
+        (2, 1, 8, 4), (4, 2, 16, 4), (8, 4, 32, 4)]   # each replica's work is fixed
+    strong = scaling.plan_points("strong", [1, 2, 4], NANO + ["--zero", "1", "--batch-size", "8"])
+    assert [(p.processes, p.batch_size, p.micro_batch, p.shard) for p in strong] == [
+        (1, 8, 8, (1, 1, 1)), (2, 8, 4, (1, 1, 2)), (4, 8, 2, (1, 1, 4))]
+    assert "--batch-size" in strong[1].argv and "--nproc" not in strong[1].argv
+
+
+def test_efficiency_is_throughput_per_process_against_the_smallest_point():
+    def rec(n, tps):
+        return {"processes": n, "measured": {"tokens_per_s": tps}}
+    records = [rec(1, 100.0), rec(2, 180.0), rec(4, 200.0)]
+    scaling.efficiencies(records, "measured")
+    assert [r["measured"]["efficiency"] for r in records] == pytest.approx([1.0, 0.9, 0.5])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["weak", "--nproc-list", "1,3", "--tp", "2"], "do not divide into tp=2"),
+    (["strong", "--nproc-list", "1,3", "--batch-size", "16"], "strong scaling at 3 processes"),
+    (["weak", "--nproc-list", "1,2", "--dp", "2"], "--dp is set by the sweep"),
+    (["weak", "--nproc-list", "1,x"], "--nproc-list wants process counts"),
+    (["weak", "--nproc-list", "1,2", "--steps", "1"], "leaves no step after --discard"),
+    (["weak", "--nproc-list", "1,2", "--hardware", "no-such-machine"], "--hardware"),
+    (["weak", "--nproc-list", "1,2", "--launcher", "srun"], "needs a Slurm allocation"),
+    (["sideways", "--nproc-list", "1,2"], "invalid choice"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_run(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(scaling, "run_point", lambda *a, **k: pytest.fail("a point ran"))
+    with pytest.raises(SystemExit) as e:
+        scaling.main(argv + ["--model", "nano"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def _sweep_cli(args, env=None):
+    done = subprocess.run([sys.executable, "-m", "minipar.scaling", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_weak_sweep_prints_measured_and_predicted_efficiency(tmp_path):
+    records = _sweep_cli(["weak", "--nproc-list", "1,2", *NANO, "--json",
+                          "--out", str(tmp_path / "r.jsonl")])
+    assert [r["processes"] for r in records] == [1, 2]
+    assert [r["layout"]["batch_size"] for r in records] == [16, 32]
+    assert records[0]["efficiency"] == 1.0 and records[0]["predicted_efficiency"] == 1.0
+    for r in records:
+        assert 0 < r["efficiency"] and 0 < r["predicted_efficiency"] <= 1.0
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["comm_s"] is None or 0 <= r["comm_s"] <= r["step_time_s"]
+    # the bytes measured at 2 processes are the planner's closed form for a DP all-reduce
+    n_params = plan.model_preset("nano").params
+    assert records[1]["comm_bytes"] == plan.zero_comm_bytes(n_params, dp=2, zero=0,
+                                                            dtype="fp32")["total"]
+    assert records[0]["comm_bytes"] == 0
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_inside_slurm_each_point_is_an_srun_step(tmp_path):
+    """A stand-in srun (no cluster here) logs its arguments, then runs the trainer locally."""
+    log = tmp_path / "srun.log"
+    fake = tmp_path / "bin" / "srun"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!{sys.executable}
+import subprocess, sys
+args = sys.argv[1:]
+open({str(log)!r}, "a").write(" ".join(args) + "\\n")
+n = args[args.index("-n") + 1]
+trainer = args[args.index("-m") - 1:]
+sys.exit(subprocess.call(trainer[:3] + ["--nproc", n] + trainer[3:]))
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    records = _sweep_cli(["strong", "--nproc-list", "1,2", *NANO, "--json", "--tasks-per-node",
+                          "1", "--srun-args", "--gpu-bind closest", "--workdir", str(tmp_path)],
+                         env={"SLURM_JOB_ID": "42", "PATH": f"{fake.parent}:{os.environ['PATH']}"})
+    assert [r["launcher"] for r in records] == ["srun", "srun"]
+    steps = log.read_text().splitlines()
+    assert steps[0].startswith("-N 1 -n 1 --ntasks-per-node 1 --gpu-bind closest ")
+    assert steps[1].startswith("-N 2 -n 2 --ntasks-per-node 1 --gpu-bind closest ")
+    assert all("-m minipar.train" in s and "--metrics" in s for s in steps)
+
+
+def test_the_smallest_point_rerun_keeps_its_fastest_run(monkeypatch):
+    """With base_repeats=2 a slow first run of the baseline (load from other programs) cannot
+    push another point's efficiency above the ideal."""
+    step_times = iter([0.30, 0.20, 0.10])          # base (slowed down), N=2, base again
+
+    def fake_run(point, *args, **kwargs):
+        t = next(step_times)
+        return [dict(step=s, loss=1.0, step_time_s=t, comm_bytes={}, comm_seconds={},
+                     model_state_bytes=dict(total=0)) for s in (1, 2, 3)]
+    monkeypatch.setattr(scaling, "run_point", fake_run)
+    records = scaling.sweep("weak", [1, 2], NANO, launcher="local", base_repeats=2)
+    assert records[0]["step_time_s"] == 0.10 and records[0]["base_runs_s"] == [0.30, 0.10]
+    assert records[1]["efficiency"] == pytest.approx(0.5)      # 0.10 / 0.20, not 0.30 / 0.20
