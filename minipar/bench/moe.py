@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import comm, dist, moe
+from .. import cli, comm, dist, moe
 from ..model import MLP, GPTConfig
 from ..plan import moe as plan_moe
 from . import machine, median
@@ -99,14 +99,14 @@ def measure(d_model: int = 128, experts: int = 8, top_k: int = 2, batch: int = 4
 
 
 def main(argv=None):
-    p = dist.ArgumentParser(prog="python -m minipar.bench moe")
-    p.add_argument("--nproc", type=dist.positive_int, default=2, help="EP degree (gloo ranks)")
-    p.add_argument("--d-model", type=dist.positive_int, default=128)
-    p.add_argument("--experts", type=dist.positive_int, default=8)
-    p.add_argument("--top-k", type=dist.positive_int, default=2)
-    p.add_argument("--batch", type=dist.positive_int, default=4, help="sequences per rank")
-    p.add_argument("--seq-len", type=dist.positive_int, default=64)
-    p.add_argument("--reps", type=dist.positive_int, default=20)
+    p = cli.ArgumentParser(prog="python -m minipar.bench moe")
+    p.add_argument("--nproc", type=cli.positive_int, default=2, help="EP degree (gloo ranks)")
+    p.add_argument("--d-model", type=cli.positive_int, default=128)
+    p.add_argument("--experts", type=cli.positive_int, default=8)
+    p.add_argument("--top-k", type=cli.positive_int, default=2)
+    p.add_argument("--batch", type=cli.positive_int, default=4, help="sequences per rank")
+    p.add_argument("--seq-len", type=cli.positive_int, default=64)
+    p.add_argument("--reps", type=cli.positive_int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args(argv)
     if args.experts % args.nproc or args.top_k > args.experts:
