@@ -5,18 +5,6 @@ from ..errors import UsageError
 from . import DEFAULT_CHECK_TIMEOUT, check, get, make, registry, student_file, student_path
 
 
-def _seconds(text: str) -> float:
-    import argparse
-    import math
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
 def main(argv=None):
     p = cli.ArgumentParser(prog="python -m minipar.exercises",
                                 description="List, make and check the workshop exercises.")
@@ -31,7 +19,7 @@ def main(argv=None):
     c.add_argument("id")
     c.add_argument("--file", default=None, help="the student file (default: exercises/exNN_*.py)")
     c.add_argument("--solution", action="store_true", help="check the package's own solution")
-    c.add_argument("--timeout", type=_seconds, default=DEFAULT_CHECK_TIMEOUT,
+    c.add_argument("--timeout", type=cli.positive_float, default=DEFAULT_CHECK_TIMEOUT,
                    help="seconds before the checks count as hung")
     args = p.parse_args(argv)
 
