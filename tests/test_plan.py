@@ -23,9 +23,13 @@ from minipar.plan.network import collective_time
 GIB = 2**30
 
 
-def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "minipar.plan", *map(str, args)],
+def run_cli(*args, timeout=120, module="minipar.plan"):
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)],
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_bench(*args, timeout=120):
+    return run_cli(*args, timeout=timeout, module="minipar.bench")
 
 
 # --------------------------------------------------------------------------------------
@@ -609,7 +613,7 @@ def test_bad_hardware_file_exits_2(tmp_path):
 @pytest.mark.slow
 def test_cli_calibrate_quick(tmp_path):
     out = tmp_path / "here.json"
-    r = run_cli("calibrate", "--quick", "--out", out, "--json", timeout=120)
+    r = run_bench("calibrate", "--quick", "--out", out, "--json", timeout=120)
     assert r.returncode == 0, r.stderr
     hw = json.loads(r.stdout)
     assert hw["peak_flops"] > 1e8 and hw["intra_node_bandwidth"] > 1e6
@@ -635,7 +639,7 @@ def test_cli_calibrate_quick(tmp_path):
     r = run_cli("search", "--model", "tiny", "--gpus", 2, "--hardware", out, "--json")
     assert r.returncode == 0, r.stderr
     # ... and validate marks the layout it was calibrated on (one process, tiny, batch 16)
-    r = run_cli("validate", "--hardware", out, "--layouts", "1,dp2", "--steps", 2, timeout=120)
+    r = run_bench("validate", "--hardware", out, "--layouts", "1,dp2", "--steps", 2, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert any(re.match(r"\s*1 rank \*\s+--nproc 1\s", line) for line in lines), r.stdout
@@ -747,6 +751,11 @@ def test_cli_wording_estimate_memory_search():
     r = run_cli("search", "--model", "gpt-22b", "--gpus", 64, "--hardware", "frontier-mi250x",
                 "--top", 2)
     assert "v: model chunks per pipeline stage" in r.stdout and "m: micro-batches" in r.stdout
-    for sub in ("memory", "params", "flops", "search", "estimate", "calibrate", "validate"):
+    for sub in ("memory", "params", "flops", "search", "estimate"):
         r = run_cli(sub, "--help")
         assert r.returncode == 0 and "(default: " in r.stdout, sub
+    for sub in ("calibrate", "validate"):       # they need torch: minipar.bench has them
+        r = run_bench(sub, "--help")
+        assert r.returncode == 0 and "(default: " in r.stdout, sub
+        r = run_cli(sub)
+        assert r.returncode == 2 and f"python -m minipar.bench {sub}" in r.stderr, sub
