@@ -313,7 +313,8 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
                for op in COLLECTIVES}
     slowdown = min(0.95, max(launch(overlap_slowdown, nprocs, backend="gloo", timeout=120.0)))
     alpha, beta = fit_alpha_beta(sizes, seconds["all_reduce"], nprocs)
-    devices = os.cpu_count() or nprocs
+    from minipar.plan.hardware import _cpu_cores
+    devices = _cpu_cores()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     hw = {
         "name": name,
@@ -334,6 +335,7 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
                              for b, t in zip(sizes, seconds[op])],
         "fragmentation": 0.1,
         "overlap_slowdown": slowdown,
+        "cores": devices,
     }
     shape = model_preset(model)
     predicted = compute_parts(shape, hardware_from_dict(dict(hw), where="calibration"),
@@ -356,6 +358,8 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
                              f"compute, as the trainer issues them; mean over repeats"),
         "intra_node_bandwidth": "fitted to the measured all-reduces (alpha-beta fallback)",
         "fragmentation": "assumption: 10% of RAM lost to the allocator and the runtime",
+        "cores": "measured: the cores this process may run on (os.sched_getaffinity); more "
+                 "one-thread processes than this time-slice them",
         "overlap_slowdown": "measured: 256 x 256 matmuls while a 4 MiB gloo all-reduce runs "
                             "beside them, over the same matmuls alone, minus 1 (the slower "
                             "rank, at most 0.95)",

@@ -237,6 +237,12 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     times["compute"] += times.pop("interference")
     times["step"] = sum(times[k] for k in ("compute", "tp_comm", "bubble", "pp_comm",
                                            "dp_exposed"))
+    notes = []
+    slower = hw.oversubscription(layout.gpus)
+    if slower > 1:
+        per_node = min(layout.gpus, hw.gpus_per_node)
+        notes.append(f"{per_node} processes share {hw.cores} cores: compute predicted "
+                     f"{slower:.2g}x slower per process (time-sliced)")
     flops_model = training_flops(shape, layout.global_batch, "none")
     flops_hw = training_flops(shape, layout.global_batch, layout.recompute)
     peak = times["step"] * layout.gpus * hw.peak_flops
@@ -246,7 +252,7 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
         capacity=hw.usable_bytes(reserve), times=times,
         flops={"model": flops_model, "hardware": flops_hw},
         tokens_per_s=layout.global_batch * shape.seq_len / times["step"],
-        mfu=flops_model / peak, hfu=flops_hw / peak, framework=fw.name)
+        mfu=flops_model / peak, hfu=flops_hw / peak, framework=fw.name, notes=notes)
 
 
 # --------------------------------------------------------------------------------------

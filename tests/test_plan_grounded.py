@@ -1,0 +1,75 @@
+"""The planner held to what its numbers stand for: CPU cores shared by processes,
+hardware files checked, collective tables that never extrapolate silently, engines charged
+call by call, and the memory reserve against layouts that public runs executed."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from minipar.plan import Layout, estimate, load_hardware, model_preset
+from minipar.plan.errors import PlanError
+from minipar.plan.hardware import hardware_from_dict
+
+
+# --------------------------------------------------------------------------------------
+# Cores: processes that outnumber them are time-sliced (issue: 4 processes on 2 cores)
+# --------------------------------------------------------------------------------------
+def test_processes_beyond_the_cores_slow_the_prediction_and_say_so():
+    hw = replace(load_hardware("laptop-cpu"), cores=2)
+    shape = model_preset("tiny")
+    per_process = {}
+    for dp in (1, 2, 4):
+        e = estimate(shape, hw, Layout(dp=dp, micro_batch=16 // dp), check=False, dtype="fp32")
+        per_process[dp] = (e.tokens_per_s / dp, e.notes, e.times["compute"])
+    assert per_process[1][1] == per_process[2][1] == []            # a core each: no note
+    assert per_process[4][1] == ["4 processes share 2 cores: compute predicted 2x slower "
+                                 "per process (time-sliced)"]
+    # the same work per process (weak: micro-batch 16/dp, so compare at equal tokens)
+    one_core = replace(hw, cores=0)
+    e4 = estimate(shape, one_core, Layout(dp=4, micro_batch=4), check=False, dtype="fp32")
+    assert per_process[4][2] == pytest.approx(2 * e4.times["compute"])
+    # weak-scaling efficiency at 4 processes on 2 cores falls to about half, not ~98%
+    rows = __import__("minipar.plan", fromlist=["scaling"]).scaling(
+        shape, hw, Layout(dp=1, micro_batch=16), gpus=[1, 2, 4], dtype="fp32")
+    eff = {r["gpus"]: r["efficiency"] for r in rows}
+    assert eff[4] < 0.55 and eff[2] > 0.8
+
+
+def test_laptop_preset_knows_this_machines_cores():
+    import os
+    hw = load_hardware("laptop-cpu")
+    assert hw.cores == len(os.sched_getaffinity(0))
+    assert "cores" in hw.sources
+    assert replace(hw, cores=0).oversubscription(64) == 1.0       # GPUs: an engine each
+    assert replace(hw, cores=4, gpus_per_node=4).oversubscription(16) == 1.0   # 4 a node
+
+
+# --------------------------------------------------------------------------------------
+# Hardware files: every number finite and positive
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("intra_node_latency", float("nan")), ("inter_node_latency", -1e-6),
+    ("intra_node_latency", 0.0), ("inter_node_bandwidth", 0.0),
+    ("peak_flops", float("inf")), ("peak_flops", -1.0), ("collective_latency", -1e-6),
+    ("hbm_bandwidth", float("nan")), ("compute_efficiency", 1.5),
+    ("tree", {"base_latency": 0, "intra_latency": 0, "inter_latency": 1e-5,
+              "bandwidth_factor": 0.9}),
+    ("local_links", [{"devices": 2, "bandwidth": 0}]),
+    ("collective_table", [{"op": "all_gather", "bytes": 1e6, "per_node": 8, "nodes": 2,
+                           "seconds": float("nan")}]),
+])
+def test_hardware_numbers_must_be_finite_and_positive(field, value):
+    data = json.loads(json.dumps(load_hardware("dgx-a100").to_dict()))
+    data[field] = value
+    with pytest.raises(PlanError, match=field.split("_")[0]):
+        hardware_from_dict(data)
+
+
+def test_every_preset_loads():
+    from minipar.plan import hardware_presets
+    for name in hardware_presets():
+        hw = load_hardware(name)
+        assert hw.peak_flops > 0 and math.isfinite(hw.peak_flops)
