@@ -431,7 +431,7 @@ def test_the_last_pipeline_stage_sets_the_pace():
     # without a memory bandwidth every GEMM runs at the large-GEMM rate and nothing else
     # is timed: compute is the stage's FLOPs over t devices at that rate
     from dataclasses import replace
-    hw = replace(load_hardware("laptop-cpu"), hbm_bandwidth=0.0)
+    hw = replace(load_hardware("laptop-cpu"), hbm_bandwidth=0.0, cores=4)   # a core each
     e = estimate(shape, hw, Layout(tp=2, pp=2, dp=1, micro_batch=4, microbatches=4),
                  dtype="fp32")
     assert e.times["compute"] == pytest.approx(3 * (2 * layer + logits) / 2
@@ -498,8 +498,9 @@ def test_search_is_amsp_partitioner_with_tp_pp_1():
     # memory (7B on 80 GB) parameters stay whole (s_p = 1) ...
     best = search("llama-7b", 1024, "a800-ib", tp=1, pp=1, objective="amsp")[0]
     assert best.layout.shard[0] == 1
-    # ... 30B does not fit without sharding the parameters too
-    best = search("llama-30b", 1024, "a800-ib", tp=1, pp=1, objective="amsp")[0]
+    # ... 30B does not fit without sharding the parameters too once the allocator keeps 30%
+    # (under the measured 11.5% its whole bf16 parameters fit by a hair)
+    best = search("llama-30b", 1024, "a800-ib", tp=1, pp=1, objective="amsp", reserve=0.3)[0]
     assert best.layout.shard[0] > 1 and best.fits
     # and nothing ranks ahead of ZeRO-3 on communication that sends more of it
     zero3 = search("llama-7b", 1024, "a800-ib", tp=1, pp=1, zero=3)[0]

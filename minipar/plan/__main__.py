@@ -324,8 +324,10 @@ def _add_costs(p) -> None:
     p.add_argument("--dtype", choices=["mixed", "fp32"], default=None,
                    help="default: the hardware's")
     p.add_argument("--reserve", type=fraction, default=None,
-                   help="fraction of device memory kept free for fragmentation; default: the "
-                        "hardware's 'fragmentation'")
+                   help="fraction of device memory the allocator holds beyond live tensors, "
+                        "(reserved - allocated) / reserved as 'python -m minipar.bench gpu' "
+                        "measures it; default: the framework profile's measured reserve, else "
+                        "the hardware's 'fragmentation'")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -249,7 +249,8 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     return Estimate(
         model=shape.name, hardware=hw.name, layout=layout,
         memory=device_memory(shape, layout, flash, dtype, fw),
-        capacity=hw.usable_bytes(reserve), times=times,
+        capacity=hw.usable_bytes(reserve if reserve is not None else fw.memory_reserve),
+        times=times,
         flops={"model": flops_model, "hardware": flops_hw},
         tokens_per_s=layout.global_batch * shape.seq_len / times["step"],
         mfu=flops_model / peak, hfu=flops_hw / peak, framework=fw.name, notes=notes)

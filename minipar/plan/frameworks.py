@@ -14,6 +14,9 @@ charge collectives the way that framework's engine issues them. A profile says:
   sharded parameters are gathered unit by unit with prefetch (``param_prefetch``), and
   whether the gather of updated parameters after the optimizer step overlaps the next
   forward (``gather_overlaps_forward``);
+* ``memory_reserve``: the fraction of device memory its allocator holds beyond the live
+  tensors at their peak, (reserved - allocated) / reserved, from a measurement (None: the
+  hardware file's ``fragmentation``); the search refuses layouts that do not fit what is left;
 * ``grad_bytes``: bytes per parameter of the gradient buffer the engine keeps (Megatron-LM
   accumulates bf16 gradients into fp32 ``main_grad`` buffers, DeepSpeed's BF16_Optimizer
   into fp32 buffers too: 4; None: the dtype's 2); ``reduce_bytes``: the precision its
@@ -50,6 +53,8 @@ class Framework:
     dp_bucket_bytes: float | None = None  # plain DP (1,1,1) all-reduce buckets, in bytes,
                                           # when its engine differs from the sharded one
     dp_overlap: bool | None = None        # plain DP buckets overlap backward (None: as grads)
+    memory_reserve: float | None = None   # (reserved - allocated) / reserved of its allocator at
+                                          # the peak, measured; None: the hardware's fragmentation
     sources: tuple = ()
 
     def bucket_params(self, dp: int) -> float | None:
@@ -74,6 +79,15 @@ class Framework:
         raise ValueError(self.spec_family)
 
 
+# Every GPU framework here allocates through PyTorch's CUDA caching allocator; one published
+# measurement of what it holds beyond live tensors in LLM training, shared by their profiles
+# until one is measured per framework (python -m minipar.bench gpu prints it):
+CACHING_ALLOCATOR_RESERVE = 0.115
+CACHING_ALLOCATOR_SOURCE = (
+    "memory_reserve 0.115, derived: GMLake (Guo et al., ASPLOS 2024, arXiv 2401.08156) "
+    "measured PyTorch's caching allocator holding 9.2 GB on average (up to 25 GB) of an "
+    "A100-80GB beyond the live tensors of eight LLM training workloads; 9.2 / 80")
+
 FRAMEWORKS: dict[str, Framework] = {
     "minipar": Framework(
         "minipar", "this package: every AMSP spec, interleaving, sequence parallelism",
@@ -93,7 +107,8 @@ FRAMEWORKS: dict[str, Framework] = {
         spec_family="dist-opt", grad_bucket=40e6, grad_overlap=True, 
         param_prefetch=True, gather_overlaps_forward=True, grad_bytes=4,
         reduce_bytes=4, bucket_per_rank=1e6,
-        sources=("rank order tp-cp-ep-dp-pp (megatron/core/parallel_state.py)",
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE, "rank order tp-cp-ep-dp-pp (megatron/core/parallel_state.py)",
                  "buckets of max(40M, 1M x dp) parameters, fp32 main_grad buffers "
                  "(megatron/core/distributed/distributed_data_parallel.py); with bf16 they are "
                  "accumulated and reduced in fp32 (accumulate_allreduce_grads_in_fp32)",
@@ -109,7 +124,8 @@ FRAMEWORKS: dict[str, Framework] = {
         spec_family="zero01", grad_bucket=5e8, grad_overlap=False,
 
         param_prefetch=True, gather_overlaps_forward=False, grad_bytes=4,
-        sources=("topology axes pipe, data, model with model innermost "
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE, "topology axes pipe, data, model with model innermost "
                  "(deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)",
                  "the pipeline engine reduces gradients after the last micro-batch's "
                  "backward (deepspeed/runtime/pipe/engine.py, ReduceGrads)",
@@ -126,7 +142,8 @@ FRAMEWORKS: dict[str, Framework] = {
         order="tp,dp,pp", interleaving=False, sp=True, recompute=("none", "full"),
         spec_family="fsdp", grad_bucket=None, grad_overlap=True, 
         param_prefetch=True, gather_overlaps_forward=True,
-        sources=("one all-gather and one reduce-scatter per wrapped unit (a transformer "
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE, "one all-gather and one reduce-scatter per wrapped unit (a transformer "
                  "block), backward and forward prefetch (torch.distributed.fsdp docs)",)),
 }
 

@@ -12,6 +12,9 @@ no framework profile) is fitted to them.
   x DP 6 on 3,072 GCDs, both ZeRO-1 with full activation checkpointing, are our reading;
   for 22B we found no layout and show only the planner's choice. The global batch is
   GPT-3's 1,536 sequences of 2,048 tokens (our assumption).
+* ``executed_runs``: layouts that public runs executed (llm-foundry's MPT-7B on 8 x H100
+  without activation checkpointing, torchtitan's Llama-2-13B on 64 A100-80GB): the memory
+  model must fit them; the step-rate they report is listed beside the prediction.
 * Chen et al., "AMSP: Reducing Communication Overhead of ZeRO for Efficient LLM Training"
   (2023): LLaMA models with data parallelism only (TP = PP = 1) on 1,024 A800 GPUs, up to
   52% MFU; we hold the planner's choice of shard spec and its MFU against that.
@@ -24,7 +27,7 @@ from .estimate import Estimate, estimate
 from .hardware import load_hardware
 from .layout import Layout
 from .search import search
-from .shapes import model_preset
+from .shapes import ModelShape, model_preset, with_seq_len
 
 FRONTIER = {"gpt-22b": (512, 38.38), "gpt-175b": (1024, 36.14), "gpt-1t": (3072, 31.96)}
 STUDY_LAYOUTS = {
@@ -91,3 +94,39 @@ def ablation(model: str, layout: Layout, hardware="frontier-mi250x",
                          replace(hw, compute_efficiency=old_efficiency), {}))
     return [(what, estimate(shape, h, layout, framework=framework, **kw).hfu)
             for what, h, kw in cases]
+
+
+# --------------------------------------------------------------------------------------
+# Layouts that public runs executed: each must fit (tests/test_plan_grounded.py)
+# --------------------------------------------------------------------------------------
+MPT_7B = ModelShape("mpt-7b", "gpt", 32, 4096, 32, 50368, 2048, tied_head=True, bias=False)
+
+
+def executed_runs() -> list[dict]:
+    """Published training runs that ran, with the layout they ran: the planner's memory
+    model must fit each one on its hardware and framework profile. Each names its source.
+
+    AMSP's own 13B spec (Chen et al. 2023) belongs here too; its (s_p, s_g, s_os) was not
+    found in the public material searched for this table (the arXiv abstract and reviews
+    give only the MFU), so it is left out rather than guessed.
+    """
+    return [
+        dict(name="MPT-7B on 8 x H100, no activation checkpointing", shape=MPT_7B,
+             hardware="dgx-h100", framework="fsdp", flash=True, mfu=46.44,
+             layout=Layout(tp=1, pp=1, dp=8, micro_batch=6, microbatches=1, shard=(8, 8, 8),
+                           recompute="none"),
+             source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit "
+                    "061f2c7c), 'H100 80GB BF16' table, row 7b / 2048 / 8 GPUs: micro-batch 6, "
+                    "grad accum 1, FULL_SHARD, activation checkpointing False, MFU 46.44; "
+                    "shape from MPT-7B's config (32 layers, d_model 4096, 32 heads, vocab "
+                    "50368, no biases, FlashAttention)"),
+        dict(name="Llama-2-13B on 64 x A100-80GB (torchtitan), no activation checkpointing",
+             shape=with_seq_len(model_preset("llama-13b"), 4096), hardware="dgx-a100",
+             framework="fsdp", flash=True, mfu=61.1,
+             layout=Layout(tp=1, pp=1, dp=64, micro_batch=2, microbatches=1,
+                           shard=(64, 64, 64), recompute="none"),
+             source="pytorch/torchtitan docs/performance.md, LLaMa 2 table: 13B, batch size 2, "
+                    "activation checkpointing 'no', FSDP2 on 64 A100 (80GB), MFU 61.1%; "
+                    "seq_len 4096 from train_configs/llama2_13b.toml (the 64-A100 preset, "
+                    "commit 0c355e6f); attention by scaled_dot_product_attention (fused)"),
+    ]
