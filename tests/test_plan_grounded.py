@@ -105,3 +105,67 @@ def test_the_reserve_is_the_frameworks_measured_one_unless_given():
     assert estimate(shape, hw, lay).capacity == pytest.approx(hw.usable_bytes())
     for name in ("dgx-a100", "dgx-h100", "a800-ib", "frontier-mi250x"):
         assert "GMLake" in load_hardware(name).sources["fragmentation"]
+
+
+# --------------------------------------------------------------------------------------
+# Collective tables: interpolated between node counts, never extrapolated silently
+# --------------------------------------------------------------------------------------
+def _table_hw():
+    hw = load_hardware("a800-ib")
+    rows = [{"op": "all_gather", "bytes": 1 << 24, "per_node": 8, "nodes": n, "seconds": t}
+            for n, t in ((2, 1e-3), (8, 4e-3))]
+    return hw, replace(hw, collective_table=rows)
+
+
+def test_table_interpolates_between_node_counts_and_refuses_beyond():
+    from minipar.plan.network import collective_time, coverage
+    hw, table = _table_hw()
+    n = 1 << 24
+    assert collective_time("all_gather", n, 16, 1, table) == pytest.approx(1e-3)    # 2 nodes
+    # 4 nodes: halfway between 2 and 8 in log2(nodes)
+    assert collective_time("all_gather", n, 32, 1, table) == pytest.approx(2.5e-3)
+    assert coverage("all_gather", 32, 1, table) is None
+    # 16 nodes: beyond the widest row, so the alpha-beta model, and flagged
+    assert (collective_time("all_gather", n, 128, 1, table)
+            == collective_time("all_gather", n, 128, 1, hw))
+    assert coverage("all_gather", 128, 1, table) == (
+        "all_gather over 128 ranks (16 nodes): measured only over 16-64 ranks")
+    # no table: a group inside one node is NCCL's intra-node model, one across nodes flagged
+    assert coverage("all_gather", 8, 1, hw) is None
+    assert "no measured table" in coverage("reduce_scatter", 16, 1, hw)
+
+
+def test_search_output_flags_groups_wider_than_the_table():
+    from minipar.plan import search
+    _, table = _table_hw()
+    best = search("llama-7b", 1024, table, tp=1, pp=1, shard=(1, 8, 8), top=1)[0]
+    js = best.to_json()
+    assert sorted(js["unvalidated"]) == [    # below the table's node counts too: no guess
+        "all_gather over 8 ranks (1 node): measured only over 16-64 ranks",
+        "all_reduce over 128 ranks (128 nodes): no measured table"]
+    assert {"tp", "pp", "dp", "micro_batch", "microbatches", "shard", "recompute",
+            "memory_bytes", "step_time_s", "mfu"} <= set(js)
+    inside = search("llama-7b", 32, table, tp=1, pp=1, top=1, shard=(32, 32, 32),
+                    global_batch_tokens=32 * 2048)[0]
+    assert [u for u in inside.unvalidated if u.startswith("all_gather")] == []   # 4 nodes
+
+
+# --------------------------------------------------------------------------------------
+# Engines charged as they issue calls: DeepSpeed ZeRO-3 and AMSP gather module by module
+# --------------------------------------------------------------------------------------
+def test_zero3_engines_gather_per_module_and_pay_each_latency():
+    from minipar.plan.estimate import dp_collectives
+    shape = model_preset("llama-7b")
+    lay = Layout(dp=64, micro_batch=1, microbatches=1, shard=(64, 64, 64))
+    gathers = {fw: next(c for c in dp_collectives(shape, lay, fw, "mixed")
+                        if c.kind == "gather").calls
+               for fw in ("fsdp", "deepspeed-zero3", "amsp")}
+    assert gathers == {"fsdp": 32 + 2, "deepspeed-zero3": 32 * 9 + 2, "amsp": 32 * 9 + 2}
+    gpt = model_preset("gpt-22b")
+    c = next(c for c in dp_collectives(gpt, lay, "deepspeed-zero3", "mixed") if c.kind == "gather")
+    assert c.calls == gpt.layers * 6 + 2
+    # the same bytes in more calls: slower by the extra calls' latency
+    fsdp = estimate(shape, "a800-ib", lay, framework="fsdp", overlap=0.0)
+    ds = estimate(shape, "a800-ib", lay, framework="deepspeed-zero3", overlap=0.0)
+    assert ds.times["dp_calls"] > fsdp.times["dp_calls"]
+    assert ds.times["dp_comm"] > fsdp.times["dp_comm"]

@@ -14,6 +14,11 @@ charge collectives the way that framework's engine issues them. A profile says:
   sharded parameters are gathered unit by unit with prefetch (``param_prefetch``), and
   whether the gather of updated parameters after the optimizer step overlaps the next
   forward (``gather_overlaps_forward``);
+* ``gather_per_module``: sharded parameters are gathered module by module, as the engine's
+  hooks fetch them (DeepSpeed ZeRO-3's parameter coordinator, AMSP's executor): a GPT layer
+  has 6 modules with parameters (QKV, output projection, fc1, fc2, two LayerNorms), a LLaMA
+  layer 9 (q, k, v, o, gate, up, down, two RMSNorms), and each gather pays its latency;
+  otherwise one gather per model unit (a layer; FSDP's wrapping, minipar's ZeRO units);
 * ``memory_reserve``: the fraction of device memory its allocator holds beyond the live
   tensors at their peak, (reserved - allocated) / reserved, from a measurement (None: the
   hardware file's ``fragmentation``); the search refuses layouts that do not fit what is left;
@@ -53,6 +58,8 @@ class Framework:
     dp_bucket_bytes: float | None = None  # plain DP (1,1,1) all-reduce buckets, in bytes,
                                           # when its engine differs from the sharded one
     dp_overlap: bool | None = None        # plain DP buckets overlap backward (None: as grads)
+    gather_per_module: bool = False       # one parameter gather per module with parameters
+                                          # (DeepSpeed ZeRO-3, AMSP), not one per layer
     memory_reserve: float | None = None   # (reserved - allocated) / reserved of its allocator at
                                           # the peak, measured; None: the hardware's fragmentation
     sources: tuple = ()
@@ -145,7 +152,41 @@ FRAMEWORKS: dict[str, Framework] = {
         memory_reserve=CACHING_ALLOCATOR_RESERVE,
         sources=(CACHING_ALLOCATOR_SOURCE, "one all-gather and one reduce-scatter per wrapped unit (a transformer "
                  "block), backward and forward prefetch (torch.distributed.fsdp docs)",)),
+    "deepspeed-zero3": Framework(
+        "deepspeed-zero3", "DeepSpeed ZeRO stages 0-3 without pipelines: ZeRO-3 gathers "
+        "parameters module by module, reduces gradients in buckets",
+        order="tp,dp,pp", interleaving=False, sp=False, recompute=("none", "full"),
+        spec_family="zero01", grad_bucket=5e8, grad_overlap=True, param_prefetch=True,
+        gather_overlaps_forward=False, gather_per_module=True,
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE,
+                 "ZeRO-3 fetches each submodule's partitioned parameters in a pre-forward "
+                 "hook and prefetches the next ones "
+                 "(deepspeed/runtime/zero/partitioned_param_coordinator.py, fetch_sub_module)",
+                 "reduce_bucket_size 5e8 elements, overlap_comm on as its ZeRO-3 examples set "
+                 "it (DeepSpeed config docs, zero_optimization)")),
+    "amsp": Framework(
+        "amsp", "AMSP's executor: every (s_p, s_g, s_os) spec, gathers module by module with "
+        "prefetch, reduce-scatters overlapped with backward",
+        order="tp,pp,dp", interleaving=False, sp=False, recompute=("none", "full"),
+        spec_family="amsp", grad_bucket=None, grad_overlap=True, param_prefetch=True,
+        gather_overlaps_forward=False, gather_per_module=True,
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE,
+                 "Chen et al. 2023 (arXiv 2311.00257), the executor: AllGather prefetching "
+                 "and ReduceScatter scheduling overlapped with computation; its gathers are "
+                 "issued per module as ZeRO-3's are (the paper compares against DeepSpeed's)")),
 }
+
+
+MODULES_PER_LAYER = {"gpt": 6, "llama": 9}     # modules holding parameters, per layer
+
+
+def gather_calls(fw: Framework, arch: str, layers: int, ends: int) -> int:
+    """Parameter gathers one pass of a stage with ``layers`` layers and ``ends`` end units
+    (embedding, head) issues under ``fw``."""
+    per_layer = MODULES_PER_LAYER[arch] if fw.gather_per_module else 1
+    return layers * per_layer + ends
 
 
 def load_framework(name: str | Framework) -> Framework:

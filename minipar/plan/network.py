@@ -25,7 +25,10 @@ gpus_per_node``; a ring visiting k of its members in a node crosses that node's 
 once, carrying their k shares, so its slowest link runs at k x that (capped by the
 intra-node link). ``bandwidth_by_size`` derates medium messages (RCCL's correction table).
 Where the hardware carries a measured ``collective_table`` with the op and placement, its
-interpolated time replaces all of this (``table_time``).
+interpolated time replaces all of this (``table_time``): between measured sizes and between
+measured node counts, never beyond the widest measured group. A collective the table does not
+cover, that spans nodes or is wider than the table, is timed by the model above and named by
+``coverage``: the estimate lists it under ``unvalidated``, and so does ``search``'s output.
 
 Charged per call: ``engine_collectives`` cuts each data-parallel collective into the calls
 a framework's engine issues (gradient buckets, one gather per model unit), so the latency
@@ -161,18 +164,12 @@ def tree_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
     return latency + 2 * nbytes / (beta * tree["bandwidth_factor"])
 
 
-def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float | None:
-    """Seconds from the measured ``collective_table``, or None where it has no row for this
-    op and placement: effective bandwidth (bytes / seconds) interpolated linearly in
-    log2(bytes); below the smallest size the smallest's time, above the largest its
-    bandwidth."""
-    if not hw.collective_table:
-        return None
-    per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    rows = sorted((r["bytes"], r["seconds"]) for r in hw.collective_table
-                  if r["op"] == op and r["per_node"] == per_node and r["nodes"] == nodes)
-    if not rows:
-        return None
+def _size_time(rows: list[tuple[float, float]], nbytes: float) -> float:
+    """Seconds for ``nbytes`` from (bytes, seconds) rows of one placement: effective bandwidth
+    interpolated linearly in log2(bytes); below the smallest size the smallest's time, above
+    the largest its bandwidth (message size, unlike group width, extrapolates safely: the
+    ring's bandwidth term is linear in it)."""
+    rows = sorted(rows)
     if nbytes <= rows[0][0]:
         return rows[0][1]
     if nbytes >= rows[-1][0]:
@@ -180,9 +177,50 @@ def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> 
     for (b0, t0), (b1, t1) in zip(rows, rows[1:]):
         if b0 <= nbytes <= b1:
             w = (math.log2(nbytes) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
-            bw = (1 - w) * (b0 / t0) + w * (b1 / t1)
-            return nbytes / bw
-    return None
+            return nbytes / ((1 - w) * (b0 / t0) + w * (b1 / t1))
+    return rows[-1][1]
+
+
+def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float | None:
+    """Seconds from the measured ``collective_table``, or None where it does not cover this
+    op and placement. Rows of the same op and members per node are measured at some node
+    counts: an exact count is read off (``_size_time``), a count between two measured ones
+    is interpolated linearly in log2(nodes), and a count beyond them is *not* extrapolated
+    (None: the caller falls back to the alpha-beta model and ``coverage`` flags it)."""
+    if not hw.collective_table:
+        return None
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+    by_nodes: dict[int, list] = {}
+    for r in hw.collective_table:
+        if r["op"] == op and r["per_node"] == per_node:
+            by_nodes.setdefault(r["nodes"], []).append((r["bytes"], r["seconds"]))
+    if nodes in by_nodes:
+        return _size_time(by_nodes[nodes], nbytes)
+    below = [n for n in by_nodes if n < nodes]
+    above = [n for n in by_nodes if n > nodes]
+    if not below or not above:
+        return None
+    n0, n1 = max(below), min(above)
+    w = (math.log2(nodes) - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
+    return (1 - w) * _size_time(by_nodes[n0], nbytes) + w * _size_time(by_nodes[n1], nbytes)
+
+
+def coverage(op: str, size: int, stride: int, hw: Hardware) -> str | None:
+    """Why the time of ``op`` over this group is a model, not a measurement: None when the
+    measured table covers it, or when the group stays in one node and no table was given
+    (NCCL's intra-node model); else one phrase for the ``unvalidated`` list."""
+    if size <= 1:
+        return None
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+    if table_time(op, 1.0, size, stride, hw) is not None:
+        return None
+    rows = [r for r in hw.collective_table or [] if r["op"] == op]
+    if not rows and nodes == 1:
+        return None
+    widths = sorted({r["per_node"] * r["nodes"] for r in rows})
+    measured = (f"measured only over {widths[0]}-{widths[-1]} ranks" if rows
+                else "no measured table")
+    return f"{op} over {size} ranks ({nodes} node{'s' if nodes > 1 else ''}): {measured}"
 
 
 def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
@@ -261,12 +299,15 @@ def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
 
 def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: int,
                        dtype: str = "mixed", microbatches: int = 1, recompute: bool = False,
-                       reduce_bytes: int | None = None) -> list[Collective]:
+                       reduce_bytes: int | None = None,
+                       gathers: int | None = None) -> list[Collective]:
     """``zero_collectives`` as ``framework``'s engine issues them: each cut into calls and
     given the compute it can hide behind.
 
     * parameter gathers: one call per model unit (``units``: the layers of the stage plus
-      its ends), each prefetched behind the unit before it when the engine prefetches;
+      its ends), or ``gathers`` calls where the engine gathers module by module
+      (``frameworks.gather_calls``), each prefetched behind the one before it when the
+      engine prefetches, each paying the collective's latency;
     * gradient reductions, per micro-batch (sharded gradients) or at the step (the step's
       reduce-scatter and cross-replica all-reduce): in buckets of the framework's size, or
       one call per unit; behind the backward pass when the engine starts them during
@@ -287,7 +328,9 @@ def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: i
         grad_overlap = framework.dp_overlap
     out = []
     for c in zero_collectives(n_params, dp, shard, dtype, microbatches, recompute):
-        if bucket is None or c.kind == "gather":
+        if c.kind == "gather":
+            calls = gathers or units
+        elif bucket is None:
             calls = units
         else:
             elements = c.nbytes / (BYTES_PER_PARAM[dtype][0] if c.kind.endswith("gather")
