@@ -81,7 +81,7 @@ def test_every_preset_loads():
 def test_layouts_that_public_runs_executed_fit():
     from minipar.plan.published import executed_runs
     runs = executed_runs()
-    assert len(runs) == 2 and all(r["source"] for r in runs)
+    assert len(runs) == 3 and all(r["source"] for r in runs)
     for r in runs:
         e = estimate(r["shape"], r["hardware"], r["layout"], framework=r["framework"],
                      flash=r["flash"])
@@ -169,3 +169,16 @@ def test_zero3_engines_gather_per_module_and_pay_each_latency():
     ds = estimate(shape, "a800-ib", lay, framework="deepspeed-zero3", overlap=0.0)
     assert ds.times["dp_calls"] > fsdp.times["dp_calls"]
     assert ds.times["dp_comm"] > fsdp.times["dp_comm"]
+
+
+def test_docs_table_of_published_points_is_the_codes():
+    from pathlib import Path
+    from minipar.plan.published import points, points_table
+    rows = points()
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
+    assert points_table(rows) in doc
+    # like for like: no prediction without the authors' layout, the metric they reported
+    for r in rows:
+        assert (r["predicted"] is None) == r["layout_source"].startswith("not found") or \
+            "unverified" in r["layout_source"]
+        assert r["metric"] in ("MFU", "HFU") and r["source"]
