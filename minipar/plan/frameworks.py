@@ -131,13 +131,14 @@ FRAMEWORKS: dict[str, Framework] = {
         spec_family="zero01", grad_bucket=5e8, grad_overlap=False,
 
         param_prefetch=True, gather_overlaps_forward=False, grad_bytes=4,
+        gather_per_module=True,
         memory_reserve=CACHING_ALLOCATOR_RESERVE,
         sources=(CACHING_ALLOCATOR_SOURCE, "topology axes pipe, data, model with model innermost "
                  "(deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)",
                  "the pipeline engine reduces gradients after the last micro-batch's "
                  "backward (deepspeed/runtime/pipe/engine.py, ReduceGrads)",
                  "ZeRO stages 2 and 3 are refused with pipeline parallelism (DeepSpeed "
-                 "pipeline docs)",
+                 "pipeline docs); its ZeRO-3 gathers module by module as deepspeed-zero3's",
                  "reduce/allgather bucket size 5e8 elements (DeepSpeed config docs, "
                  "zero_optimization defaults)",
                  "BF16_Optimizer accumulates gradients in fp32 "
