@@ -68,7 +68,8 @@ Python API (sizes in bytes, times in seconds)::
 
     load_hardware(name_or_path) -> Hardware
     Layout(tp, pp, dp, micro_batch, microbatches, shard, recompute, v, sp, schedule)
-    load_framework(name) -> Framework   # minipar, megatron-lm, megatron-deepspeed, fsdp
+    load_framework(name) -> Framework   # minipar, megatron-lm, megatron-deepspeed, fsdp,
+                                        # deepspeed-zero3, amsp (per-module gathers)
     estimate(shape, hardware, layout, order=None, overlap=None, framework="minipar")
         -> Estimate        # overlap None: each collective's window; a number: that fraction
     scaling(shape, hardware, layout, gpus=[...], weak=True) -> [{"gpus", "efficiency", ...}]
