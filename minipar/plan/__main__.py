@@ -217,10 +217,6 @@ def cmd_search(args) -> None:
               if args.objective == "amsp" else "predicted step time")
     header = (f"{args.model} on {args.gpus} x {args.hardware} with {args.framework}, global "
               f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
-    flagged = results[0].unvalidated
-    if flagged:
-        why += ("\n  unvalidated: " + "; ".join(flagged) + " (timed by the alpha-beta model, "
-                "never extrapolated from measurements)")
     _emit(args, data, header + _results_table(results) + "\n\n" + why)
 
 

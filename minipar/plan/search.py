@@ -274,6 +274,9 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
                  f"(params {_gib(mem['params'])}, grads {_gib(mem['grads'])}, optimizer "
                  f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}, "
                  f"temporary {_gib(mem['temporary'])})")
+    if best.unvalidated:
+        lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
+                     "alpha-beta model, never extrapolated from measurements)")
     if runner_up is not None:
         r = runner_up.times
         deltas = {k: r[k] - t[k] for k in _PARTS}
