@@ -7,7 +7,9 @@ Read top to bottom, one module per question:
     memory      what fills a device                      (ZeRO; Korthikanti et al. 2022)
     hardware    what a device computes, holds, sends     (presets: minipar/hardware/*.json)
     frameworks  what a framework runs, how its engine issues collectives
-    network     bytes and time of collectives, per call  (rings and trees; NCCL's tuning model)
+    network     bytes of collectives, per call as engines issue them   (rings and trees)
+    timing      time of one collective: NCCL's tuning model or a measured table, and what
+                no measurement covers (``coverage``: "unvalidated")
     compute     a step's compute: GEMMs by shape, attention, memory-bound kernels, optimizer
     layout      one tp x pp x dp layout and its legality
     estimate    step time, tokens/s, MFU of one layout; overlap per collective; scaling
