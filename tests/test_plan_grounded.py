@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from minipar.plan import Layout, estimate, load_hardware, model_preset
+from minipar.plan import Layout, estimate, load_hardware, model_preset, scaling
 from minipar.plan.errors import PlanError
 from minipar.plan.hardware import hardware_from_dict
 
@@ -32,8 +32,7 @@ def test_processes_beyond_the_cores_slow_the_prediction_and_say_so():
     e4 = estimate(shape, one_core, Layout(dp=4, micro_batch=4), check=False, dtype="fp32")
     assert per_process[4][2] == pytest.approx(2 * e4.times["compute"])
     # weak-scaling efficiency at 4 processes on 2 cores falls to about half, not ~98%
-    rows = __import__("minipar.plan", fromlist=["scaling"]).scaling(
-        shape, hw, Layout(dp=1, micro_batch=16), gpus=[1, 2, 4], dtype="fp32")
+    rows = scaling(shape, hw, Layout(dp=1, micro_batch=16), gpus=[1, 2, 4], dtype="fp32")
     eff = {r["gpus"]: r["efficiency"] for r in rows}
     assert eff[4] < 0.55 and eff[2] > 0.8
 
