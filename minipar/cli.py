@@ -99,13 +99,20 @@ def positive_int(text: str) -> int:
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
+MAX_COUNT = 10**15     # a thousand times the largest model trained: beyond it, a typo
+
+
 def count(text: str) -> int:
-    """argparse type: '175e9', '175B', '6.7b', '1T', '350M' -> an integer."""
+    """argparse type: '175e9', '175B', '6.7b', '1T', '350M' -> an integer from 1 to
+    ``MAX_COUNT`` (0, a negative, NaN, infinity or an overflowing figure is refused)."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMbBgGtT]?)\s*", str(text))
     try:
         value = float(match.group(1)) * _SUFFIX[match.group(2).upper()]
     except (AttributeError, ValueError):
         raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 175e9 or 175B)") from None
+    if not 0.5 <= value <= MAX_COUNT:           # False for NaN and infinity too
+        raise argparse.ArgumentTypeError(f"must be a count from 1 to {MAX_COUNT:.0e}, got "
+                                         f"{text!r}")
     return int(round(value))
 
 

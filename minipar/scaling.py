@@ -285,7 +285,7 @@ def predict(point: Point, model: str, hardware: str, chunks: int = 1, schedule: 
                       dtype="mixed" if dtype == "bf16" else "fp32")
     return dict(step_time_s=e.step_time, tokens_per_s=e.tokens_per_s,
                 comm_s=e.times["tp_comm"] + e.times["pp_comm"] + e.times["dp_exposed"],
-                bubble_s=e.times["bubble"], hardware=e.hardware)
+                bubble_s=e.times["bubble"], hardware=e.hardware, notes=list(e.notes))
 
 
 def efficiencies(records: list[dict], key: str) -> None:
@@ -530,6 +530,10 @@ def _main(argv: list[str]) -> list[dict]:
         print(f"{args.mode} scaling of {describe(records[0])}, model {records[0]['model']}, "
               f"on {records[0]['machine']}; predicted on {records[0]['predicted']['hardware']}")
         print(table(records))
+        crowded = [r for r in records if r["predicted"].get("notes")]
+        if crowded:         # one line: where the prediction time-slices the cores
+            print("predicted: " + "; ".join(f"N={r['processes']}: {r['predicted']['notes'][0]}"
+                                            for r in crowded))
     return records
 
 

@@ -30,6 +30,18 @@ def _fixtures(tmp):
     (tmp / "empty.py").write_text("")
     (tmp / "notes.txt").write_text("not python")
     (tmp / "binary.py").write_bytes(b"\xff\xfe\x00garbage\x81")
+    import json
+    from minipar.plan.hardware import PRESET_DIR
+    good = json.loads((PRESET_DIR / "dgx-a100.json").read_text())
+    for name, field, value in (("hw-nan-latency", "intra_node_latency", float("nan")),
+                               ("hw-negative-latency", "inter_node_latency", -1e-6),
+                               ("hw-zero-latency", "intra_node_latency", 0),
+                               ("hw-zero-bandwidth", "inter_node_bandwidth", 0),
+                               ("hw-inf-bandwidth", "intra_node_bandwidth", float("inf")),
+                               ("hw-negative-peak", "peak_flops", -3e14),
+                               ("hw-zero-peak", "peak_flops", 0),
+                               ("hw-nan-hbm", "hbm_bandwidth", float("nan"))):
+        (tmp / f"{name}.json").write_text(json.dumps({**good, field: value}))
 
 
 def _train(argv):
@@ -146,12 +158,29 @@ PLAN = [
     ("search --model gpt-175b --gpus 8 --hardware dgx-a100 --overlap nan", "--overlap"),
     ("estimate --model gpt-175b --hardware dgx-a100 --gpus 8 --tp 3", "tp"),
     ("estimate --model gpt-175b --hardware dgx-a100 --gpus 8 --tp 8 --pp 2", "gpus"),
-    ("calibrate --nproc 0", "--nproc"),
-    ("calibrate --out {tmp}/adir", "--out"),
-    ("calibrate --out /proc/minipar-hw.json", "--out"),
-    ("calibrate --out /no/such/dir/hw.json", "--out"),
-    ("validate --layouts bogus", "bogus"),
-    ("validate --steps 0", "--steps"),
+    ("calibrate --nproc 2", "python -m minipar.bench calibrate"),     # lives with torch now
+    ("validate", "python -m minipar.bench validate"),
+    # parameter counts: zero, negative, non-finite, overflowing
+    ("memory --params 0 --gpus 8 --zero 1", "--params"),
+    ("memory --params 1e400 --gpus 8 --zero 1", "--params"),
+    ("memory --params 1e30 --gpus 8 --zero 1", "--params"),
+    ("memory --params inf --gpus 8 --zero 1", "--params"),
+    ("search --model llama-7b --gpus 8 --hardware dgx-a100 --global-batch-tokens 0", "--global"),
+    # heads that do not divide the hidden size
+    ("params --layers 2 --hidden 64 --heads 3 --vocab 100 --seq-len 16", "heads"),
+    ("flops --layers 2 --hidden 64 --heads 5 --vocab 100 --seq-len 16 --batch 2", "heads"),
+    # hardware files with NaN, negative or zero latencies, bandwidths, peaks
+    *((f"search --model gpt-22b --gpus 64 --hardware {{tmp}}/{name}.json", field)
+      for name, field in (("hw-nan-latency", "intra_node_latency"),
+                          ("hw-negative-latency", "inter_node_latency"),
+                          ("hw-zero-latency", "intra_node_latency"),
+                          ("hw-zero-bandwidth", "inter_node_bandwidth"),
+                          ("hw-inf-bandwidth", "intra_node_bandwidth"),
+                          ("hw-negative-peak", "peak_flops"),
+                          ("hw-zero-peak", "peak_flops"),
+                          ("hw-nan-hbm", "hbm_bandwidth"))),
+    ("estimate --model gpt-22b --hardware {tmp}/hw-zero-bandwidth.json --gpus 8",
+     "inter_node_bandwidth"),
 ]
 
 BENCH = [
@@ -164,6 +193,7 @@ BENCH = [
     ("dp --model nope", "--model"),
     ("tp --d-model 0", "--d-model"),
     ("tp --warmup -2", "--warmup"),
+    ("tp --nproc 3", "--nproc 3"),                  # 4 heads of a 256-wide block: no split
     ("pp --model nope", "--model"),
     ("pp --micro-batch 0", "--micro-batch"),
     ("zero --nproc 0", "--nproc"),
@@ -173,6 +203,8 @@ BENCH = [
     ("calibrate --out {tmp}/adir", "--out"),
     ("calibrate --out /proc/minipar-hw.json", "--out"),
     ("validate --steps 0", "--steps"),
+    ("validate --layouts bogus", "bogus"),
+    ("calibrate --out /no/such/dir/hw.json", "--out"),
 ]
 
 EXERCISES = [

@@ -11,7 +11,7 @@ what it does not: plain data parallelism (``minipar.dp``, no --zero), tensor par
 (with and without sequence parallelism), pipeline parallelism and both together. The
 trainer's byte vocabulary (256) divides every legal t, so one more test parallelizes small
 GPTs with an odd vocabulary and no biases over 3 ranks and counts what they hold and send.
-Step *times* are compared only in ``python -m minipar.plan validate`` (a shared 2-core
+Step *times* are compared only in ``python -m minipar.bench validate`` (a shared 2-core
 machine is too noisy for a test); here they get a sanity bound.
 """
 import dataclasses
@@ -22,7 +22,7 @@ import torch
 
 from minipar import plan
 from minipar.model import build
-from minipar.bench.calibrate import minipar_overlap, model_states_vs_plan, validate_step_time
+from minipar.bench.validate import minipar_overlap, model_states_vs_plan, validate_step_time
 from minipar.train import run
 
 MODEL = "nano"

@@ -3,9 +3,9 @@
     python -m minipar.bench calibrate [--nproc 2] [--quick] [--out FILE]
     python -m minipar.bench validate  [--layouts 1,dp2,tp2,pp2] [--hardware FILE]
 
-(``python -m minipar.plan calibrate|validate`` forwards here.) This is the part of the
-planner that needs torch and runs the trainer, so it lives with the benchmarks and the
-planner itself stays torch-free.
+This is the part of the planner that needs torch and runs the trainer, so it lives with the
+benchmarks and the planner itself stays torch-free (``minipar.plan`` imports nothing from
+here; ``minipar.bench.validate`` holds the comparisons).
 
 ``calibrate`` measures, all quickly:
 
@@ -42,11 +42,7 @@ rate of one alone; where ``os.cpu_count()`` counts hyperthreads it does not hold
 fields repeat the loopback numbers (x devices per node, since a node's NICs are shared by
 its devices).
 
-``validate_step_time`` runs ``minipar.train`` on a few layouts of a small model and sets
-each measured step time (median after the first step) next to the planner's prediction on
-the calibrated hardware, marking the calibration point. Nothing is fitted to the validation
-runs. ``model_states_vs_plan`` does the same for the model-state bytes, which must agree
-exactly.
+``minipar.bench.validate`` holds the calibrated model against ``minipar.train`` runs.
 """
 from __future__ import annotations
 
@@ -259,119 +255,10 @@ def step_rate(model: str = "tiny", batch_size: int = 16, steps: int = 5,
             "seconds": seconds, "flops_per_s": flops / seconds, "step_times": times}
 
 
-def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = None,
-              name: str = "calibrated", model: str = "tiny", batch_size: int = 16) -> dict:
-    """Measure this machine; return the hardware dict (and write it to ``path`` if given).
-
-    ``model`` and ``batch_size``: the training step whose measured time over the planner's
-    prediction sets ``step_calibration`` (one process, one thread): the calibration point.
-    """
-    from minipar.dist import launch
-    from minipar.plan.compute import compute_parts
-    from minipar.plan.errors import PlanError
-    from minipar.plan.hardware import hardware_from_dict
-    from minipar.plan.layout import Layout
-    from minipar.plan.shapes import model_preset
-    if nprocs < 2:
-        raise PlanError(f"calibrate needs at least 2 processes to time collectives, "
-                        f"got --nproc {nprocs}")
-    sizes = QUICK_SIZES if quick else FULL_SIZES
-    flops = matmul_flops(n=512 if quick else 1024, repeats=3 if quick else 5)
-    bandwidth = copy_bandwidth(16 * 2**20 if quick else 64 * 2**20)
-    table = gemm_rates(model_gemms(model, batch_size), repeats=2 if quick else 3)
-    step = step_rate(model, batch_size, steps=3 if quick else 5, warmup=1 if quick else 2)
-    per_rank = launch(collective_times, nprocs, sizes=sizes, repeats=10 if quick else 40,
-                      ops=COLLECTIVES, backend="gloo", timeout=180.0)
-    seconds = {op: [max(rank[op][i] for rank in per_rank) for i in range(len(sizes))]
-               for op in COLLECTIVES}
-    slowdown = min(0.95, max(launch(overlap_slowdown, nprocs, backend="gloo", timeout=120.0)))
-    alpha, beta = fit_alpha_beta(sizes, seconds["all_reduce"], nprocs)
-    devices = os.cpu_count() or nprocs
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    hw = {
-        "name": name,
-        "description": f"measured by 'python -m minipar.bench calibrate' on {os.uname().nodename}",
-        "gpus_per_node": devices,
-        "memory_bytes": ram // devices,
-        "peak_flops": flops,
-        "compute_efficiency": 1.0,
-        "intra_node_bandwidth": beta,
-        "intra_node_latency": alpha,
-        "inter_node_bandwidth": beta * devices,
-        "inter_node_latency": alpha,
-        "dtype": "fp32",
-        "hbm_bandwidth": bandwidth,
-        "matmul_table": table,
-        "collective_table": [{"op": op, "bytes": b, "per_node": nprocs, "nodes": 1,
-                              "seconds": t} for op in COLLECTIVES
-                             for b, t in zip(sizes, seconds[op])],
-        "fragmentation": 0.1,
-        "overlap_slowdown": slowdown,
-    }
-    shape = model_preset(model)
-    predicted = compute_parts(shape, hardware_from_dict(dict(hw), where="calibration"),
-                              Layout(micro_batch=batch_size), "fp32")["total"]
-    hw["step_calibration"] = step["seconds"] / predicted
-    hw["sources"] = {
-        "peak_flops": "measured: fp32 matmul on one thread; compute_efficiency 1 since this "
-                      "is the large-GEMM rate itself",
-        "matmul_table": f"measured: the GEMM shapes of '{model}' at tp 1 and 2, one thread",
-        "hbm_bandwidth": "measured: a large tensor copy on one thread (bytes read + written)",
-        "step_calibration": (
-            f"measured: a training step of minipar.train's '{model}' (global batch "
-            f"{batch_size}, one process, one thread) took {step['seconds'] * 1e3:.1f} ms, "
-            f"this factor times the planner's prediction from the other measurements. "
-            f"That layout is the calibration point: its prediction equals its measurement "
-            f"by construction"),
-        "calibration_step": step,
-        "collective_table": (f"measured: gloo collectives between {nprocs} processes through "
-                             f"minipar.comm, each issued after {WORK_S * 1e3:.0f} ms of "
-                             f"compute, as the trainer issues them; mean over repeats"),
-        "intra_node_bandwidth": "fitted to the measured all-reduces (alpha-beta fallback)",
-        "fragmentation": "assumption: 10% of RAM lost to the allocator and the runtime",
-        "overlap_slowdown": "measured: 256 x 256 matmuls while a 4 MiB gloo all-reduce runs "
-                            "beside them, over the same matmuls alone, minus 1 (the slower "
-                            "rank, at most 0.95)",
-        "measurements": [{"bytes": s, "seconds": t}
-                         for s, t in zip(sizes, seconds["all_reduce"])],
-    }
-    if path is not None:
-        Path(path).write_text(json.dumps(hw, indent=2) + "\n")
-    return hw
-
-
-# --------------------------------------------------------------------------------------
-# Predictions against minipar.train's measurements
-# --------------------------------------------------------------------------------------
-VALIDATION_LAYOUTS = {          # name -> minipar.train flags
-    "1 rank": ["--nproc", "1"],
-    "DP 2": ["--nproc", "2"],
-    "TP 2": ["--nproc", "2", "--tp", "2"],
-    "PP 2": ["--nproc", "2", "--pp", "2"],
-    "ZeRO-3 2": ["--nproc", "2", "--zero", "3"],
-}
-
-
 def _trainer_args(argv: list[str]):
     """The trainer's checked run config (dp and micro-batches resolved)."""
     from minipar.train import parse_config
     return parse_config(argv)
-
-
-def _spec(cfg):
-    return tuple(cfg.spec) if cfg.spec is not None else (1, 1, 1)
-
-
-def layout_of(argv: list[str]):
-    """The planner's ``Layout`` of a ``minipar.train`` command line."""
-    from minipar.plan.layout import Layout
-    args = _trainer_args(argv)
-    interleaved = args.schedule == "interleaved"
-    return Layout(tp=args.tp, pp=args.pp, dp=args.dp,
-                  micro_batch=args.batch_size // (args.dp * args.microbatches),
-                  microbatches=args.microbatches, shard=_spec(args),
-                  v=args.chunks if interleaved else 1, sp=args.sp,
-                  schedule="gpipe" if args.schedule == "gpipe" else "1f1b")
 
 
 def _silent_worker(argv: list[str]):
@@ -399,122 +286,168 @@ def train_history(argv: list[str], timeout: float = 300.0) -> list[dict]:
     return launch(_silent_worker, nproc, argv, timeout=timeout)[0]
 
 
-def minipar_overlap(argv: list[str]) -> float | None:
-    """The fraction of the data-parallel all-reduce that ``minipar.dp`` can hide behind
-    backward, for a trainer command line; None for a ZeRO/AMSP engine (the planner's default
-    assumption applies).
+def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = None,
+              name: str = "calibrated", model: str = "tiny", batch_size: int = 16) -> dict:
+    """Measure this machine; return the hardware dict (and write it to ``path`` if given).
 
-    Only the ``overlapped`` mode overlaps at all, and only bucket by bucket: a bucket's
-    all-reduce starts when backward has finished every gradient in it, and the last bucket
-    (the first layers and the embedding) finishes with backward itself, so at most
-    (k-1)/k of the traffic of k buckets can hide. The trainer's buckets are 4 MiB; a model
-    of under a million fp32 parameters (``tiny``: 3.5 MB of gradients) fills one, so its
-    all-reduce starts after backward and none of it hides. (On a CPU even the rest hides
-    less than this: gloo's reduction runs on the same cores as the compute.)
+    ``model`` and ``batch_size``: the training step whose measured time over the planner's
+    prediction sets ``step_calibration`` (one process, one thread): the calibration point.
     """
-    args = _trainer_args(argv)
-    if args.spec is not None:
-        return None
-    if args.dp == 1 or args.dp_mode != "overlapped":
-        return 0.0
-    from minipar.dp import make_buckets
-    from minipar.model import build
-    params = list(build(args.model_cfg).parameters())
-    buckets = len(make_buckets(params, int(args.bucket_mb * 2**20)))
-    return (buckets - 1) / buckets
-
-
-def calibration_point(hw, model: str, batch_size: int, argv: list[str]) -> bool:
-    """Whether ``argv`` is the run whose step set ``hw``'s compute_efficiency (``calibrate``):
-    one process of the same model and global batch, one micro-batch."""
-    step = (hw.sources or {}).get("calibration_step")
-    if not step or (step["model"], step["batch_size"]) != (model, batch_size):
-        return False
-    lay = layout_of(argv)
-    return (lay.tp, lay.pp, lay.dp, lay.microbatches) == (1, 1, 1, 1)
-
-
-def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: int = 6,
-                       batch_size: int = 16, hardware=None, overlap: float | None = None,
-                       quick: bool = False) -> dict:
-    """Predicted against measured step time of ``minipar.train`` on this machine.
-
-    ``hardware``: a preset, file or ``Hardware``; default: ``calibrate`` this machine now
-    (all sizes unless ``quick``: a few seconds, and collectives this noisy need the
-    points), with its training step on ``model`` and ``batch_size``. ``layouts``:
-    {name: trainer flags}, default ``VALIDATION_LAYOUTS``. ``overlap``: the fraction of
-    data-parallel traffic hidden behind compute; default what minipar's engine allows
-    (``minipar_overlap``).
-
-    Returns {"machine", "hardware", "load_before", "load_after", "calibration_point" (the
-    layout whose step set compute_efficiency, or None), "rows": [{"layout", "argv",
-    "predicted_s", "measured_s", "ratio" (predicted / measured), "calibration", "overlap",
-    "times"}]}.
-    """
-    from minipar.bench import machine
-    from minipar.plan.estimate import estimate
-    from minipar.plan.hardware import hardware_from_dict, load_hardware
+    from minipar.dist import launch
+    from minipar.plan.compute import compute_parts
+    from minipar.plan.errors import PlanError
+    from minipar.plan.hardware import hardware_from_dict
+    from minipar.plan.layout import Layout
     from minipar.plan.shapes import model_preset
-    load_before = os.getloadavg()
-    if hardware is None:
-        data = calibrate(nprocs=2, quick=quick, name="laptop-cpu, calibrated here",
-                         model=model, batch_size=batch_size)
-        hw = hardware_from_dict(data, where="calibration")
-    else:
-        hw = load_hardware(hardware)
+    if nprocs < 2:
+        raise PlanError(f"calibrate needs at least 2 processes to time collectives, "
+                        f"got --nproc {nprocs}")
+    sizes = QUICK_SIZES if quick else FULL_SIZES
+    flops = matmul_flops(n=512 if quick else 1024, repeats=3 if quick else 5)
+    bandwidth = copy_bandwidth(16 * 2**20 if quick else 64 * 2**20)
+    table = gemm_rates(model_gemms(model, batch_size), repeats=2 if quick else 3)
+    step = step_rate(model, batch_size, steps=3 if quick else 5, warmup=1 if quick else 2)
+    per_rank = launch(collective_times, nprocs, sizes=sizes, repeats=10 if quick else 40,
+                      ops=COLLECTIVES, backend="gloo", timeout=180.0)
+    seconds = {op: [max(rank[op][i] for rank in per_rank) for i in range(len(sizes))]
+               for op in COLLECTIVES}
+    slowdown = min(0.95, max(launch(overlap_slowdown, nprocs, backend="gloo", timeout=120.0)))
+    alpha, beta = fit_alpha_beta(sizes, seconds["all_reduce"], nprocs)
+    from minipar.plan.hardware import _cpu_cores
+    devices = _cpu_cores()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hw = {
+        "name": name,
+        "description": f"measured by 'python -m minipar.bench calibrate' on {os.uname().nodename}",
+        "gpus_per_node": devices,
+        "memory_bytes": ram // devices,
+        "peak_flops": flops,
+        "compute_efficiency": 1.0,
+        "intra_node_bandwidth": beta,
+        "intra_node_latency": alpha,
+        "inter_node_bandwidth": beta * devices,
+        "inter_node_latency": alpha,
+        "dtype": "fp32",
+        "hbm_bandwidth": bandwidth,
+        "matmul_table": table,
+        "collective_table": [{"op": op, "bytes": b, "per_node": nprocs, "nodes": 1,
+                              "seconds": t} for op in COLLECTIVES
+                             for b, t in zip(sizes, seconds[op])],
+        "fragmentation": 0.1,
+        "overlap_slowdown": slowdown,
+        "cores": devices,
+    }
     shape = model_preset(model)
-    rows = []
-    for name, flags in (layouts or VALIDATION_LAYOUTS).items():
-        argv = ["--model", model, "--steps", str(steps), "--batch-size", str(batch_size),
-                "--quiet", *flags]
-        history = train_history(argv)
-        timed = sorted(h["step_time_s"] for h in history[1:] or history)   # step 1 warms up
-        measured = timed[len(timed) // 2]
-        hides = overlap
-        e = estimate(shape, hw, layout_of(argv), dtype="fp32", overlap=hides)
-        rows.append({"layout": name, "argv": argv, "predicted_s": e.step_time,
-                     "measured_s": measured, "ratio": e.step_time / measured,
-                     "calibration": calibration_point(hw, model, batch_size, argv),
-                     "overlap": hides, "times": dict(e.times)})
-    point = next((r["layout"] for r in rows if r["calibration"]), None)
-    return {"machine": machine(), "hardware": hw.to_dict(), "load_before": load_before,
-            "load_after": os.getloadavg(), "calibration_point": point, "rows": rows}
+    predicted = compute_parts(shape, hardware_from_dict(dict(hw), where="calibration"),
+                              Layout(micro_batch=batch_size), "fp32")["total"]
+    hw["step_calibration"] = step["seconds"] / predicted
+    hw["sources"] = {
+        "peak_flops": "measured: fp32 matmul on one thread; compute_efficiency 1 since this "
+                      "is the large-GEMM rate itself",
+        "matmul_table": f"measured: the GEMM shapes of '{model}' at tp 1 and 2, one thread",
+        "hbm_bandwidth": "measured: a large tensor copy on one thread (bytes read + written)",
+        "step_calibration": (
+            f"measured: a training step of minipar.train's '{model}' (global batch "
+            f"{batch_size}, one process, one thread) took {step['seconds'] * 1e3:.1f} ms, "
+            f"this factor times the planner's prediction from the other measurements. "
+            f"That layout is the calibration point: its prediction equals its measurement "
+            f"by construction"),
+        "calibration_step": step,
+        "collective_table": (f"measured: gloo collectives between {nprocs} processes through "
+                             f"minipar.comm, each issued after {WORK_S * 1e3:.0f} ms of "
+                             f"compute, as the trainer issues them; mean over repeats"),
+        "intra_node_bandwidth": "fitted to the measured all-reduces (alpha-beta fallback)",
+        "fragmentation": "assumption: 10% of RAM lost to the allocator and the runtime",
+        "cores": "measured: the cores this process may run on (os.sched_getaffinity); more "
+                 "one-thread processes than this time-slice them",
+        "overlap_slowdown": "measured: 256 x 256 matmuls while a 4 MiB gloo all-reduce runs "
+                            "beside them, over the same matmuls alone, minus 1 (the slower "
+                            "rank, at most 0.95)",
+        "measurements": [{"bytes": s, "seconds": t}
+                         for s, t in zip(sizes, seconds["all_reduce"])],
+    }
+    if path is not None:
+        Path(path).write_text(json.dumps(hw, indent=2) + "\n")
+    return hw
 
 
-def model_states_vs_plan(flags: list[str], model: str = "tiny", steps: int = 2,
-                         batch_size: int = 16) -> dict:
-    """Model-state bytes per rank: ``minipar.train``'s measurement and the planner's
-    prediction (fp32 Adam, Phi = the model's parameter count) for a data-parallel or
-    ZeRO/AMSP run (``flags`` such as ["--nproc", "4", "--shard", "1,2,4"]; no TP or PP).
-
-    Returns {"measured": {...}, "predicted": {...}, "spec": (s_p, s_g, s_os), "dp": d}.
-    """
-    from minipar.plan.memory import model_state_bytes
-    from minipar.plan.shapes import model_preset
-    argv = ["--model", model, "--steps", str(steps), "--batch-size", str(batch_size),
-            "--quiet", *flags]
-    args = _trainer_args(argv)
-    if args.tp > 1 or args.pp > 1:
-        raise ValueError("model_states_vs_plan compares data-parallel runs; leave out --tp, --pp")
-    shape = model_preset(model)
-    spec = _spec(args)
-    sharded = args.zero is not None or args.shard is not None
-    # Adam's step counters: minipar.zero gives the optimizer one flat tensor per unit
-    # (embedding, each block, head); plain DP one per parameter tensor
-    tensors = shape.layers + 2 if sharded else _parameter_tensors(model)
-    predicted = model_state_bytes(shape.params, args.dp, shard=spec, dtype="fp32",
-                                  step_counters=tensors)
-    measured = train_history(argv)[-1]["model_state_bytes"]
-    return {"measured": measured, "predicted": predicted, "spec": spec, "dp": args.dp}
+# --------------------------------------------------------------------------------------
+# The command line: python -m minipar.bench calibrate
+# --------------------------------------------------------------------------------------
+def text_table(rows: list[list], headers: list[str]) -> str:
+    """Rows under right-aligned headers (the validate and calibrate printouts)."""
+    cells = [[str(h) for h in headers]] + [[str(x) for x in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
-def _parameter_tensors(model: str) -> int:
-    from minipar.model import build
-    return len(list(build(model).parameters()))
+def emit(args, data, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:,.2f} GiB"
+
+
+def cmd_calibrate(args) -> None:
+    from minipar.cli import check_output_file
+    check_output_file(args.out, "--out")          # before the measurements, not after them
+    hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out, model=args.model,
+                   batch_size=args.batch_size)
+    step = hw["sources"]["calibration_step"]
+    rows = [["matmul FLOP/s (one thread)", f"{hw['peak_flops']:.3g}"],
+            ["memory bandwidth, copy (bytes/s)", f"{hw['hbm_bandwidth']:.3g}"],
+            ["GEMM shapes timed", len(hw["matmul_table"])],
+            [f"training step of {step['model']}, batch {step['batch_size']} (s)",
+             f"{step['seconds']:.3g}"],
+            ["  its model FLOP/s", f"{step['flops_per_s']:.3g}"],
+            ["  step_calibration (measured / predicted)", f"{hw['step_calibration']:.3f}"],
+            ["all-reduce bandwidth, alpha-beta fit (bytes/s)",
+             f"{hw['intra_node_bandwidth']:.3g}"],
+            ["latency per ring step, alpha-beta fit (s)", f"{hw['intra_node_latency']:.3g}"],
+            ["devices (cores)", hw["gpus_per_node"]],
+            ["memory per device", _gib(hw["memory_bytes"])]]
+    table = {}
+    for row in hw["collective_table"]:
+        table.setdefault(row["bytes"], {})[row["op"]] = row["seconds"]
+    ops = ["all_reduce", "all_gather", "reduce_scatter"]
+    # the alpha-beta fallback (fitted to the all-reduces only) beside each measurement
+    from dataclasses import replace
+    from minipar.plan.hardware import hardware_from_dict
+    from minipar.plan.network import ring_time
+    model = replace(hardware_from_dict(dict(hw), where="calibration"), collective_table=None)
+    sizes = [[f"{b:,}", *(f"{table[b][op] * 1e3:.3f} / {ring_time(op, b, args.nproc, 1, model) * 1e3:.3f}"
+                          for op in ops)] for b in sorted(table)]
+    emit(args, hw, text_table(rows, ["measured", "value"]) + "\n\n"
+          + text_table(sizes, ["bytes", *(f"{op} ms (measured / alpha-beta)" for op in ops)])
+          + f"\n\nwrote {args.out}: use it as --hardware {args.out}; the calibration point "
+          f"is one process of {step['model']} at global batch {step['batch_size']}")
+
+
+
+def build_parser():
+    from minipar.cli import ArgumentParser
+    from minipar.cli import positive_int as positive
+    p = ArgumentParser(prog="python -m minipar.bench calibrate",
+                       description="measure this machine into a planner hardware file")
+    p.add_argument("--nproc", type=positive, default=2, help="gloo processes for the collective measurements")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
+    p.add_argument("--out", default="calibrated-hardware.json", help="the hardware file to write")
+    p.add_argument("--model", default="tiny",
+                   help="the minipar.model preset whose training step (one process, one "
+                        "thread) sets step_calibration: the calibration point (default tiny)")
+    p.add_argument("--batch-size", type=positive, default=16,
+                   help="its global batch, in sequences (default 16)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
 
 
 def main(argv=None) -> int:
-    """``python -m minipar.bench calibrate``: the planner's ``calibrate`` sub-command."""
+    """``python -m minipar.bench calibrate``."""
     import sys
-    from minipar.plan.__main__ import main as plan_main
-    return plan_main(["calibrate", *(sys.argv[1:] if argv is None else argv)])
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    cmd_calibrate(args)
+    return 0

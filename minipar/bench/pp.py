@@ -8,7 +8,8 @@
    their ratio, and the median of the back-to-back (paired) ratios.
 
 ``compare_with_torch`` is also what tests/test_pp.py uses to check that both pipelines
-compute the same losses and gradients.
+compute the same losses and gradients; ``measure_pipeline`` (one rank per stage, inside
+``minipar.dist.launch``) is what the bubble rows, notebook 03 and tests/test_pp.py time.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import torch.nn as nn
 
 from .. import cli, comm, dist, pp
 from ..model import PRESETS, CrossEntropy, build, config
-from ..lab.nb03 import measure_pipeline
 from ..plan import bubble_fraction
 from . import machine, median
 
@@ -110,6 +110,36 @@ def compare_with_torch(schedule="1f1b", microbatches=4, model_name="nano", micro
     out["grad_diff"] = max((mine[n].grad - q.grad).abs().max().item() if q.grad is not None
                            else float("inf") for n, q in theirs.named_parameters())
     return out
+
+
+def measure_pipeline(model_name: str = "tiny", schedule: str = "1f1b", microbatches: int = 4,
+                     micro_batch: int = 2, steps: int = 3, chunks: int = 2, seed: int = 0,
+                     warmup: int = 1):
+    """Inside ``dist.launch``, one rank per stage: time ``warmup + steps`` pipeline steps.
+
+    Each step starts after a barrier (t = 0 on every stage) and its timeline is gathered.
+    Returns on rank 0 ``dict(timeline=..., bubble=..., step_times=[...], timelines=[...])``:
+    the timed steps' timelines, the median bubble and the median step's timeline.
+    """
+    grid = dist.Grid(dp=1, pp=tdist.get_world_size(), tp=1)
+    cfg = config(model_name)
+    runner = pp.PipelineRunner(build(cfg, seed), grid, schedule, microbatches, chunks)
+    g = torch.Generator().manual_seed(seed)
+    batch = torch.randint(0, cfg.vocab_size, (micro_batch * microbatches, cfg.seq_len + 1),
+                          generator=g)
+    timelines = []
+    for _ in range(warmup + steps):
+        runner.module.zero_grad(set_to_none=True)
+        comm.barrier(grid.pp_group)   # every stage starts the step together: t = 0
+        runner.forward_backward(batch[:, :-1], batch[:, 1:])
+        timelines.append(runner.gather_timeline())
+    if grid.rank != 0:
+        return None
+    timed = timelines[warmup:]
+    by_time = sorted(timed, key=lambda tl: tl.makespan)
+    return dict(timeline=by_time[len(by_time) // 2], timelines=timed,
+                bubble=median([tl.bubble for tl in timed]),
+                step_times=[tl.makespan for tl in timed])
 
 
 def bubbles(p=2, ms=(1, 2, 4, 8), model_name="small", micro_batch=2, steps=4,

@@ -19,6 +19,7 @@ import torch.distributed as tdist
 from einops import rearrange
 
 from .. import cli, comm, dist, tp
+from ..errors import UsageError
 from ..model import Block, GPTConfig, MLP
 from ..plan.network import ring_bytes, tp_block_comm_bytes
 from . import machine, median
@@ -60,12 +61,26 @@ def _fwd_bwd(m, x, up):
     return y
 
 
+def bench_heads(d_model: int, t: int) -> int:
+    """The heads of the benchmarked block: one per 64 channels, at least one per rank."""
+    return max(t, d_model // 64)
+
+
+def check_split(d_model: int, t: int) -> None:
+    """UsageError unless ``t`` ranks split the block's heads, width and MLP evenly."""
+    heads = bench_heads(d_model, t)
+    if d_model % heads or heads % t or (4 * d_model) % t:
+        raise UsageError(f"--nproc {t} does not split the benchmarked block evenly (d_model "
+                         f"{d_model}, {heads} heads, MLP width {4 * d_model}); use a --nproc "
+                         f"that divides {heads} and {d_model}, e.g. 2 or 4")
+
+
 def measure(kind: str = "mlp", d_model: int = 256, batch: int = 8, seq_len: int = 128,
             reps: int = 30, warmup: int = 3):
     """On every rank: median step times of minipar and DTensor TP, bytes, agreement."""
     t, r = tdist.get_world_size(), tdist.get_rank()
     grid = dist.Grid(1, 1, t)
-    cfg = GPTConfig(d_model=d_model, n_head=max(t, d_model // 64), seq_len=seq_len)
+    cfg = GPTConfig(d_model=d_model, n_head=bench_heads(d_model, t), seq_len=seq_len)
     torch.manual_seed(0)
     serial = MLP(cfg) if kind == "mlp" else Block(cfg)
     twins = {"minipar": minipar_twin(serial, grid.tp_group), "dtensor": dtensor_twin(serial, t)}
@@ -108,6 +123,7 @@ def main(argv=None):
     p.add_argument("--reps", type=cli.positive_int, default=30)
     p.add_argument("--warmup", type=cli.nonnegative_int, default=3)
     args = p.parse_args(argv)
+    check_split(args.d_model, args.nproc)
     print(f"minipar.bench tp: {args.nproc} gloo ranks, activations (b={args.batch}, "
           f"s={args.seq_len}, h={args.d_model}) fp32, forward+backward, median of {args.reps} "
           f"repetitions after {args.warmup} warm-up, slowest rank per repetition")

@@ -1,7 +1,8 @@
 """Notebook 03_pipeline_parallel: timelines, bubbles and the activations a schedule holds.
 
-``measure_pipeline`` runs on every rank inside ``minipar.dist.launch`` (one rank per stage)
-and returns measured timelines (``pp.Timeline``, seconds); ``ideal_like`` is the ideal
+``measure_pipeline`` (``minipar.bench.pp``'s, re-exported) runs on every rank inside
+``minipar.dist.launch`` (one rank per stage) and returns measured timelines (``pp.Timeline``,
+seconds); ``ideal_like`` is the ideal
 schedule with the measured mean forward and backward times; ``explore`` draws any schedule's
 ideal timeline; ``bubble_vs_microbatches`` and ``stash_bars`` draw the rest. Timelines are
 drawn by ``minipar.plots.pipeline_timeline`` (shared with the slides), and
@@ -12,43 +13,9 @@ from __future__ import annotations
 
 import statistics
 
-import torch
-import torch.distributed as tdist
-
-from .. import comm, plots, pp
-from ..dist import Grid
-from ..model import build, config
+from .. import plots, pp
+from ..bench.pp import measure_pipeline  # noqa: F401  (the notebook calls nb03.measure_pipeline)
 from ..plan import bubble_fraction
-
-
-def measure_pipeline(model_name: str = "tiny", schedule: str = "1f1b", microbatches: int = 4,
-                     micro_batch: int = 2, steps: int = 3, chunks: int = 2, seed: int = 0,
-                     warmup: int = 1):
-    """Inside ``dist.launch``, one rank per stage: time ``warmup + steps`` pipeline steps.
-
-    Each step starts after a barrier (t = 0 on every stage) and its timeline is gathered.
-    Returns on rank 0 ``dict(timeline=..., bubble=..., step_times=[...], timelines=[...])``:
-    the timed steps' timelines, the median bubble and the median step's timeline.
-    """
-    grid = Grid(dp=1, pp=tdist.get_world_size(), tp=1)
-    cfg = config(model_name)
-    runner = pp.PipelineRunner(build(cfg, seed), grid, schedule, microbatches, chunks)
-    g = torch.Generator().manual_seed(seed)
-    batch = torch.randint(0, cfg.vocab_size, (micro_batch * microbatches, cfg.seq_len + 1),
-                          generator=g)
-    timelines = []
-    for _ in range(warmup + steps):
-        runner.module.zero_grad(set_to_none=True)
-        comm.barrier(grid.pp_group)   # every stage starts the step together: t = 0
-        runner.forward_backward(batch[:, :-1], batch[:, 1:])
-        timelines.append(runner.gather_timeline())
-    if grid.rank != 0:
-        return None
-    timed = timelines[warmup:]
-    by_time = sorted(timed, key=lambda tl: tl.makespan)
-    return dict(timeline=by_time[len(by_time) // 2], timelines=timed,
-                bubble=statistics.median(tl.bubble for tl in timed),
-                step_times=[tl.makespan for tl in timed])
 
 
 def mean_time(timeline: pp.Timeline, op: str) -> float:

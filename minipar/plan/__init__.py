@@ -7,16 +7,19 @@ Read top to bottom, one module per question:
     memory      what fills a device                      (ZeRO; Korthikanti et al. 2022)
     hardware    what a device computes, holds, sends     (presets: minipar/hardware/*.json)
     frameworks  what a framework runs, how its engine issues collectives
-    network     bytes and time of collectives, per call  (rings and trees; NCCL's tuning model)
+    network     bytes of collectives, per call as engines issue them   (rings and trees)
+    timing      time of one collective: NCCL's tuning model or a measured table, and what
+                no measurement covers (``coverage``: "unvalidated")
     compute     a step's compute: GEMMs by shape, attention, memory-bound kernels, optimizer
     layout      one tp x pp x dp layout and its legality
     estimate    step time, tokens/s, MFU of one layout; overlap per collective; scaling
     search      every layout that fits, ranked; why the best wins
     published   the published results held against the predictions (notebook 07)
 
-``python -m minipar.bench calibrate|validate`` (``minipar.bench.calibrate``) measures this
-machine into a hardware file and holds predictions against ``minipar.train``; it is the only
-part that needs torch, and lives with the benchmarks.
+``python -m minipar.bench calibrate|validate`` (``minipar.bench.calibrate``, ``.validate``)
+measures this machine into a hardware file and holds predictions against ``minipar.train``;
+it is the only part that needs torch, and lives with the benchmarks: ``minipar.plan``
+imports nothing from ``minipar.bench`` or ``minipar.lab`` (tests/test_imports.py).
 
 Python API (sizes in bytes, times in seconds)::
 
@@ -67,7 +70,8 @@ Python API (sizes in bytes, times in seconds)::
 
     load_hardware(name_or_path) -> Hardware
     Layout(tp, pp, dp, micro_batch, microbatches, shard, recompute, v, sp, schedule)
-    load_framework(name) -> Framework   # minipar, megatron-lm, megatron-deepspeed, fsdp
+    load_framework(name) -> Framework   # minipar, megatron-lm, megatron-deepspeed, fsdp,
+                                        # deepspeed-zero3, amsp (per-module gathers)
     estimate(shape, hardware, layout, order=None, overlap=None, framework="minipar")
         -> Estimate        # overlap None: each collective's window; a number: that fraction
     scaling(shape, hardware, layout, gpus=[...], weak=True) -> [{"gpus", "efficiency", ...}]
@@ -75,12 +79,15 @@ Python API (sizes in bytes, times in seconds)::
            framework="minipar", sp=None, v=None, schedule=None, objective="step", ...)
         -> [Estimate, ...] best first
     explain(best, runner_up=None) -> str
-    calibrate(nprocs=2, quick=False, path=None, model="tiny", batch_size=16) -> dict
-        # minipar.bench.calibrate: per-shape GEMM rates, copy bandwidth, a gloo collective
-        # table; step_calibration = a real one-process step / its prediction
-    minipar.bench.calibrate.validate_step_time(model="tiny", layouts=None, ...) -> dict
+
+    # needing torch, in minipar.bench (which imports the planner; never the other way):
+    minipar.bench.calibrate.calibrate(nprocs=2, quick=False, path=None, model="tiny",
+                                      batch_size=16) -> dict
+        # per-shape GEMM rates, copy bandwidth, a gloo collective table, the cores;
+        # step_calibration = a real one-process step / its prediction
+    minipar.bench.validate.validate_step_time(model="tiny", layouts=None, ...) -> dict
         # each row says whether it is the calibration point (ratio 1 by construction)
-    minipar.bench.calibrate.model_states_vs_plan(flags, model="tiny") -> {...}
+    minipar.bench.validate.model_states_vs_plan(flags, model="tiny") -> {...}
 
 Bytes "sent" follow ``minipar.comm``: what one rank sends under the ring algorithm. So a
 trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
@@ -89,9 +96,8 @@ trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
 under TP, SP and PP too (tests/test_plan_measured.py, tests/test_zero.py). Step times agree
 only roughly (``python -m minipar.bench validate``).
 
-The command line, ``python -m minipar.plan memory|params|flops|search|estimate|calibrate|
-validate``,
-prints tables, or JSON with ``--json``; bad input exits with status 2 and one line.
+The command line, ``python -m minipar.plan memory|params|flops|search|estimate``, prints
+tables, or JSON with ``--json``; bad input exits with status 2 and one line.
 
 These are predictions from first-order models: they count matmuls by shape, memory-bound
 bytes, ring and tree collectives call by call, and stored activations. What they leave out
@@ -117,16 +123,6 @@ from .shapes import (PRESETS, ModelShape, forward_flops, gpt_params, llama_ffn, 
 from ..sharding import check_shard, parse_shard, shard_specs, zero_shard
 
 
-def calibrate(nprocs: int = 2, quick: bool = False, path=None, name: str = "calibrated",
-              model: str = "tiny", batch_size: int = 16):
-    """Measure this machine and write a hardware file (see ``minipar.bench.calibrate``, which needs torch): matmul
-    peak, a real training step of ``model`` (its achieved rate sets compute_efficiency: the
-    calibration point) and the gloo all-reduce's alpha and beta."""
-    from minipar.bench.calibrate import calibrate as _calibrate
-    return _calibrate(nprocs=nprocs, quick=quick, path=path, name=name, model=model,
-                      batch_size=batch_size)
-
-
 __all__ = [
     "PlanError", "Estimate", "bubble_fraction", "estimate", "scaled_layout", "scaling", "Hardware",
     "hardware_presets", "load_hardware", "Layout", "check_layout", "activation_bytes",
@@ -138,5 +134,5 @@ __all__ = [
     "explain", "search", "PRESETS", "ModelShape", "forward_flops", "gpt_params", "llama_ffn",
     "llama_params", "megatron_flops", "megatron_params", "model_preset", "stage_flops",
     "training_flops",
-    "check_shard", "parse_shard", "shard_specs", "zero_shard", "calibrate",
+    "check_shard", "parse_shard", "shard_specs", "zero_shard",
 ]

@@ -1,6 +1,7 @@
 """The planner's command line: python -m minipar.plan SUB-COMMAND [--json] ...
 
-Sub-commands: memory, params, flops, search, estimate, calibrate, validate.
+Sub-commands: memory, params, flops, search, estimate. Measuring this machine for the planner
+(``python -m minipar.bench calibrate|validate``) needs torch and lives in ``minipar.bench``.
 
 Every sub-command prints a readable table, or with ``--json`` one JSON document on stdout.
 Bad input ends with exit status 2 and one line on stderr saying what is wrong and how to fix it.
@@ -12,7 +13,7 @@ import json
 import os
 import sys
 
-from ..cli import ArgumentParser, check_output_file, count, fraction, positive_float
+from ..cli import ArgumentParser, count, fraction, positive_float
 from ..cli import positive_int as positive
 from ..errors import UsageError
 from .errors import PlanError
@@ -277,83 +278,6 @@ def cmd_estimate(args) -> None:
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))
 
 
-def cmd_validate(args) -> None:
-    from minipar.bench.calibrate import VALIDATION_LAYOUTS, validate_step_time
-    unknown = [n for n in args.layouts if n not in _LAYOUT_KEYS]
-    if unknown:
-        raise PlanError(f"unknown layout {unknown[0]!r}; use some of {', '.join(_LAYOUT_KEYS)}")
-    layouts = {_LAYOUT_KEYS[n]: VALIDATION_LAYOUTS[_LAYOUT_KEYS[n]] for n in args.layouts}
-    out = validate_step_time(args.model, layouts, steps=args.steps, batch_size=args.batch_size,
-                             hardware=args.hardware, overlap=args.overlap)
-    hw = out["hardware"]
-    rows = [[r["layout"] + (" *" if r["calibration"] else ""),
-             " ".join(r["argv"][r["argv"].index("--quiet") + 1:]),
-             f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
-             f"{r['ratio']:.2f}"] for r in out["rows"]]
-    step = hw["sources"].get("calibration_step")
-    if out["calibration_point"]:
-        point = (f"* the calibration point: its step ({step['seconds'] * 1e3:.1f} ms when "
-                 f"calibrated) set step_calibration, so its ratio is 1 by construction up "
-                 f"to run-to-run noise; only the other rows test the model")
-    elif step:
-        point = (f"calibration point: {step['model']}, global batch {step['batch_size']}, "
-                 f"one process (not among these rows)")
-    else:
-        point = f"calibration point: none ({hw['name']}'s constants are assumptions)"
-    hidden = sorted({f"{r['times']['dp_hidden'] / r['times']['dp_comm']:.0%}"
-                     for r in out["rows"] if r["times"]["dp_comm"] > 0})
-    text = (f"{out['machine']}\nload average before {out['load_before'][0]:.2f}, after "
-            f"{out['load_after'][0]:.2f} (1 min)\nhardware {hw['name']}: "
-            f"{hw['peak_flops'] / 1e9:.1f} GFLOP/s matmul peak per process, "
-            f"step_calibration {hw.get('step_calibration', 1.0):.2f}, all-reduce "
-            f"{hw['intra_node_bandwidth'] / 1e9:.2f} GB/s, "
-            f"{hw['intra_node_latency'] * 1e6:.0f} us per ring step\n"
-            f"model {args.model}, global batch {args.batch_size}, median of steps "
-            f"2..{args.steps}"
-            + (f"; DP all-reduce hidden behind backward: {', '.join(hidden)}" if hidden else "")
-            + "\n" + _table(rows, ["layout", "flags", "predicted ms", "measured ms", "pred/meas"])
-            + "\n" + point)
-    _emit(args, out, text)
-
-
-_LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2", "z3": "ZeRO-3 2"}
-
-
-def cmd_calibrate(args) -> None:
-    check_output_file(args.out, "--out")          # before the measurements, not after them
-    from minipar.bench.calibrate import calibrate
-    hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out, model=args.model,
-                   batch_size=args.batch_size)
-    step = hw["sources"]["calibration_step"]
-    rows = [["matmul FLOP/s (one thread)", f"{hw['peak_flops']:.3g}"],
-            ["memory bandwidth, copy (bytes/s)", f"{hw['hbm_bandwidth']:.3g}"],
-            ["GEMM shapes timed", len(hw["matmul_table"])],
-            [f"training step of {step['model']}, batch {step['batch_size']} (s)",
-             f"{step['seconds']:.3g}"],
-            ["  its model FLOP/s", f"{step['flops_per_s']:.3g}"],
-            ["  step_calibration (measured / predicted)", f"{hw['step_calibration']:.3f}"],
-            ["all-reduce bandwidth, alpha-beta fit (bytes/s)",
-             f"{hw['intra_node_bandwidth']:.3g}"],
-            ["latency per ring step, alpha-beta fit (s)", f"{hw['intra_node_latency']:.3g}"],
-            ["devices (cores)", hw["gpus_per_node"]],
-            ["memory per device", _gib(hw["memory_bytes"])]]
-    table = {}
-    for row in hw["collective_table"]:
-        table.setdefault(row["bytes"], {})[row["op"]] = row["seconds"]
-    ops = ["all_reduce", "all_gather", "reduce_scatter"]
-    # the alpha-beta fallback (fitted to the all-reduces only) beside each measurement
-    from dataclasses import replace
-    from .hardware import hardware_from_dict
-    from .network import ring_time
-    model = replace(hardware_from_dict(dict(hw), where="calibration"), collective_table=None)
-    sizes = [[f"{b:,}", *(f"{table[b][op] * 1e3:.3f} / {ring_time(op, b, args.nproc, 1, model) * 1e3:.3f}"
-                          for op in ops)] for b in sorted(table)]
-    _emit(args, hw, _table(rows, ["measured", "value"]) + "\n\n"
-          + _table(sizes, ["bytes", *(f"{op} ms (measured / alpha-beta)" for op in ops)])
-          + f"\n\nwrote {args.out}: use it as --hardware {args.out}; the calibration point "
-          f"is one process of {step['model']} at global batch {step['batch_size']}")
-
-
 # --------------------------------------------------------------------------------------
 # Parser
 # --------------------------------------------------------------------------------------
@@ -400,8 +324,10 @@ def _add_costs(p) -> None:
     p.add_argument("--dtype", choices=["mixed", "fp32"], default=None,
                    help="default: the hardware's")
     p.add_argument("--reserve", type=fraction, default=None,
-                   help="fraction of device memory kept free for fragmentation; default: the "
-                        "hardware's 'fragmentation'")
+                   help="fraction of device memory the allocator holds beyond live tensors, "
+                        "(reserved - allocated) / reserved as 'python -m minipar.bench gpu' "
+                        "measures it; default: the framework profile's measured reserve, else "
+                        "the hardware's 'fragmentation'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -491,29 +417,6 @@ def build_parser() -> argparse.ArgumentParser:
     moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_estimate)
 
-    p = sub.add_parser("calibrate", help="measure this machine into a hardware file")
-    p.add_argument("--nproc", type=positive, default=2, help="gloo processes for the collective measurements")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
-    p.add_argument("--out", default="calibrated-hardware.json", help="the hardware file to write")
-    p.add_argument("--model", default="tiny",
-                   help="the minipar.model preset whose training step (one process, one "
-                        "thread) sets step_calibration: the calibration point (default tiny)")
-    p.add_argument("--batch-size", type=positive, default=16,
-                   help="its global batch, in sequences (default 16)")
-    p.set_defaults(func=cmd_calibrate)
-
-    p = sub.add_parser("validate", help="predicted vs measured step time of minipar.train here")
-    p.add_argument("--model", default="tiny", help="a minipar.model preset (default tiny)")
-    p.add_argument("--steps", type=positive, default=6, help="training steps per layout (the first is warm-up)")
-    p.add_argument("--batch-size", type=positive, default=16, help="global, in sequences")
-    p.add_argument("--layouts", type=lambda t: t.split(","), default=list(_LAYOUT_KEYS),
-                   help=f"comma-separated, from {','.join(_LAYOUT_KEYS)} (default: all)")
-    p.add_argument("--hardware", help="a preset or file; default: calibrate this machine now")
-    p.add_argument("--overlap", type=fraction, default=None,
-                   help="fraction of data-parallel traffic hidden behind compute (default: "
-                        "what minipar's DP engine allows, 0 for tiny's single bucket)")
-    p.set_defaults(func=cmd_validate)
-
     for action in sub.choices.values():
         action.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
@@ -521,9 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        first = (sys.argv[1:] if argv is None else argv)[:1]
+        if first in (["calibrate"], ["validate"]):   # they need torch: minipar.bench has them
+            raise PlanError(f"'{first[0]}' measures this machine and needs torch: run "
+                            f"'python -m minipar.bench {first[0]}'")
         args = build_parser().parse_args(argv)
         args.func(args)
-    except UsageError as e:              # PlanError, or the trainer's own (validate, calibrate)
+    except UsageError as e:              # PlanError
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:              # the reader left early (| head): not an error

@@ -35,7 +35,8 @@ memory-bound kernels and the optimizer step.
 
 ``step_calibration`` multiplies the sum: 1 for the presets, and what ``calibrate``
 measured here (a real step over this model's prediction for it, at the calibration
-point).
+point). So does ``Hardware.oversubscription``: where one-thread processes outnumber a
+node's CPU ``cores`` they share them, each computing processes / cores times slower.
 """
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
         phi = stage_params(shape, t, p)
         optimizer = per_param * math.ceil(phi / layout.shard[2]) / hw.hbm_bandwidth
 
-    c = hw.step_calibration
+    c = hw.step_calibration * hw.oversubscription(layout.gpus)   # time-sliced CPU cores
     forward_mb = c * (layers * (fwd + att_f) + head_f + mem_f)
     backward_mb = c * (matmul + attention + memory_bound) - forward_mb
     parts = {"matmul": c * m * matmul, "attention": c * m * attention,

@@ -27,6 +27,10 @@
   by the hardware's ``overlap_slowdown`` (0 unless measured).
 
 MFU = model FLOPs (no recomputation) / (step x devices x peak)   (Chowdhery et al. 2022)
+Collective times come from the hardware's measured ``collective_table`` where it covers the
+group, else from the alpha-beta model; ``Estimate.unvalidated`` names every collective of
+the layout that no measurement covers (``network.coverage``), and ``search`` prints it.
+
 HFU = hardware FLOPs (with recomputation) / (step x devices x peak). Under full
 recomputation the hardware FLOPs of a GPT are exactly Megatron's 96 B s l h^2 (...) formula,
 which is what Megatron-DeepSpeed reports as TFLOP/s, so HFU is the figure to hold against
@@ -37,11 +41,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .compute import compute_parts
-from .frameworks import Framework, load_framework
+from .frameworks import Framework, gather_calls, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import Layout, check_layout
 from .memory import ACTIVATION_BYTES, device_memory, stage_params
-from .network import collective_time, engine_collectives, p2p_time, placement
+from .network import collective_time, coverage, engine_collectives, p2p_time, placement
 from .shapes import ModelShape, training_flops
 
 DEFAULT_FRAMEWORK = "minipar"
@@ -63,6 +67,7 @@ class Estimate:
     hfu: float
     framework: str = DEFAULT_FRAMEWORK
     notes: list = field(default_factory=list)
+    unvalidated: list = field(default_factory=list)   # collectives timed beyond measurement
 
     @property
     def fits(self) -> bool:
@@ -94,6 +99,7 @@ class Estimate:
             "memory": {k: int(v) for k, v in self.memory.items()},
             "times": dict(self.times), "shares": self.shares(),
             "model": self.model, "hardware": self.hardware, "framework": self.framework,
+            "unvalidated": list(self.unvalidated),
         }
 
 
@@ -148,10 +154,13 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
 def dp_collectives(shape: ModelShape, layout: Layout, framework: Framework | str,
                    dtype: str = "mixed"):
     fw = load_framework(framework)
+    units = units_of_stage(shape, layout.pp)
+    layers = -(-shape.layers // layout.pp)
     return engine_collectives(stage_params(shape, layout.tp, layout.pp), layout.dp,
-                              layout.shard, fw, units_of_stage(shape, layout.pp), dtype,
+                              layout.shard, fw, units, dtype,
                               layout.microbatches, recompute=layout.recompute == "full",
-                              reduce_bytes=fw.reduce_bytes)
+                              reduce_bytes=fw.reduce_bytes,
+                              gathers=gather_calls(fw, shape.arch, layers, units - layers))
 
 
 def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
@@ -220,6 +229,23 @@ def dp_comm_time(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "
                for c in dp_collectives(shape, layout, framework, dtype))
 
 
+def unvalidated(shape: ModelShape, hw: Hardware, layout: Layout, order: str,
+                framework: Framework | str, dtype: str) -> list[str]:
+    """The collectives of ``layout`` whose times no measurement covers (``network.coverage``):
+    the TP group's, and each data-parallel group's as the engine issues it."""
+    strides = layout.strides(order)
+    ops = ("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)
+    groups = [(op, layout.tp, strides["tp"]) for op in ops]
+    groups += [(c.op, c.size, c.stride * strides["dp"])
+               for c in dp_collectives(shape, layout, framework, dtype)]
+    out = []
+    for op, size, stride in groups:
+        why = coverage(op, size, stride, hw)
+        if why and why not in out:
+            out.append(why)
+    return out
+
+
 def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
              order: str | None = None, overlap: float | None = None, flash: bool = False,
              dtype: str | None = None, reserve: float | None = None, check: bool = True,
@@ -237,16 +263,24 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     times["compute"] += times.pop("interference")
     times["step"] = sum(times[k] for k in ("compute", "tp_comm", "bubble", "pp_comm",
                                            "dp_exposed"))
+    notes = []
+    slower = hw.oversubscription(layout.gpus)
+    if slower > 1:
+        per_node = min(layout.gpus, hw.gpus_per_node)
+        notes.append(f"{per_node} processes share {hw.cores} cores: compute predicted "
+                     f"{slower:.2g}x slower per process (time-sliced)")
     flops_model = training_flops(shape, layout.global_batch, "none")
     flops_hw = training_flops(shape, layout.global_batch, layout.recompute)
     peak = times["step"] * layout.gpus * hw.peak_flops
     return Estimate(
         model=shape.name, hardware=hw.name, layout=layout,
         memory=device_memory(shape, layout, flash, dtype, fw),
-        capacity=hw.usable_bytes(reserve), times=times,
+        capacity=hw.usable_bytes(reserve if reserve is not None else fw.memory_reserve),
+        times=times,
         flops={"model": flops_model, "hardware": flops_hw},
         tokens_per_s=layout.global_batch * shape.seq_len / times["step"],
-        mfu=flops_model / peak, hfu=flops_hw / peak, framework=fw.name)
+        mfu=flops_model / peak, hfu=flops_hw / peak, framework=fw.name, notes=notes,
+        unvalidated=unvalidated(shape, hw, layout, order, fw, dtype))
 
 
 # --------------------------------------------------------------------------------------

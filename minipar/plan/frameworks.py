@@ -14,6 +14,14 @@ charge collectives the way that framework's engine issues them. A profile says:
   sharded parameters are gathered unit by unit with prefetch (``param_prefetch``), and
   whether the gather of updated parameters after the optimizer step overlaps the next
   forward (``gather_overlaps_forward``);
+* ``gather_per_module``: sharded parameters are gathered module by module, as the engine's
+  hooks fetch them (DeepSpeed ZeRO-3's parameter coordinator, AMSP's executor): a GPT layer
+  has 6 modules with parameters (QKV, output projection, fc1, fc2, two LayerNorms), a LLaMA
+  layer 9 (q, k, v, o, gate, up, down, two RMSNorms), and each gather pays its latency;
+  otherwise one gather per model unit (a layer; FSDP's wrapping, minipar's ZeRO units);
+* ``memory_reserve``: the fraction of device memory its allocator holds beyond the live
+  tensors at their peak, (reserved - allocated) / reserved, from a measurement (None: the
+  hardware file's ``fragmentation``); the search refuses layouts that do not fit what is left;
 * ``grad_bytes``: bytes per parameter of the gradient buffer the engine keeps (Megatron-LM
   accumulates bf16 gradients into fp32 ``main_grad`` buffers, DeepSpeed's BF16_Optimizer
   into fp32 buffers too: 4; None: the dtype's 2); ``reduce_bytes``: the precision its
@@ -50,6 +58,10 @@ class Framework:
     dp_bucket_bytes: float | None = None  # plain DP (1,1,1) all-reduce buckets, in bytes,
                                           # when its engine differs from the sharded one
     dp_overlap: bool | None = None        # plain DP buckets overlap backward (None: as grads)
+    gather_per_module: bool = False       # one parameter gather per module with parameters
+                                          # (DeepSpeed ZeRO-3, AMSP), not one per layer
+    memory_reserve: float | None = None   # (reserved - allocated) / reserved of its allocator at
+                                          # the peak, measured; None: the hardware's fragmentation
     sources: tuple = ()
 
     def bucket_params(self, dp: int) -> float | None:
@@ -74,6 +86,15 @@ class Framework:
         raise ValueError(self.spec_family)
 
 
+# Every GPU framework here allocates through PyTorch's CUDA caching allocator; one published
+# measurement of what it holds beyond live tensors in LLM training, shared by their profiles
+# until one is measured per framework (python -m minipar.bench gpu prints it):
+CACHING_ALLOCATOR_RESERVE = 0.115
+CACHING_ALLOCATOR_SOURCE = (
+    "memory_reserve 0.115, derived: GMLake (Guo et al., ASPLOS 2024, arXiv 2401.08156) "
+    "measured PyTorch's caching allocator holding 9.2 GB on average (up to 25 GB) of an "
+    "A100-80GB beyond the live tensors of eight LLM training workloads; 9.2 / 80")
+
 FRAMEWORKS: dict[str, Framework] = {
     "minipar": Framework(
         "minipar", "this package: every AMSP spec, interleaving, sequence parallelism",
@@ -93,7 +114,8 @@ FRAMEWORKS: dict[str, Framework] = {
         spec_family="dist-opt", grad_bucket=40e6, grad_overlap=True, 
         param_prefetch=True, gather_overlaps_forward=True, grad_bytes=4,
         reduce_bytes=4, bucket_per_rank=1e6,
-        sources=("rank order tp-cp-ep-dp-pp (megatron/core/parallel_state.py)",
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE, "rank order tp-cp-ep-dp-pp (megatron/core/parallel_state.py)",
                  "buckets of max(40M, 1M x dp) parameters, fp32 main_grad buffers "
                  "(megatron/core/distributed/distributed_data_parallel.py); with bf16 they are "
                  "accumulated and reduced in fp32 (accumulate_allreduce_grads_in_fp32)",
@@ -109,12 +131,14 @@ FRAMEWORKS: dict[str, Framework] = {
         spec_family="zero01", grad_bucket=5e8, grad_overlap=False,
 
         param_prefetch=True, gather_overlaps_forward=False, grad_bytes=4,
-        sources=("topology axes pipe, data, model with model innermost "
+        gather_per_module=True,
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE, "topology axes pipe, data, model with model innermost "
                  "(deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)",
                  "the pipeline engine reduces gradients after the last micro-batch's "
                  "backward (deepspeed/runtime/pipe/engine.py, ReduceGrads)",
                  "ZeRO stages 2 and 3 are refused with pipeline parallelism (DeepSpeed "
-                 "pipeline docs)",
+                 "pipeline docs); its ZeRO-3 gathers module by module as deepspeed-zero3's",
                  "reduce/allgather bucket size 5e8 elements (DeepSpeed config docs, "
                  "zero_optimization defaults)",
                  "BF16_Optimizer accumulates gradients in fp32 "
@@ -126,9 +150,44 @@ FRAMEWORKS: dict[str, Framework] = {
         order="tp,dp,pp", interleaving=False, sp=True, recompute=("none", "full"),
         spec_family="fsdp", grad_bucket=None, grad_overlap=True, 
         param_prefetch=True, gather_overlaps_forward=True,
-        sources=("one all-gather and one reduce-scatter per wrapped unit (a transformer "
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE, "one all-gather and one reduce-scatter per wrapped unit (a transformer "
                  "block), backward and forward prefetch (torch.distributed.fsdp docs)",)),
+    "deepspeed-zero3": Framework(
+        "deepspeed-zero3", "DeepSpeed ZeRO stages 0-3 without pipelines: ZeRO-3 gathers "
+        "parameters module by module, reduces gradients in buckets",
+        order="tp,dp,pp", interleaving=False, sp=False, recompute=("none", "full"),
+        spec_family="zero01", grad_bucket=5e8, grad_overlap=True, param_prefetch=True,
+        gather_overlaps_forward=False, gather_per_module=True,
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE,
+                 "ZeRO-3 fetches each submodule's partitioned parameters in a pre-forward "
+                 "hook and prefetches the next ones "
+                 "(deepspeed/runtime/zero/partitioned_param_coordinator.py, fetch_sub_module)",
+                 "reduce_bucket_size 5e8 elements, overlap_comm on as its ZeRO-3 examples set "
+                 "it (DeepSpeed config docs, zero_optimization)")),
+    "amsp": Framework(
+        "amsp", "AMSP's executor: every (s_p, s_g, s_os) spec, gathers module by module with "
+        "prefetch, reduce-scatters overlapped with backward",
+        order="tp,pp,dp", interleaving=False, sp=False, recompute=("none", "full"),
+        spec_family="amsp", grad_bucket=None, grad_overlap=True, param_prefetch=True,
+        gather_overlaps_forward=False, gather_per_module=True,
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE,
+                 "Chen et al. 2023 (arXiv 2311.00257), the executor: AllGather prefetching "
+                 "and ReduceScatter scheduling overlapped with computation; its gathers are "
+                 "issued per module as ZeRO-3's are (the paper compares against DeepSpeed's)")),
 }
+
+
+MODULES_PER_LAYER = {"gpt": 6, "llama": 9}     # modules holding parameters, per layer
+
+
+def gather_calls(fw: Framework, arch: str, layers: int, ends: int) -> int:
+    """Parameter gathers one pass of a stage with ``layers`` layers and ``ends`` end units
+    (embedding, head) issues under ``fw``."""
+    per_layer = MODULES_PER_LAYER[arch] if fw.gather_per_module else 1
+    return layers * per_layer + ends
 
 
 def load_framework(name: str | Framework) -> Framework:

@@ -39,10 +39,20 @@ Units: bytes, seconds, FLOP/s. Bandwidths are per direction.
   allocator loses to fragmentation. Together they set the usable memory.
 * ``overlap_slowdown``: how much compute slows while a collective runs beside it (0.1:
   hidden communication costs a tenth of its time in compute); 0 unless measured.
+* ``cores``: the CPU cores a node's devices share, where each device is a one-thread
+  process (``laptop-cpu``, a calibrated file); ``"auto"``: this machine's usable cores.
+  When a layout puts more processes on a node than it has cores, each computes
+  ``processes / cores`` times slower (``Hardware.oversubscription``) and the estimate says
+  so in one note. 0 (GPUs): every device has its own engine.
+
+Every peak, bandwidth and latency must be finite and positive (those whose 0 means "left
+out" may be 0): a file with a NaN, a zero or a negative one is refused with one line.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -76,6 +86,7 @@ class Hardware:
     runtime_bytes: float = 0.0
     fragmentation: float = 0.0
     overlap_slowdown: float = 0.0
+    cores: int = 0                  # CPU cores a node's devices share; 0: one engine each
     sources: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -88,12 +99,68 @@ class Hardware:
         frac = self.fragmentation if reserve is None else reserve
         return (self.memory_bytes - self.runtime_bytes) * (1 - frac)
 
+    def oversubscription(self, devices: int) -> float:
+        """How many times slower each device computes when ``devices`` of them share a
+        node's ``cores`` (time-slicing: 4 one-thread processes on 2 cores each get half a
+        core); 1 when every device has its own engine or core."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, min(devices, self.gpus_per_node) / self.cores)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:             # macOS, Windows: no affinity call
+        return os.cpu_count() or 1
+
+
 def hardware_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def _positive(value, what: str, where: str, zero_ok: bool = False) -> None:
+    """PlanError unless ``value`` is a finite number > 0 (>= 0 with ``zero_ok``)."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and (value >= 0 if zero_ok else value > 0))
+    if not ok:
+        bound = "finite and >= 0" if zero_ok else "finite and > 0"
+        raise PlanError(f"{where}: {what} must be {bound}, got {value!r}")
+
+
+def check_numbers(hw: Hardware, where: str) -> None:
+    """Every peak, bandwidth and latency finite and positive (a zero latency or bandwidth
+    would make collectives free or infinite, a NaN poison every prediction); the optional
+    ones that mean "left out" at 0 may be 0."""
+    for name in ("gpus_per_node", "memory_bytes", "peak_flops", "compute_efficiency",
+                 "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency",
+                 "inter_node_latency"):
+        _positive(getattr(hw, name), name, where)
+    for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency",
+                 "runtime_bytes", "step_calibration", "cores"):
+        _positive(getattr(hw, name), name, where, zero_ok=name != "step_calibration")
+    for name in ("compute_efficiency", "attention_efficiency"):
+        if getattr(hw, name) > 1:
+            raise PlanError(f"{where}: {name} is a fraction of peak, at most 1, got "
+                            f"{getattr(hw, name)!r}")
+    if hw.runtime_bytes >= hw.memory_bytes:
+        raise PlanError(f"{where}: runtime_bytes must be less than memory_bytes")
+    for key in ("base_latency", "intra_latency", "inter_latency", "bandwidth_factor"):
+        if hw.tree is not None:
+            _positive((hw.tree or {}).get(key), f"tree.{key}", where,
+                      zero_ok=key == "base_latency")
+    for link in hw.local_links:
+        _positive(link.get("devices"), "local_links devices", where)
+        _positive(link.get("bandwidth"), "local_links bandwidth", where)
+    for row in hw.bandwidth_by_size:
+        _positive(row[0], "bandwidth_by_size bytes", where)
+        _positive(row[1], "bandwidth_by_size factor", where)
+    for row in hw.matmul_table:
+        for key in ("m", "n", "k", "flops_per_s"):
+            _positive(row.get(key), f"matmul_table {key}", where)
 
 
 def hardware_from_dict(data: dict, where: str = "hardware") -> Hardware:
@@ -112,11 +179,10 @@ def hardware_from_dict(data: dict, where: str = "hardware") -> Hardware:
     for name in required - {"name"}:
         if isinstance(data[name], bool) or not isinstance(data[name], (int, float)):
             raise PlanError(f"{where}: {name} must be a number, got {data[name]!r}")
+    if data.get("cores") == "auto":       # this machine's: the cores this process may use
+        data = dict(data, cores=_cpu_cores())
     hw = Hardware(**data)
-    for name in ("gpus_per_node", "memory_bytes", "peak_flops", "compute_efficiency",
-                 "intra_node_bandwidth", "inter_node_bandwidth"):
-        if not getattr(hw, name) > 0:
-            raise PlanError(f"{where}: {name} must be positive, got {getattr(hw, name)!r}")
+    check_numbers(hw, where)
     for name in ("fragmentation", "overlap_slowdown"):
         if not 0 <= getattr(hw, name) < 1:
             raise PlanError(f"{where}: {name} must be a fraction from 0 to 1")
@@ -129,6 +195,14 @@ def hardware_from_dict(data: dict, where: str = "hardware") -> Hardware:
         except (OSError, json.JSONDecodeError) as e:
             raise PlanError(f"{where}: cannot read collective_table {table}: {e}") from None
         hw = replace(hw, collective_table=rows)
+    for row in hw.collective_table or []:
+        if not isinstance(row, dict) or row.get("op") not in ("all_reduce", "all_gather",
+                                                              "reduce_scatter"):
+            raise PlanError(f"{where}: collective_table rows are {{op, bytes, per_node, "
+                            f"nodes, seconds}} with op all_reduce, all_gather or "
+                            f"reduce_scatter; got {row!r}")
+        for key in ("bytes", "per_node", "nodes", "seconds"):
+            _positive(row.get(key), f"collective_table {key}", where)
     if hw.dtype not in ("mixed", "fp32"):
         raise PlanError(f"{where}: dtype must be 'mixed' or 'fp32', got {hw.dtype!r}")
     return hw

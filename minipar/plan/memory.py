@@ -80,8 +80,11 @@ Temporary buffers and what the engine allocates (our assumptions, said here once
 We add the stash of the first stage and the logits of the last as if one device held both,
 which is exact for pp = 1 and a little pessimistic otherwise. What the device can give to
 all of this is ``Hardware.usable_bytes``: its memory less the runtime's share (context,
-communication buffers, library workspaces: ``runtime_bytes``), less a fragmentation margin
-(``fragmentation``; the presets cite where theirs comes from; ``reserve`` overrides it).
+communication buffers, library workspaces: ``runtime_bytes``), less what the allocator holds
+beyond live tensors, (reserved - allocated) / reserved: the framework profile's measured
+``memory_reserve``, else the hardware's ``fragmentation`` (each cites its measurement;
+``reserve`` overrides both). Layouts that public runs executed must fit
+(``published.EXECUTED``, tests/test_plan_grounded.py).
 """
 from __future__ import annotations
 

@@ -8,24 +8,8 @@ ring, for a buffer of N bytes over n ranks; Patarasuk & Yuan 2009, Thakur et al.
     all_gather         (n-1)/n N        (N the full output)
     send               N
 
-Time, per call, as NCCL's and RCCL's tuner model it (``src/graph/tuning.cc`` in both;
-the constants in the hardware presets cite the version): a base latency per call, a
-latency per ring step, and the bytes one rank sends over the slowest link the ring crosses.
-A ring over n ranks takes n-1 steps per phase (two phases for an all-reduce), of which the
-steps that cross nodes pay the network's latency (2 x nodes for an all-reduce, nodes - 1
-for a gather or reduce-scatter, as NCCL counts them) and the rest the intra-node link's.
-An all-reduce may also run as a tree, with log2(nodes) network levels and a chain inside
-each node (latency 2 ((per_node - 1) x intra + log2(nodes) x inter), bandwidth the ring's
-times a factor), taken when it is faster, as NCCL's tuner does; gathers, reduce-scatters
-and broadcasts only ring. Bandwidth: inside one node ``intra_node_bandwidth``, or a faster
-``local_links`` entry when the group stays inside one aligned block (the two GCDs of an
-MI250X). A group that spans nodes shares each node's NICs with every device of the node
-(all groups run at once in lockstep), so each device gets ``inter_node_bandwidth /
-gpus_per_node``; a ring visiting k of its members in a node crosses that node's boundary
-once, carrying their k shares, so its slowest link runs at k x that (capped by the
-intra-node link). ``bandwidth_by_size`` derates medium messages (RCCL's correction table).
-Where the hardware carries a measured ``collective_table`` with the op and placement, its
-interpolated time replaces all of this (``table_time``).
+Time, per call: ``timing`` (NCCL's and RCCL's alpha-beta model, or a measured table,
+and ``coverage`` for what no measurement covers); re-exported here.
 
 Charged per call: ``engine_collectives`` cuts each data-parallel collective into the calls
 a framework's engine issues (gradient buckets, one gather per model unit), so the latency
@@ -87,125 +71,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .hardware import Hardware
 from .memory import ACTIVATION_BYTES, BYTES_PER_PARAM, padded_params
+from .timing import (collective_time, coverage, intra_bandwidth, p2p_time,  # noqa: F401
+                     placement, ring_bytes, ring_time, size_factor, table_time, tree_time)
 from ..sharding import Shard, resolve_shard
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-
-
-def ring_bytes(op: str, nbytes: int, n: int) -> int:
-    """Bytes one rank sends for ``op`` on an ``nbytes`` buffer over ``n`` ranks."""
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * nbytes // n
-    if op in ("reduce_scatter", "all_gather"):
-        return (n - 1) * nbytes // n
-    if op == "send":
-        return nbytes
-    raise ValueError(f"unknown op {op!r}")
-
-
-def placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
-    """(members per node, nodes) of a group of ``size`` ranks ``stride`` devices apart."""
-    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
-    return per_node, math.ceil(size / per_node)
-
-
-def intra_bandwidth(per_node: int, stride: int, hw: Hardware) -> float:
-    """The slowest link a ring over ``per_node`` members ``stride`` apart crosses in a node:
-    a faster local link when the members stay inside one aligned block of it."""
-    span = (per_node - 1) * stride + 1
-    for link in sorted(hw.local_links, key=lambda x: x["devices"]):
-        if span <= link["devices"]:
-            return float(link["bandwidth"])
-    return hw.intra_node_bandwidth
-
-
-def size_factor(nbytes: float, hw: Hardware) -> float:
-    """The ring's bandwidth derating for a message of ``nbytes`` (RCCL's step table)."""
-    factor = 1.0
-    for bound, f in hw.bandwidth_by_size:
-        if nbytes >= bound:
-            factor = f
-    return factor
-
-
-def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
-    per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    beta = intra_bandwidth(per_node, stride, hw)
-    if nodes > 1:
-        beta = min(beta, hw.inter_node_bandwidth * per_node / hw.gpus_per_node)
-    phases = 2 if op == "all_reduce" else 1
-    steps = phases * (size - 1)
-    if nodes == 1:
-        inter = 0
-    else:
-        inter = 2 * nodes if op == "all_reduce" else nodes - 1
-    inter = min(inter, steps)
-    latency = (hw.collective_latency + (steps - inter) * hw.intra_node_latency
-               + inter * hw.inter_node_latency)
-    return latency + ring_bytes(op, int(nbytes), size) / (beta * size_factor(nbytes, hw))
-
-
-def tree_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
-    """A tree all-reduce (NCCL's double binary tree across nodes, a chain inside)."""
-    tree = hw.tree
-    per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    beta = intra_bandwidth(per_node, stride, hw)
-    if nodes > 1:
-        beta = min(beta, hw.inter_node_bandwidth * per_node / hw.gpus_per_node)
-    latency = tree["base_latency"] + 2 * ((per_node - 1) * tree["intra_latency"]
-                                          + math.ceil(math.log2(nodes)) * tree["inter_latency"])
-    return latency + 2 * nbytes / (beta * tree["bandwidth_factor"])
-
-
-def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float | None:
-    """Seconds from the measured ``collective_table``, or None where it has no row for this
-    op and placement: effective bandwidth (bytes / seconds) interpolated linearly in
-    log2(bytes); below the smallest size the smallest's time, above the largest its
-    bandwidth."""
-    if not hw.collective_table:
-        return None
-    per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    rows = sorted((r["bytes"], r["seconds"]) for r in hw.collective_table
-                  if r["op"] == op and r["per_node"] == per_node and r["nodes"] == nodes)
-    if not rows:
-        return None
-    if nbytes <= rows[0][0]:
-        return rows[0][1]
-    if nbytes >= rows[-1][0]:
-        return nbytes * rows[-1][1] / rows[-1][0]
-    for (b0, t0), (b1, t1) in zip(rows, rows[1:]):
-        if b0 <= nbytes <= b1:
-            w = (math.log2(nbytes) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
-            bw = (1 - w) * (b0 / t0) + w * (b1 / t1)
-            return nbytes / bw
-    return None
-
-
-def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
-    """Seconds for one call of ``op`` on an ``nbytes`` buffer over ``size`` ranks ``stride``
-    devices apart: the measured table where it covers the case, else NCCL's alpha-beta
-    model (ring, or tree for an all-reduce when faster)."""
-    if size <= 1:
-        return 0.0
-    measured = table_time(op, nbytes, size, stride, hw)
-    if measured is not None:
-        return measured
-    t = ring_time(op, nbytes, size, stride, hw)
-    if op == "all_reduce" and hw.tree:
-        t = min(t, tree_time(nbytes, size, stride, hw))
-    return t
-
-
-def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware) -> float:
-    """One point-to-point send; across nodes every device of the node sends at once."""
-    if across_nodes:
-        return (hw.collective_latency + hw.inter_node_latency
-                + nbytes / (hw.inter_node_bandwidth / hw.gpus_per_node))
-    return hw.collective_latency + hw.intra_node_latency + nbytes / hw.intra_node_bandwidth
 
 
 # --------------------------------------------------------------------------------------
@@ -261,12 +132,15 @@ def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
 
 def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: int,
                        dtype: str = "mixed", microbatches: int = 1, recompute: bool = False,
-                       reduce_bytes: int | None = None) -> list[Collective]:
+                       reduce_bytes: int | None = None,
+                       gathers: int | None = None) -> list[Collective]:
     """``zero_collectives`` as ``framework``'s engine issues them: each cut into calls and
     given the compute it can hide behind.
 
     * parameter gathers: one call per model unit (``units``: the layers of the stage plus
-      its ends), each prefetched behind the unit before it when the engine prefetches;
+      its ends), or ``gathers`` calls where the engine gathers module by module
+      (``frameworks.gather_calls``), each prefetched behind the one before it when the
+      engine prefetches, each paying the collective's latency;
     * gradient reductions, per micro-batch (sharded gradients) or at the step (the step's
       reduce-scatter and cross-replica all-reduce): in buckets of the framework's size, or
       one call per unit; behind the backward pass when the engine starts them during
@@ -287,7 +161,9 @@ def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: i
         grad_overlap = framework.dp_overlap
     out = []
     for c in zero_collectives(n_params, dp, shard, dtype, microbatches, recompute):
-        if bucket is None or c.kind == "gather":
+        if c.kind == "gather":
+            calls = gathers or units
+        elif bucket is None:
             calls = units
         else:
             elements = c.nbytes / (BYTES_PER_PARAM[dtype][0] if c.kind.endswith("gather")

@@ -129,7 +129,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(f"global batch of {tokens} tokens is not a whole number of "
                         f"{shape.seq_len}-token sequences; use a multiple of {shape.seq_len}")
     batch = tokens // shape.seq_len
-    capacity = hw.usable_bytes(reserve)
+    capacity = hw.usable_bytes(reserve if reserve is not None else fw.memory_reserve)
     modes = [recompute] if recompute else [r for r in RECOMPUTE_MODES if r in fw.recompute]
     if not fw.interleaving or schedule in ("gpipe", "1f1b"):
         max_v, v = 1, 1
@@ -274,6 +274,9 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
                  f"(params {_gib(mem['params'])}, grads {_gib(mem['grads'])}, optimizer "
                  f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}, "
                  f"temporary {_gib(mem['temporary'])})")
+    if best.unvalidated:
+        lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
+                     "alpha-beta model, never extrapolated from measurements)")
     if runner_up is not None:
         r = runner_up.times
         deltas = {k: r[k] - t[k] for k in _PARTS}

@@ -71,6 +71,18 @@ class ModelShape:
     bias: bool = True          # GPT: biases in every Linear and LayerNorm; LLaMA: none
     global_batch_tokens: int = 0   # the preset's usual batch (search's default), 0: unknown
 
+    def __post_init__(self):
+        for what in ("layers", "hidden", "heads", "vocab", "seq_len"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"model {self.name}: {what} must be a whole number >= 1, got "
+                                f"{value!r}")
+        if self.hidden % self.heads:
+            raise PlanError(f"model {self.name}: {self.heads} heads do not divide the hidden "
+                            f"size {self.hidden}; choose heads that divide it")
+        if self.arch not in ("gpt", "llama"):
+            raise PlanError(f"model {self.name}: arch must be gpt or llama, got {self.arch!r}")
+
     @property
     def ffn(self) -> int:
         if self.ffn_hidden:

@@ -1,0 +1,181 @@
+"""How long one collective takes: NCCL's and RCCL's model, or a measured table.
+
+Time, per call, as NCCL's and RCCL's tuner model it (``src/graph/tuning.cc`` in both;
+the constants in the hardware presets cite the version): a base latency per call, a
+latency per ring step, and the bytes one rank sends over the slowest link the ring crosses.
+A ring over n ranks takes n-1 steps per phase (two phases for an all-reduce), of which the
+steps that cross nodes pay the network's latency (2 x nodes for an all-reduce, nodes - 1
+for a gather or reduce-scatter, as NCCL counts them) and the rest the intra-node link's.
+An all-reduce may also run as a tree, with log2(nodes) network levels and a chain inside
+each node (latency 2 ((per_node - 1) x intra + log2(nodes) x inter), bandwidth the ring's
+times a factor), taken when it is faster, as NCCL's tuner does; gathers, reduce-scatters
+and broadcasts only ring. Bandwidth: inside one node ``intra_node_bandwidth``, or a faster
+``local_links`` entry when the group stays inside one aligned block (the two GCDs of an
+MI250X). A group that spans nodes shares each node's NICs with every device of the node
+(all groups run at once in lockstep), so each device gets ``inter_node_bandwidth /
+gpus_per_node``; a ring visiting k of its members in a node crosses that node's boundary
+once, carrying their k shares, so its slowest link runs at k x that (capped by the
+intra-node link). ``bandwidth_by_size`` derates medium messages (RCCL's correction table).
+Where the hardware carries a measured ``collective_table`` with the op and placement, its
+interpolated time replaces all of this (``table_time``): between measured sizes and between
+measured node counts, never beyond the widest measured group. A collective the table does not
+cover, that spans nodes or is wider than the table, is timed by the model above and named by
+``coverage``: the estimate lists it under ``unvalidated``, and so does ``search``'s output.
+
+``ring_bytes`` is the byte count of ``network``'s table (what one rank sends); ``network``
+re-exports everything here.
+"""
+from __future__ import annotations
+
+import math
+
+from .hardware import Hardware
+
+
+def ring_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends for ``op`` on an ``nbytes`` buffer over ``n`` ranks."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) * nbytes // n
+    if op == "send":
+        return nbytes
+    raise ValueError(f"unknown op {op!r}")
+
+
+def placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
+    """(members per node, nodes) of a group of ``size`` ranks ``stride`` devices apart."""
+    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return per_node, math.ceil(size / per_node)
+
+
+def intra_bandwidth(per_node: int, stride: int, hw: Hardware) -> float:
+    """The slowest link a ring over ``per_node`` members ``stride`` apart crosses in a node:
+    a faster local link when the members stay inside one aligned block of it."""
+    span = (per_node - 1) * stride + 1
+    for link in sorted(hw.local_links, key=lambda x: x["devices"]):
+        if span <= link["devices"]:
+            return float(link["bandwidth"])
+    return hw.intra_node_bandwidth
+
+
+def size_factor(nbytes: float, hw: Hardware) -> float:
+    """The ring's bandwidth derating for a message of ``nbytes`` (RCCL's step table)."""
+    factor = 1.0
+    for bound, f in hw.bandwidth_by_size:
+        if nbytes >= bound:
+            factor = f
+    return factor
+
+
+def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+    beta = intra_bandwidth(per_node, stride, hw)
+    if nodes > 1:
+        beta = min(beta, hw.inter_node_bandwidth * per_node / hw.gpus_per_node)
+    phases = 2 if op == "all_reduce" else 1
+    steps = phases * (size - 1)
+    if nodes == 1:
+        inter = 0
+    else:
+        inter = 2 * nodes if op == "all_reduce" else nodes - 1
+    inter = min(inter, steps)
+    latency = (hw.collective_latency + (steps - inter) * hw.intra_node_latency
+               + inter * hw.inter_node_latency)
+    return latency + ring_bytes(op, int(nbytes), size) / (beta * size_factor(nbytes, hw))
+
+
+def tree_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+    """A tree all-reduce (NCCL's double binary tree across nodes, a chain inside)."""
+    tree = hw.tree
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+    beta = intra_bandwidth(per_node, stride, hw)
+    if nodes > 1:
+        beta = min(beta, hw.inter_node_bandwidth * per_node / hw.gpus_per_node)
+    latency = tree["base_latency"] + 2 * ((per_node - 1) * tree["intra_latency"]
+                                          + math.ceil(math.log2(nodes)) * tree["inter_latency"])
+    return latency + 2 * nbytes / (beta * tree["bandwidth_factor"])
+
+
+def _size_time(rows: list[tuple[float, float]], nbytes: float) -> float:
+    """Seconds for ``nbytes`` from (bytes, seconds) rows of one placement: effective bandwidth
+    interpolated linearly in log2(bytes); below the smallest size the smallest's time, above
+    the largest its bandwidth (message size, unlike group width, extrapolates safely: the
+    ring's bandwidth term is linear in it)."""
+    rows = sorted(rows)
+    if nbytes <= rows[0][0]:
+        return rows[0][1]
+    if nbytes >= rows[-1][0]:
+        return nbytes * rows[-1][1] / rows[-1][0]
+    for (b0, t0), (b1, t1) in zip(rows, rows[1:]):
+        if b0 <= nbytes <= b1:
+            w = (math.log2(nbytes) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+            return nbytes / ((1 - w) * (b0 / t0) + w * (b1 / t1))
+    return rows[-1][1]
+
+
+def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float | None:
+    """Seconds from the measured ``collective_table``, or None where it does not cover this
+    op and placement. Rows of the same op and members per node are measured at some node
+    counts: an exact count is read off (``_size_time``), a count between two measured ones
+    is interpolated linearly in log2(nodes), and a count beyond them is *not* extrapolated
+    (None: the caller falls back to the alpha-beta model and ``coverage`` flags it)."""
+    if not hw.collective_table:
+        return None
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+    by_nodes: dict[int, list] = {}
+    for r in hw.collective_table:
+        if r["op"] == op and r["per_node"] == per_node:
+            by_nodes.setdefault(r["nodes"], []).append((r["bytes"], r["seconds"]))
+    if nodes in by_nodes:
+        return _size_time(by_nodes[nodes], nbytes)
+    below = [n for n in by_nodes if n < nodes]
+    above = [n for n in by_nodes if n > nodes]
+    if not below or not above:
+        return None
+    n0, n1 = max(below), min(above)
+    w = (math.log2(nodes) - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
+    return (1 - w) * _size_time(by_nodes[n0], nbytes) + w * _size_time(by_nodes[n1], nbytes)
+
+
+def coverage(op: str, size: int, stride: int, hw: Hardware) -> str | None:
+    """Why the time of ``op`` over this group is a model, not a measurement: None when the
+    measured table covers it, or when the group stays in one node and no table was given
+    (NCCL's intra-node model); else one phrase for the ``unvalidated`` list."""
+    if size <= 1:
+        return None
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+    if table_time(op, 1.0, size, stride, hw) is not None:
+        return None
+    rows = [r for r in hw.collective_table or [] if r["op"] == op]
+    if not rows and nodes == 1:
+        return None
+    widths = sorted({r["per_node"] * r["nodes"] for r in rows})
+    measured = (f"measured only over {widths[0]}-{widths[-1]} ranks" if rows
+                else "no measured table")
+    return f"{op} over {size} ranks ({nodes} node{'s' if nodes > 1 else ''}): {measured}"
+
+
+def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+    """Seconds for one call of ``op`` on an ``nbytes`` buffer over ``size`` ranks ``stride``
+    devices apart: the measured table where it covers the case, else NCCL's alpha-beta
+    model (ring, or tree for an all-reduce when faster)."""
+    if size <= 1:
+        return 0.0
+    measured = table_time(op, nbytes, size, stride, hw)
+    if measured is not None:
+        return measured
+    t = ring_time(op, nbytes, size, stride, hw)
+    if op == "all_reduce" and hw.tree:
+        t = min(t, tree_time(nbytes, size, stride, hw))
+    return t
+
+
+def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware) -> float:
+    """One point-to-point send; across nodes every device of the node sends at once."""
+    if across_nodes:
+        return (hw.collective_latency + hw.inter_node_latency
+                + nbytes / (hw.inter_node_bandwidth / hw.gpus_per_node))
+    return hw.collective_latency + hw.intra_node_latency + nbytes / hw.intra_node_bandwidth
