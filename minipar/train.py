@@ -192,7 +192,8 @@ def build_engine(cfg: RunConfig, grid: Mesh, module, policy: PrecisionPolicy | N
     return dp.DataParallel(module, comm.SOLO if dense is None else dense, mode=cfg.dp_mode,
                            bucket_mb=cfg.bucket_mb, optimizer=optimizer(module.parameters()),
                            reduce_dtype=reduce_dtype,
-                           own_groups=[g for g in groups if g.reduce_axis != "dp_cp"])
+                           # experts with ep = 1 reduce over the dense group itself: no group of their own
+                           own_groups=[g for g in groups if g.group is not dense])
 
 
 # --------------------------------------------------------------------------------------
