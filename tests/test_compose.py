@@ -232,7 +232,7 @@ def _save_resume_worker(tmp, world):
                                        "--weight-decay", "0.1"]),
         ("save-pp2-fp16", BASE + ["--dtype", "fp16", "--pp", "2", "--steps", "2", "--save",
                                   f"{tmp}/c", "--loss-scale-window", "1",
-                                    "--loss-scale-init", "1024"]),
+                                  "--loss-scale-init", "1024"]),
         ("resume-dp4-fp16", BASE + ["--dtype", "fp16", "--resume", f"{tmp}/c",
                                     "--loss-scale-window", "1",
                                     "--loss-scale-init", "1024"]),
