@@ -256,7 +256,7 @@ def parse_config(argv: list[str]) -> RunConfig:
     model_cfg = dataclasses.replace(model_cfg, moe_experts=a.moe_experts, moe_top_k=a.moe_top_k,
                                     moe_every=a.moe_every, capacity_factor=a.capacity_factor,
                                     moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
-    moe.validate(model_cfg, a.ep, d, a.tp, a.pp, a.recompute)
+    moe.validate(model_cfg, a.ep, d, a.tp)
     if model_cfg.moe_experts and a.dtype != "fp32" and (a.zero is not None or a.shard is not None):
         raise UsageError("MoE under ZeRO runs in fp32 only (the experts stay outside the fp32 "
                          "master shards); use --dtype fp32, or plain DP for bf16")
@@ -436,15 +436,17 @@ class LocalRunner:
             with self.autocast():
                 loss = self.module(xb, yb) / self.m
             loss.backward()
-            total += loss.detach()      # on the device: no host sync per micro-batch
+            # report the cross-entropy: less what MoE's aux and z losses added (0.0 if dense);
+            # on the device: no host sync per micro-batch
+            total += (loss - moe.penalty(self.module) / self.m).detach()
         return total
 
     @torch.no_grad()
     def evaluate(self, x, y) -> float:
         total = 0.0
         for xb, yb in data.microbatches(x, y, self.m):
-            with self.autocast():
-                total += (self.module(xb, yb) / self.m).item()
+            with self.autocast():    # the held-out loss is the cross-entropy: MoE's losses out
+                total += ((self.module(xb, yb) - moe.penalty(self.module)) / self.m).item()
         return total
 
     def serial_name(self, local_name: str) -> str:
@@ -607,7 +609,6 @@ def worker(cfg: RunConfig, return_state: bool = False):
             engine.begin_step(cfg.microbatches)
             local_loss = runner.forward_backward(x, y)
             routing = moe.step_stats(runner.module)   # MoE: aux loss and drops; 0 when dense
-            local_loss -= routing["penalty"]          # report the cross-entropy as the loss
             _maybe_crash(grid.rank, step)
             engine.step()
             if device.type == "cuda":
@@ -636,9 +637,13 @@ def worker(cfg: RunConfig, return_state: bool = False):
                 record["val_loss"] = evaluate(cfg, grid, runner, val_batches, device)
                 moe.step_stats(runner.module)     # MoE: forget the evaluation's routing
             if cfg.model_cfg.moe_experts:
-                aux, dropped, assigned = comm.all_reduce_scalars(
-                    [routing["aux_loss"], routing["dropped"], routing["assigned"]], comm.WORLD)
-                record.update(aux_loss=aux / cfg.world, drop_rate=dropped / assigned)
+                # each rank holds its share (its stage's layers, its TP slice of the tokens)
+                # of its data-parallel batch: summed over the world, averaged over dp
+                aux, z, dropped, assigned = comm.all_reduce_scalars(
+                    [routing["aux_loss"], routing["z_loss"], routing["dropped"],
+                     routing["assigned"]], comm.WORLD)
+                record.update(aux_loss=aux / cfg.dp, z_loss=z / cfg.dp,
+                              drop_rate=dropped / assigned)
             if is_rank0:
                 history.append(record)
                 if metrics_file:
