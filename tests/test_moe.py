@@ -342,6 +342,42 @@ def test_moe_composes_with_tp_pp_and_recompute(cases, name):
     assert ref["history"][0]["aux_loss"] > 3.5          # a sum over nano's 4 MoE layers
 
 
+def test_tp_moe_state_bytes_equal_the_planner():
+    """tp=2, dp=2, ep=2, fp32: experts replicated over TP, split over EP (minipar.plan.moe)."""
+    got = composed(QUICK, "tp2 ep2")["history"][-1]["model_state_bytes"]
+    plan = plan_moe.state_bytes(trainer_presets()["nano"], plan_moe.MoE(E, K), dp=2, ep=2,
+                                zero=0, tp=2, dtype="fp32")
+    assert (got["params"], got["grads"]) == (plan["params"], plan["grads"])
+
+
+def _tp_layer_bytes(sp: bool, ep: int):
+    """On 4 ranks (tp=2, dp=2): one MoE layer's forward and backward, its bytes by op."""
+    from minipar import tp
+    grid = dist.Grid(dp=2, tp=2)
+    model = build(config("nano", moe_experts=E, moe_top_k=K, capacity_factor=1.0), seed=0)
+    tp.parallelize(model, grid, sequence_parallel=sp)
+    moe.expert_parallel(model, grid, ep)
+    layer = model.blocks[0].mlp
+    b, s = 2, 16
+    x = torch.randn(b, s // 2 if sp else s, 32, generator=torch.Generator().manual_seed(grid.rank // 2))
+    comm.reset()
+    y = layer(x.requires_grad_())
+    (y.square().sum() + layer.aux_loss).backward()
+    return comm.stats.bytes_by_op()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_moe_layer_bytes_equal_the_formula(sp):
+    """The TP collectives of an MoE layer: the choices' all-gather, (without SP) the tokens'
+    all-gathers, and the f all-reduces of the router's and experts' gradients."""
+    ranks = dist.launch(_tp_layer_bytes, 4, sp, 2, timeout=120)
+    want = plan_moe.tp_layer_comm_bytes(trainer_presets()["nano"], plan_moe.MoE(E, K),
+                                        tokens=2 * 16, tp=2, sp=sp, ep=2)
+    for r in ranks:
+        assert r["all_gather"] == want["all_gather"]
+        assert r["all_reduce"] == want["all_reduce"]
+
+
 def test_recompute_replays_routing_and_all_to_alls():
     """--recompute full: the gradients of the run without it, and per step the same
     all-to-all bytes (the recomputed forward replays the first one's routing and rows)."""
