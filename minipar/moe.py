@@ -97,6 +97,12 @@ and micro-batch, one rank sends over TP::
     all_gather    (t-1)/t b s d_model b   x2       without SP only: output fwd, input grad bwd
     all_reduce    2(t-1)/t (router + E/n experts' parameters) b    the f on the weights, bwd
 
+At scale the replication is the limit: the planner (``minipar.plan.moe``) finds gpt-22b with 8
+experts at tp=8, ep=8 needs 130.6 GiB of model states per device, and the f all-reduce, once
+per micro-batch, dominates TP traffic. Megatron-Core's answer, EP groups that span the TP
+ranks ("MoE parallel folding"), or one all-reduce per step of the experts' gradients, are
+not built here.
+
 Recomputation (``--recompute full``). The Block's checkpoint passes ``recompute_contexts``
 as its ``context_fn``: the first forward records, per MoE layer, its routing decision (and
 noise), the counts it exchanged, the rows the dispatch received and the rows the combine

@@ -42,6 +42,11 @@ s/t tokens (LayerNorm, position embedding, row-parallel bias) has a partial grad
 its computation through f, whose backward sums the gradient over the TP group
 (2(t-1)/t x its bytes per micro-batch), so the DP and ZeRO engines need no TP knowledge.
 
+An MoE layer (``minipar.moe``) is not split by weights: its router and experts stay whole on
+every TP rank and each rank routes its own s/t of every sequence (``parallelize_moe``,
+``TokenSplitLinear``; ``scatter_seq`` and ``gather_seq_replicated`` without SP), so no
+token is routed or sent by all-to-all twice.
+
 ``parallelize(model, grid)`` swaps these parts into the full serial GPT, slicing the full
 weights, so the same seed gives the same model; ``full_tensor`` undoes the slicing.
 Vocabularies that do not divide by t are padded with zero rows that the loss never sees.
