@@ -104,8 +104,8 @@ ranks ("MoE parallel folding"), or one all-reduce per step of the experts' gradi
 not built here.
 
 Recomputation (``--recompute full``). The Block's checkpoint passes ``recompute_contexts``
-as its ``context_fn``: the first forward records, per MoE layer, its routing decision (and
-noise), the counts it exchanged, the rows the dispatch received and the rows the combine
+as its ``context_fn``: the first forward records, per MoE layer, its routing decision, the
+counts it exchanged, the rows the dispatch received and the rows the combine
 returned; the recomputed forward replays them instead of routing again and communicating,
 and counts nothing twice. Backward runs each all-to-all once, in the original graph. The
 price is those rows kept until the Block's backward: (a_in + a_out) d_model b per layer.
@@ -292,10 +292,8 @@ class MoE(nn.Module):
         tokens = rearrange(x, "b s d -> (b s) d")
         logits = self.router(tokens)
         record = replay.next() if replaying else {}
-        if self.training and self.noise > 0:
-            if not replaying:
-                record["noise"] = self.noise * torch.randn_like(logits)
-            logits = logits + record["noise"]
+        if self.training and self.noise > 0:   # recomputed alike: checkpoint restores the RNG
+            logits = logits + self.noise * torch.randn_like(logits)
         probs, weights, experts = route(logits, self.k)
         if not replaying:
             record.update(zip(("experts", "whole", "keep"), self._decide(experts, b, s)))

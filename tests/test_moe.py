@@ -286,6 +286,7 @@ QUICK = {  # name -> flags, on 4 processes
     "pp2 1f1b ep2": ["--pp", "2", "--ep", "2"],
     "ep2": ["--ep", "2"],
     "ep2 recompute full": ["--ep", "2", "--recompute", "full"],
+    "ep2 recompute selective": ["--ep", "2", "--recompute", "selective"],
 }
 SLOW = {
     "tp4": ["--tp", "4"],
@@ -342,6 +343,20 @@ def test_moe_composes_with_tp_pp_and_recompute(cases, name):
     assert ref["history"][0]["aux_loss"] > 3.5          # a sum over nano's 4 MoE layers
 
 
+@pytest.mark.slow
+def test_moe_checkpoint_moves_between_tp_and_pp(tmp_path):
+    """Saved at step 2 as tp=2 x dp=2 (ep 2), resumed as pp=2 x dp=2 (ep 2): steps 3 and 4
+    and the final parameters are the serial run's."""
+    from minipar.train import run_state
+    ref = serial_state(SHORT)
+    first = SHORT[:-1] + ["2"]
+    run_state(NANO + first + ["--tp", "2", "--ep", "2", "--save", str(tmp_path)], nproc=4)
+    got = run_state(NANO + SHORT + ["--pp", "2", "--ep", "2", "--resume", str(tmp_path)], nproc=4)
+    assert got["losses"] == pytest.approx(ref["losses"][2:], abs=1e-5)
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], p, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_tp_moe_state_bytes_equal_the_planner():
     """tp=2, dp=2, ep=2, fp32: experts replicated over TP, split over EP (minipar.plan.moe)."""
     got = composed(QUICK, "tp2 ep2")["history"][-1]["model_state_bytes"]
@@ -378,16 +393,34 @@ def test_tp_moe_layer_bytes_equal_the_formula(sp):
         assert r["all_reduce"] == want["all_reduce"]
 
 
-def test_recompute_replays_routing_and_all_to_alls():
-    """--recompute full: the gradients of the run without it, and per step the same
-    all-to-all bytes (the recomputed forward replays the first one's routing and rows)."""
-    plain, full = composed(QUICK, "ep2"), composed(QUICK, "ep2 recompute full")
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_replays_routing_and_all_to_alls(mode):
+    """--recompute: the gradients of the run without it, and per step the same all-to-all
+    bytes (the recomputed forward replays the first one's routing and rows)."""
+    plain, again = composed(QUICK, "ep2"), composed(QUICK, f"ep2 recompute {mode}")
     for name, g in plain["grads"].items():
-        torch.testing.assert_close(full["grads"][name], g, atol=1e-6, rtol=0, msg=name)
-    for a, b in zip(full["history"], plain["history"]):
+        torch.testing.assert_close(again["grads"][name], g, atol=1e-6, rtol=0, msg=name)
+    for a, b in zip(again["history"], plain["history"]):
         for op in ("all_to_all", "all_to_all_counts"):
             assert a["comm_bytes"][op] == b["comm_bytes"][op] > 0
         assert (a["aux_loss"], a["drop_rate"]) == (b["aux_loss"], b["drop_rate"])
+
+
+def test_recompute_draws_the_same_router_noise():
+    """Noisy top-k under --recompute full: the recomputation draws the first forward's noise
+    again (checkpoint restores the RNG state), so the gradients are those of the run without
+    recomputation (same seed), and the statistics count each forward once."""
+    grads = {}
+    for mode in ("none", "full"):
+        model = build(config("nano", moe_experts=E, moe_top_k=K, moe_noise=1.0, recompute=mode),
+                      seed=0)
+        x, y = _batch()
+        torch.manual_seed(5)
+        model(x, y).backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+        assert moe.step_stats(model)["assigned"] == 4 * 8 * 16 * K
+    for name, g in grads["none"].items():
+        torch.testing.assert_close(grads["full"][name], g, atol=1e-6, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("flags,words", [
