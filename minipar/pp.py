@@ -451,7 +451,7 @@ class PipelineRunner:
     """
 
     def __init__(self, model, grid, schedule="1f1b", microbatches: int = 1, chunks: int = 1,
-                 autocast=contextlib.nullcontext):
+                 autocast=contextlib.nullcontext, seq_split: int = 1, loss_scaler=None):
         self.grid, self.m, self.autocast = grid, microbatches, autocast
         self.p, self.r = grid.pp, grid.pp_rank
         self.v = chunks if (schedule == "interleaved" or callable(schedule)) else 1
@@ -464,7 +464,9 @@ class PipelineRunner:
                              + "; ".join(problems[:5]))
         self.instructions = self.lists[self.r]
         self.d_model = model.cfg.d_model
-        self.seq_split = getattr(model, "activation_seq_split", 1)
+        # under sequence parallelism the activations between stages are (b, s/t, h)
+        self.seq_split = seq_split
+        self.loss_scaler = loss_scaler   # fp16: the last stage's backward starts from loss * scale
         first = next(model.parameters())
         self.device, self.act_dtype = first.device, first.dtype
         self.profile = False     # True: on a GPU, synchronise around each instruction
@@ -554,11 +556,13 @@ class PipelineRunner:
         out = self.outputs.pop(key)
         extra = self.penalties.pop(key, None)
         if k == self.V - 1:
-            out.backward()
+            (out if self.loss_scaler is None else out * self.loss_scaler.scale).backward()
         elif extra is None:
             torch.autograd.backward(out, self.grad_out.pop(key).to(out.dtype))
-        else:
-            torch.autograd.backward([out, extra], [self.grad_out.pop(key).to(out.dtype), None])
+        else:    # this stage's MoE losses, scaled as the loss is (fp16)
+            scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+            torch.autograd.backward([out, extra * scale],
+                                    [self.grad_out.pop(key).to(out.dtype), None])
         inp = self.inputs.pop(key, None)
         if k > 0:
             self.grad_in[key] = inp.grad
