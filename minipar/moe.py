@@ -108,7 +108,9 @@ as its ``context_fn``: the first forward records, per MoE layer, its routing dec
 counts it exchanged, the rows the dispatch received and the rows the combine
 returned; the recomputed forward replays them instead of routing again and communicating,
 and counts nothing twice. Backward runs each all-to-all once, in the original graph. The
-price is those rows kept until the Block's backward: (a_in + a_out) d_model b per layer.
+price is those rows kept until the Block's backward: every row the rank received and got
+back, its own included (2 t k d_model b per layer with balanced routing and no drops).
+``--recompute selective`` recomputes the attention core only: the MoE layer is outside it.
 """
 from __future__ import annotations
 
