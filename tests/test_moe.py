@@ -148,10 +148,14 @@ def _serial(cf):
 
 def _ep_rank(ep, cf):
     from minipar import dp
-    grid = dist.Grid(dp=4)
+    from minipar.groups import param_groups
+    from minipar.mesh import Mesh
+    grid = Mesh(dp=4, ep=ep)
     model = moe.expert_parallel(build(config("nano", moe_experts=E, moe_top_k=K,
                                              capacity_factor=cf), seed=0), grid, ep)
-    engine = dp.DataParallel(model, grid.dp_group, mode="bucketed")
+    dense = grid.group("dp")     # experts reduce over their own group, edp (the trainer's way)
+    engine = dp.DataParallel(model, dense, mode="bucketed",
+                             own_groups=[g for g in param_groups(model, grid) if g.group is not dense])
     x, y = _batch()
     rows = slice(2 * grid.dp_rank, 2 * grid.dp_rank + 2)
     comm.reset()
