@@ -52,17 +52,13 @@ CELLS_4 = {
     "moe-ep2": (MOE + ["--ep", "2"], 4),
     "moe-ep4-zero1": (MOE + ["--ep", "4", "--zero", "1"], 4),
     "moe-ep2-zero3": (MOE + ["--ep", "2", "--zero", "3"], 4),
+    "moe-ep2+tp2": (MOE + ["--ep", "2", "--tp", "2"], 4),
+    "moe-ep2+pp2": (MOE + ["--ep", "2", "--pp", "2"], 4),
+    "moe-ep2-recompute": (MOE + ["--ep", "2", "--recompute", "full"], 4),
 }
 CELLS_8 = {
     "3d": (["--tp", "2", "--sp", "--pp", "2"], 8),          # dp 2 x pp 2 x tp 2
     "3d-zero1": (["--tp", "2", "--pp", "2", "--zero", "1"], 8),
-}
-# MoE with TP or PP is the `moe` branch's (MoE x TP / PP / recompute); these cells are listed
-# and enabled once `moe.validate` accepts them (they are skipped with the reason until then).
-MOE_PENDING = {
-    "moe-ep2+tp2": (MOE + ["--ep", "2", "--tp", "2"], 4),
-    "moe-ep2+pp2": (MOE + ["--ep", "2", "--pp", "2"], 4),
-    "moe-ep2-recompute": (MOE + ["--ep", "2", "--recompute", "full"], 4),
 }
 QUICK = [("dp4", "fp32"), ("tp2xpp2", "fp32"), ("tp2+sp", "fp16"), ("pp2-1f1b", "bf16")]
 # The whole matrix, kept to one launch of 4 ranks: every layout in fp32, and each 16-bit
@@ -73,7 +69,8 @@ MATRIX = ([(c, "fp32") for c in CELLS_4]
           + [(c, "bf16") for c in ("dp4", "zero2", "zero3", "tp2+sp", "pp2-interleaved",
                                    "dp4-recompute", "moe-ep2")]
           + [(c, "fp16") for c in ("dp4", "zero1", "zero3", "shard1,2,4", "pp2-gpipe",
-                                   "tp2xpp2", "tp2+sp-recompute", "zero1+tp2", "moe-ep2")])
+                                   "tp2xpp2", "tp2+sp-recompute", "zero1+tp2", "moe-ep2",
+                                   "moe-ep2+pp2")])
 
 
 def _flags(cell: str, precision: str, table: dict) -> list[str]:
@@ -183,17 +180,6 @@ def test_every_4_rank_cell_equals_its_serial_twin():
 @pytest.mark.slow
 def test_3d_cells_equal_their_serial_twins():
     check_cells([(c, p) for c in CELLS_8 for p in ("fp32", "bf16")], CELLS_8, 8)
-
-
-@pytest.mark.parametrize("cell", MOE_PENDING)
-def test_moe_with_tp_pp_recompute(cell):
-    from minipar import train
-    from minipar.errors import UsageError
-    try:
-        train.parse_config(_flags(cell, "fp32", MOE_PENDING) + ["--nproc", "4"])
-    except UsageError as e:
-        pytest.skip(f"MoE x TP/PP/recompute is the moe branch's work; refused here: {e}")
-    check_cells([(cell, "fp32")], MOE_PENDING, 4)
 
 
 COMPILED = {
