@@ -122,7 +122,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from . import comm, tp
+from . import comm
+from .seqsplit import gather_seq, gather_seq_replicated, scatter_seq
 from .errors import UsageError
 
 
@@ -287,7 +288,7 @@ class MoE(nn.Module):
         t = comm.size(self.tp_group)
         split_here = t > 1 and not self.sequence_parallel
         if split_here:                       # every TP rank holds all tokens: route s/t each
-            x = tp.scatter_seq(x, self.tp_group)
+            x = scatter_seq(x, self.tp_group)
         replay, replaying = Replay.current()
         b, s_here, _ = x.shape
         s = s_here * t                       # the whole sequence
@@ -309,7 +310,7 @@ class MoE(nn.Module):
         if replay is not None and not replaying:
             replay.records.append(record)
         y = rearrange(y, "(b s) d -> b s d", b=b)
-        return tp.gather_seq_replicated(y, self.tp_group) if split_here else y
+        return gather_seq_replicated(y, self.tp_group) if split_here else y
 
     def _decide(self, experts, b: int, s: int):
         """(experts, whole, keep): this rank's choices (t k), the choices of the whole
@@ -319,8 +320,8 @@ class MoE(nn.Module):
         t = comm.size(self.tp_group)
         whole = experts
         if t > 1:
-            whole = rearrange(tp.gather_seq(rearrange(experts, "(b s) k -> b s k", b=b),
-                                            self.tp_group), "b s k -> (b s) k")
+            whole = rearrange(gather_seq(rearrange(experts, "(b s) k -> b s k", b=b),
+                                         self.tp_group), "b s k -> (b s) k")
         keep = capacity_mask(whole, s, self.n_experts, self.capacity_factor)
         if t > 1:                                            # this rank's s/t of each sequence
             keep = rearrange(keep, "(b t s) k -> t (b s) k", b=b, t=t)[comm.rank(self.tp_group)]

@@ -44,7 +44,7 @@ its computation through f, whose backward sums the gradient over the TP group
 
 An MoE layer (``minipar.moe``) is not split by weights: its router and experts stay whole on
 every TP rank and each rank routes its own s/t of every sequence (``parallelize_moe``,
-``TokenSplitLinear``; ``scatter_seq`` and ``gather_seq_replicated`` without SP), so no
+``TokenSplitLinear``; ``minipar.seqsplit``'s operators without SP), so no
 token is routed or sent by all-to-all twice.
 
 ``parallelize(model, grid)`` swaps these parts into the full serial GPT, slicing the full
@@ -63,6 +63,7 @@ from einops import rearrange
 
 from . import comm, moe
 from .dist import UsageError
+from .seqsplit import all_gather_stacked as _all_gather_stacked, gather_seq as _gather_seq
 
 if TYPE_CHECKING:     # minipar.model imports minipar.moe, which uses the operators here
     from .model import GPT, Block, GPTConfig
@@ -93,14 +94,6 @@ def validate(cfg: GPTConfig, tp: int, sp: bool = False) -> None:
 # --------------------------------------------------------------------------------------
 # Shape helpers: split and gather along the last dimension or along the sequence
 # --------------------------------------------------------------------------------------
-def _all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's ``x`` stacked in rank order: (t, *x.shape). comm's collectives are flat."""
-    t = comm.size(group)
-    out = x.new_empty(t * x.numel())
-    comm.all_gather(out, x.contiguous().view(-1), group)
-    return out.view(t, *x.shape)
-
-
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     t = comm.size(group)
     return rearrange(x, "... (t n) -> t ... n", t=t)[comm.rank(group)].contiguous()
@@ -108,11 +101,6 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
 
 def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     return rearrange(_all_gather_stacked(x, group), "t ... n -> ... (t n)")
-
-
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(b, s/t, ...) on each rank -> (b, s, ...), rank r's tokens at [r s/t, (r+1) s/t)."""
-    return rearrange(_all_gather_stacked(x, group), "t b s ... -> b (t s) ...")
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -240,55 +228,6 @@ class ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_seq(grad, ctx.group), None
-
-
-class ScatterToSeq(torch.autograd.Function):
-    """Keep this rank's s/t of a sequence that every TP rank holds whole; backward: all-gather.
-
-    Volume: backward, (t-1)/t N bytes. (Megatron-LM's scatter_to_sequence_parallel_region.)
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        t = comm.size(group)
-        return rearrange(x, "b (t s) ... -> t b s ...", t=t)[comm.rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
-
-
-class GatherSeqReplicated(torch.autograd.Function):
-    """All-gather along the sequence into a tensor every TP rank then uses whole and alike;
-    backward: keep this rank's slice (no sum: the copies' gradients are the same).
-
-    Volume: forward, (t-1)/t N bytes. (Megatron-LM's gather_from_sequence_parallel_region
-    with tensor_parallel_output_grad=False.)
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        t = comm.size(ctx.group)
-        return rearrange(grad, "b (t s) ... -> t b s ...", t=t)[comm.rank(ctx.group)].contiguous(), None
-
-
-def scatter_seq(x, group):
-    return ScatterToSeq.apply(x, group) if comm.size(group) > 1 else x
-
-
-def gather_seq_replicated(x, group):
-    return GatherSeqReplicated.apply(x, group) if comm.size(group) > 1 else x
-
-
-def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(b, s/t, ...) -> (b, s, ...) without gradient (e.g. routing decisions)."""
-    return _gather_seq(x, group) if comm.size(group) > 1 else x
 
 
 def scatter_to_tp(x, group):

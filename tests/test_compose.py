@@ -70,7 +70,7 @@ MATRIX = ([(c, "fp32") for c in CELLS_4]
                                    "dp4-recompute", "moe-ep2")]
           + [(c, "fp16") for c in ("dp4", "zero1", "zero3", "shard1,2,4", "pp2-gpipe",
                                    "tp2xpp2", "tp2+sp-recompute", "zero1+tp2", "moe-ep2",
-                                   "moe-ep2+pp2")])
+                                   "moe-ep2+pp2", "moe-ep2-recompute")])
 
 
 def _flags(cell: str, precision: str, table: dict) -> list[str]:
