@@ -400,8 +400,3 @@ def parallelize(model: GPT, group, seq_len: int, balanced: bool = True) -> GPT:
         next(model.parameters()).device)
     return model
 
-
-__all__ = ["validate", "chunks_of", "local_positions", "shard_sequence", "unshard_sequence",
-           "block_attention", "merge", "block_attention_backward", "visible_block",
-           "work_per_rank", "forward_step", "backward_step", "Ring", "RingAttention",
-           "ring_attention", "simulate", "RingSelfAttention", "parallelize"]
