@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from einops import einsum
+from einops import einsum, rearrange
 
 from . import comm
 from .errors import UsageError
@@ -282,7 +282,10 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring: Ring):
         n, me, scale = ring.n, ring.index, 1.0 / math.sqrt(q.shape[-1])
         acc = torch.promote_types(q.dtype, torch.float32)       # bf16/fp16 accumulate in fp32
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # laid out (b s h d) in memory, as SDPA's output: the model's "b h s d -> b s (h d)"
+        # is then a view, and the output projection saves this very storage, not a copy
+        out = rearrange(torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=acc,
+                                    device=q.device), "b s h d -> b h s d")
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])                                  # (two b h s d): one message
         for t in range(n):
