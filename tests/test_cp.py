@@ -112,3 +112,12 @@ def test_ring_on_gloo_equals_sdpa_and_sends_the_formula(dtype, tol):
             assert r["err"] < tol, (rank, n, balanced, r["err"])
             want = cp_attention_bytes(B, S, H * D, n, bytes_per_elem=e)["total"]
             assert r["sent"] == want, (rank, n, balanced, r["sent"], want)
+
+
+def test_bench_measures_the_ring_and_says_why_torch_cannot_run_here():
+    from minipar.bench.cp import measure
+    for r in dist.launch(measure, 2, seq_len=64, heads=2, head_dim=8, reps=1, warmup=0,
+                         timeout=120):
+        assert r["sent"] == r["formula"] == cp_attention_bytes(1, 64, 16, 2)["total"]
+        assert r["max_diff"] < 1e-5
+        assert r["ring"] > 0 and (r["torch_cp"] is not None or r["torch_cp_reason"])
