@@ -48,8 +48,11 @@ def parser() -> cli.ArgumentParser:
                    help="start N local processes (omit under torchrun or srun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: each sequence split over N ranks, attention "
+                        "by ring attention (minipar.cp)")
     p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel degree (default: world size / (tp*pp))")
+                   help="data-parallel degree (default: world size / (tp*pp*cp))")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stage over the data-parallel group (0 = plain DP)")
     p.add_argument("--shard", type=str, default=None, metavar="P,G,OS",
@@ -177,10 +180,11 @@ class RunConfig:
     keep: int = 0
     resume: str | None = None      # resolved: the checkpoint folder itself
     start_step: int = 0            # the resumed checkpoint's step (0: a fresh run)
+    cp: int = 1                    # context parallelism: each sequence over cp ranks
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def seq_len(self) -> int:
@@ -208,7 +212,7 @@ def parse_config(argv: list[str]) -> RunConfig:
     a = parser().parse_args(argv)
     if a.nproc is not None and a.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {a.nproc}")
-    for name in ("tp", "pp", "steps", "batch_size", "chunks", "log_every"):
+    for name in ("tp", "pp", "cp", "steps", "batch_size", "chunks", "log_every"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     _positive("lr", a.lr)
@@ -217,14 +221,16 @@ def parse_config(argv: list[str]) -> RunConfig:
     if a.model not in PRESETS:
         raise UsageError(f"unknown --model {a.model!r}; choose one of {', '.join(PRESETS)}")
     world = world_size_from(a.nproc)
-    if world % (a.tp * a.pp):
-        raise UsageError(f"{world} processes do not divide into tp={a.tp} x pp={a.pp}; "
-                         f"use a process count that is a multiple of {a.tp * a.pp}")
-    d = a.dp if a.dp is not None else world // (a.tp * a.pp)
-    if d < 1 or d * a.tp * a.pp != world:
-        raise UsageError(f"--dp {d} x --tp {a.tp} x --pp {a.pp} = {d * a.tp * a.pp}, but there "
-                         f"are {world} processes; omit --dp or make the product equal the "
-                         f"process count")
+    inner = a.tp * a.pp * a.cp
+    cp_words = f" x cp={a.cp}" if a.cp > 1 else ""
+    if world % inner:
+        raise UsageError(f"{world} processes do not divide into tp={a.tp} x pp={a.pp}{cp_words}; "
+                         f"use a process count that is a multiple of {inner}")
+    d = a.dp if a.dp is not None else world // inner
+    if d < 1 or d * inner != world:
+        raise UsageError(f"--dp {d} x --tp {a.tp} x --pp {a.pp}{cp_words.replace(' cp=', ' --cp ')}"
+                         f" = {d * inner}, but there are {world} processes; omit --dp or make "
+                         f"the product equal the process count")
     m = a.microbatches if a.microbatches is not None else (2 * a.pp if a.pp > 1 else 1)
     if m < 1:
         raise UsageError(f"--microbatches must be >= 1, got {m}")
@@ -257,6 +263,14 @@ def parse_config(argv: list[str]) -> RunConfig:
                                     moe_every=a.moe_every, capacity_factor=a.capacity_factor,
                                     moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
     moe.validate(model_cfg, a.ep, d, a.tp, a.pp, a.recompute)
+    if a.cp > 1:
+        from . import cp
+        cp.validate(model_cfg.seq_len, a.cp, a.tp, a.sp)
+        if model_cfg.moe_experts:
+            raise UsageError("--cp with MoE: the load-balancing loss E sum_e f_e P_e multiplies two "
+                             "means over the whole sequence, which a rank holding 1/cp of it "
+                             "cannot form (a sum of per-chunk products is not the product of "
+                             "sums); use --cp 1 for MoE")
     if model_cfg.moe_experts and a.dtype != "fp32" and (a.zero is not None or a.shard is not None):
         raise UsageError("MoE under ZeRO runs in fp32 only (the experts stay outside the fp32 "
                          "master shards); use --dtype fp32, or plain DP for bf16")
@@ -279,12 +293,13 @@ def parse_config(argv: list[str]) -> RunConfig:
     elif a.schedule == "interleaved":
         raise UsageError("--schedule interleaved needs --pp > 1")
     spec = None
+    replicas = d * a.cp      # the ranks holding the same parameters: ZeRO shards over all of them
     if a.shard is not None:
         spec = sharding.parse_shard(a.shard)
     elif a.zero is not None:
-        spec = sharding.zero_shard(a.zero, d)
+        spec = sharding.zero_shard(a.zero, replicas)
     if spec is not None:
-        reason = sharding.shard_violation(tuple(spec), d)
+        reason = sharding.shard_violation(tuple(spec), replicas)
         if reason:
             raise UsageError(reason)
         spec = tuple(int(s) for s in spec)
@@ -299,7 +314,7 @@ def parse_config(argv: list[str]) -> RunConfig:
                      warmup=a.warmup, lr_schedule=a.lr_schedule, min_lr=a.min_lr,
                      weight_decay=a.weight_decay, eval_every=a.eval_every,
                      eval_batches=a.eval_batches, save=a.save, save_every=a.save_every,
-                     keep=a.keep, resume=resume, start_step=start, ep=a.ep)
+                     keep=a.keep, resume=resume, start_step=start, ep=a.ep, cp=a.cp)
 
 
 def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:
@@ -408,6 +423,8 @@ def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
     the run's dtype (bf16: the parameters themselves; ``build_engine`` adds fp32 masters), or
     for an MoE this rank's experts.
 
+    With ``--cp`` every block's attention becomes ring attention over the cp axis and the
+    embedding adds the positions of this rank's two chunks (``minipar.cp``).
     ``cfg.model_cfg.recompute`` is honoured by the Blocks themselves; ``--compile`` compiles
     each Block's forward (module hooks, such as ZeRO-3's gathers, stay outside the graph)."""
     model = build(cfg.model_cfg, seed=cfg.seed)
@@ -418,6 +435,9 @@ def build_model(cfg: RunConfig, grid: dist.Grid, device) -> torch.nn.Module:
     if cfg.model_cfg.moe_experts:
         model = moe.expert_parallel(model, grid, cfg.ep)
     model = model.to(device=device, dtype=DTYPES[cfg.dtype])
+    if cfg.cp > 1:
+        from . import cp
+        model = cp.parallelize(model, grid.group("cp"), cfg.seq_len)
     if cfg.compile:
         for block in model.blocks:
             block.forward = torch.compile(block.forward)
@@ -468,9 +488,30 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
                              **({"fused": True} if fused else {}))
 
 
+def DataAxis(grid: dist.Grid):
+    """The mesh as the sharded engine sees it with ``--cp``: dp x cp (``"dp_cp"``) as its one
+    data-parallel axis. Every cp rank holds the whole model, so its gradients are averaged, and
+    its states sharded, over dp x cp ranks exactly as over data-parallel ones."""
+    from . import zero
+
+    class _DataAxis(zero.GroupGrid):
+        def __init__(self):
+            super().__init__(grid.group("dp_cp"))
+            self.dp, self.dp_rank = grid.size("dp_cp"), grid.coord("dp_cp")
+
+        def lines(self, axis: str):
+            return grid.lines("dp_cp")
+
+        def new_groups(self, rank_lists, name):
+            return grid.new_groups(rank_lists, name)
+
+    return _DataAxis()
+
+
 def build_engine(cfg: RunConfig, grid: dist.Grid, module) -> Engine:
-    """DP or ZeRO/AMSP; with bf16, the optimizer updates fp32 masters (``minipar.precision``)
-    and gradients are reduced in ``--reduce-dtype``."""
+    """DP or ZeRO/AMSP over the data-parallel ranks (with ``--cp``: dp x cp of them); with
+    bf16, the optimizer updates fp32 masters (``minipar.precision``) and gradients are reduced
+    in ``--reduce-dtype``."""
     def optimizer(params):
         if cfg.dtype == "fp32":
             return make_optimizer(params, cfg.lr)
@@ -479,9 +520,11 @@ def build_engine(cfg: RunConfig, grid: dist.Grid, module) -> Engine:
     reduce_dtype = DTYPES[cfg.reduce_dtype] if cfg.dtype != "fp32" else None
     if cfg.spec is not None:
         from . import zero
-        return zero.ShardedEngine(module, grid, cfg.spec, optimizer, reduce_dtype=reduce_dtype)
+        data = grid if cfg.cp == 1 else DataAxis(grid)
+        return zero.ShardedEngine(module, data, cfg.spec, optimizer, reduce_dtype=reduce_dtype)
     # the grid hands out None for a data-parallel group of one; DataParallel reads None as the world
-    group = comm.SOLO if grid.dp_group is None else grid.dp_group
+    data_group = grid.group("dp_cp")      # = the dp group without context parallelism
+    group = comm.SOLO if data_group is None else data_group
     return dp.DataParallel(module, group, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
                            optimizer=optimizer(module.parameters()), reduce_dtype=reduce_dtype)
 
@@ -543,7 +586,8 @@ def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
            local_params: int) -> str:
     where = (f"{_plural(cfg.world, 'process')}, {backend} on {device.type}" if backend != "none"
              else f"1 process on {device}")
-    layout = f"dp={cfg.dp} pp={cfg.pp} tp={cfg.tp}{' +sp' if cfg.sp else ''}, {engine_name(cfg)}"
+    layout = (f"dp={cfg.dp} pp={cfg.pp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''} tp={cfg.tp}"
+              f"{' +sp' if cfg.sp else ''}, {engine_name(cfg)}")
     held = ("" if local_params == full_params else
             f"; rank 0's {'experts and rest' if cfg.ep > 1 else 'pipeline stage and TP slice'}: "
             f"{local_params:,}")
@@ -561,7 +605,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
     its part of the final parameters and last step's gradients (see ``collect_state``).
     """
     backend, device = _start(cfg)
-    grid = dist.Grid(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
+    grid = dist.Grid(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp)
     is_rank0 = grid.rank == 0
     torch.manual_seed(cfg.seed)
 
@@ -597,7 +641,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
         for step in range(cfg.start_step + 1, cfg.steps + 1):
             lr = optim.lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule, cfg.min_lr)
             optim.set_lr(engine.optimizer, lr)
-            x, y = batches.local_batch(step, grid.dp_rank, grid.dp)
+            x, y = local_tokens(batches, step, grid)
             x, y = to_device(x, device), to_device(y, device)
             comm.reset()
             if device.type == "cuda":
@@ -624,7 +668,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
             peaks = comm.all_reduce_scalars([state["params"], state["grads"], state["optimizer"],
                                              state["total"], step_time, memory], comm.WORLD,
                                             op="max")
-            record = dict(step=step, loss=loss_sum / grid.dp, step_time_s=peaks[4],
+            record = dict(step=step, loss=loss_sum / (grid.dp * grid.cp), step_time_s=peaks[4],
                           tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
                           model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
                                                  optimizer=int(peaks[2]), total=int(peaks[3])),
@@ -671,11 +715,22 @@ def evaluate(cfg: RunConfig, grid: dist.Grid, runner: Runner, batches: data.Batc
     through the same runner (pipeline, TP) without gradients."""
     total = 0.0
     for i in range(1, cfg.eval_batches + 1):
-        x, y = batches.local_batch(i, grid.dp_rank, grid.dp)
+        x, y = local_tokens(batches, i, grid)
         total += runner.evaluate(x.to(device), y.to(device))
     holds_loss = grid.is_last_stage and grid.tp_rank == 0
     loss_sum, = comm.all_reduce_scalars([total if holds_loss else 0.0], comm.WORLD)
-    return loss_sum / (grid.dp * cfg.eval_batches)
+    return loss_sum / (grid.dp * grid.cp * cfg.eval_batches)
+
+
+def local_tokens(batches: data.Batches, step: int, grid: dist.Grid):
+    """This rank's sequences of the global batch (its dp slice) and, with ``--cp``, its two
+    load-balanced chunks of each (``minipar.cp``). Every cp rank holds as many tokens, so the
+    mean of the ranks' mean losses is the mean over every token of the global batch."""
+    x, y = batches.local_batch(step, grid.dp_rank, grid.dp)
+    if grid.cp > 1:
+        from . import cp
+        x, y = (cp.shard_sequence(t, grid.cp, grid.coord("cp")) for t in (x, y))
+    return x, y
 
 
 class Progress:
@@ -696,7 +751,8 @@ class Progress:
 def _layout_words(layout: dict) -> str:
     sharding = (f", shard {layout['shard']}" if layout.get("shard") else
                 f", ZeRO-{layout['zero']}" if layout.get("zero") is not None else "")
-    return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']}"
+    cp = f" cp={layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    return (f"dp={layout['dp']} pp={layout['pp']}{cp} tp={layout['tp']}"
             f"{' +sp' if layout.get('sp') else ''}{sharding}")
 
 
@@ -721,7 +777,7 @@ def engine_name(cfg: RunConfig) -> str:
         return f"shard {cfg.shard}"
     if cfg.zero is not None:
         return f"ZeRO-{cfg.zero}"
-    return f"DP {cfg.dp_mode}" if cfg.dp > 1 else "no DP"
+    return f"DP {cfg.dp_mode}" if cfg.dp * cfg.cp > 1 else "no DP"
 
 
 def summary(history: list[dict]) -> str:

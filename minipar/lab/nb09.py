@@ -26,12 +26,14 @@ from ..plan import load_hardware, model_preset
 from ..plan.cp import cp_attention_bytes, cp_layer_activation_bytes, kv_block_bytes
 
 
-def activation_bytes(seq_lens, model: str = "tiny", batch: int = 1) -> list[dict]:
-    """On every rank of a cp ring over the whole world (or one process): per sequence length,
-    the bytes block 1 saves for backward on this rank, and the planner's formula (fp32)."""
+def activation_bytes(seq_lens, model: str = "tiny", batch: int = 1, group="world") -> list[dict]:
+    """On every rank of a cp ring over ``group`` (default: the whole world, or one process):
+    per sequence length, the bytes block 1 saves for backward on this rank, and the planner's
+    formula (fp32)."""
     import torch.distributed as tdist
-    n = tdist.get_world_size() if tdist.is_initialized() else 1
-    group = tdist.group.WORLD if n > 1 else None
+    if group == "world":
+        group = tdist.group.WORLD if tdist.is_initialized() else None
+    n = comm.size(group)
     rows = []
     for s in seq_lens:
         cfg = config(model, seq_len=s)
