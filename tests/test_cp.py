@@ -121,3 +121,34 @@ def test_bench_measures_the_ring_and_says_why_torch_cannot_run_here():
         assert r["sent"] == r["formula"] == cp_attention_bytes(1, 64, 16, 2)["total"]
         assert r["max_diff"] < 1e-5
         assert r["ring"] > 0 and (r["torch_cp"] is not None or r["torch_cp_reason"])
+
+
+def test_planner_layout_memory_learn_cp():
+    import dataclasses
+    from minipar import plan
+    from minipar.plan.cp import cp_layer_activation_bytes
+    shape = dataclasses.replace(plan.model_preset("llama-7b"), seq_len=32768)
+    one = plan.Layout(tp=8, dp=1, sp=True, recompute="selective")
+    two = dataclasses.replace(one, cp=2)
+    assert two.gpus == 16 and "cp=2" in two.describe()
+    m1 = plan.device_memory(shape, one, flash=True)
+    m2 = plan.device_memory(shape, two, flash=True)
+    assert m2["activations"] == m1["activations"] / 2
+    assert m2["params"] == m1["params"]          # replicated over cp (no ZeRO here)
+    per_layer = cp_layer_activation_bytes(shape, 1, cp=2, tp=8, sp=True, recompute="selective")
+    assert per_layer == plan.layer_activation_bytes(
+        dataclasses.replace(shape, seq_len=16384), 1, tp=8, sp=True, recompute="selective",
+        flash=True)
+    zero1 = dataclasses.replace(two, shard=(1, 1, 2))      # ZeRO-1 over dp x cp = 2 ranks
+    assert plan.device_memory(shape, zero1, flash=True)["optimizer"] < m2["optimizer"]
+    plan.check_layout(shape, zero1)
+    with pytest.raises(plan.PlanError, match="not divisible"):
+        plan.check_layout(dataclasses.replace(shape, seq_len=32766), two)
+
+
+def test_ring_bytes_formula_counts_messages():
+    # cp = 4, b = 2, s = 16, h = 24 fp32: a K/V block is 2*2*4*24*4 = 1536 B
+    assert cp_attention_bytes(2, 16, 24, 4) == dict(forward=3 * 1536, backward=7 * 1536,
+                                                    total=10 * 1536)
+    assert cp_attention_bytes(2, 16, 24, 4, recompute="full")["forward"] == 6 * 1536
+    assert cp_attention_bytes(2, 16, 24, 1)["total"] == 0
