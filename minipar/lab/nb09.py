@@ -7,8 +7,8 @@
   kernel, s^2 per head, against ring attention's largest block;
 * ``imbalance``: the scores each rank computes, and each rank's measured time step by step,
   with a plain split and with the load-balanced one;
-* ``at_scale``: the planner's view of a long-context run (memory per GPU, ring bytes, and
-  whether the ring's messages hide behind the block computations);
+* ``at_scale``: the planner's view of a long-context run (``plan.cp.cp_search``: memory per
+  GPU, ring bytes, and whether the ring's messages hide behind the block computations);
 * the ``draw_*`` functions: the notebook's figures.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..memory import saved_tensors_by_layer
 from ..mfu import shape_of
 from ..model import build, config
 from ..plan import load_hardware, model_preset
-from ..plan.cp import cp_attention_bytes, cp_layer_activation_bytes, kv_block_bytes
+from ..plan.cp import cp_layer_activation_bytes, cp_search, kv_block_bytes
 
 
 def activation_bytes(seq_lens, model: str = "tiny", batch: int = 1, group="world") -> list[dict]:
@@ -90,32 +90,17 @@ def imbalance(seq_len: int, n: int, heads: int = 4, head_dim: int = 32, repeats:
                 busy=[sum(seconds[t][r] for t in range(n)) for r in range(n)])
 
 
-def at_scale(model: str = "llama-7b", seq_len: int = 131072, cps=(1, 2, 4, 8, 16, 32),
+def at_scale(model: str = "llama-7b", seq_len: int = 131072, cps=(1, 2, 4, 8, 16, 32, 64),
              hardware: str = "dgx-h100", tp: int = 8, micro_batch: int = 1) -> list[dict]:
-    """The planner's long-context run: per cp, activations per GPU (all layers, bf16,
-    selective recomputation, flash), the ring's K/V message, its send time on the slowest
-    link it crosses, and one block's attention compute time (2 rows x cols x d x 2 FLOPs fwd)."""
+    """The planner's long-context run (``plan.cp.cp_search``): per cp, one GPU's memory, the
+    ring's K/V message and whether its send hides behind the attention it overlaps."""
     import dataclasses
     shape = dataclasses.replace(model_preset(model), seq_len=seq_len)
-    hw = load_hardware(hardware)
-    rows = []
-    for n in cps:
-        act = shape.layers * cp_layer_activation_bytes(shape, micro_batch, cp=n, tp=tp, sp=True,
-                                                       recompute="selective", flash=True)
-        block = kv_block_bytes(micro_batch, seq_len, shape.hidden, n, tp, 2) if n > 1 else 0
-        # the ring leaves the node once tp x cp exceeds it
-        bw = hw.intra_node_bandwidth if tp * n <= hw.gpus_per_node else hw.inter_node_bandwidth
-        local = seq_len // n
-        # half a (s/n)^2 block of scores (causal balance), QK^T and PV, 2 FLOPs a multiply-add
-        flops = 2 * 2 * (local * local / 2) * (shape.hidden // tp) * micro_batch
-        rows.append(dict(cp=n, gpus=tp * n, activations=act, kv_block=block,
-                         send_s=block / bw if n > 1 else 0.0,
-                         compute_s=flops / (hw.peak_flops * hw.compute_efficiency),
-                         ring_bytes_per_layer=cp_attention_bytes(micro_batch, seq_len,
-                                                                 shape.hidden, n, tp, 2,
-                                                                 "selective")["total"],
-                         memory=hw.memory_bytes, link="NVLink" if bw == hw.intra_node_bandwidth
-                         else "network"))
+    rows = cp_search(shape, hardware, tp=tp, cps=cps, micro_batch=micro_batch)
+    for r in rows:
+        r["kv_block"] = (kv_block_bytes(micro_batch, seq_len, shape.hidden, r["cp"], tp, 2)
+                         if r["cp"] > 1 else 0)
+        r["capacity"] = load_hardware(hardware).usable_bytes()
     return rows
 
 

@@ -76,3 +76,58 @@ def cp_layer_activation_bytes(shape: ModelShape, micro_batch: int, cp: int = 1, 
     local = dataclasses.replace(shape, seq_len=shape.seq_len // cp)
     return layer_activation_bytes(local, micro_batch, tp=tp, sp=sp, recompute=recompute,
                                   flash=flash or cp > 1, dtype=dtype)
+
+
+def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_batch: int = 1,
+                    dtype: str = "mixed") -> dict[str, float]:
+    """One ring step of one layer's forward: the K/V message's send time (``p2p_time``: on
+    NVLink while tp x cp ranks fit in a node, else on the node's share of the network) and the
+    half block of attention it overlaps with (4 (h/t) FLOPs a score, (s/cp)^2 / 2 scores: the
+    causal balance). The ring hides its traffic while send <= compute."""
+    from .hardware import load_hardware
+    from .memory import ACTIVATION_BYTES
+    from .network import p2p_time
+    hw = load_hardware(hardware)
+    if cp == 1:
+        return dict(send=0.0, compute=0.0, across_nodes=False)
+    across = tp * cp > hw.gpus_per_node
+    block = kv_block_bytes(micro_batch, shape.seq_len, shape.hidden, cp, tp,
+                           ACTIVATION_BYTES[dtype])
+    local = shape.seq_len // cp
+    flops = 4 * (shape.hidden // tp) * local * local / 2 * micro_batch
+    return dict(send=p2p_time(block, across, hw),
+                compute=flops / (hw.peak_flops * hw.compute_efficiency), across_nodes=across)
+
+
+def cp_search(shape: ModelShape, hardware, tp: int = 8, cps=(1, 2, 4, 8, 16, 32, 64),
+              micro_batch: int = 1, recompute: str = "selective", shard=(1, 1, 1),
+              dtype: str = "mixed") -> list[dict]:
+    """For a long-context run of one data-parallel replica (tp x cp GPUs, SP on): per cp that
+    cuts the sequence, the memory of one GPU (``device_memory`` with ``Layout(cp=...)``),
+    whether it fits, the ring's bytes per layer and whether its messages hide behind the
+    attention they overlap. ``best`` marks the smallest cp that fits and hides its ring."""
+    from .hardware import load_hardware
+    from .layout import Layout
+    from .memory import ACTIVATION_BYTES, device_memory
+    hw = load_hardware(hardware)
+    rows = []
+    for n in cps:
+        if shape.seq_len % (2 * n) and n > 1:
+            continue
+        layout = Layout(tp=tp, cp=n, sp=tp > 1, micro_batch=micro_batch, recompute=recompute,
+                        shard=shard)
+        memory = device_memory(shape, layout, flash=True, dtype=dtype)
+        times = ring_step_times(shape, hw, n, tp, micro_batch, dtype)
+        rows.append(dict(cp=n, gpus=layout.gpus, memory=memory,
+                         fits=memory["total"] <= hw.usable_bytes(),
+                         ring_bytes_per_layer=cp_attention_bytes(
+                             micro_batch, shape.seq_len, shape.hidden, n, tp,
+                             ACTIVATION_BYTES[dtype], recompute)["total"],
+                         send_s=times["send"], compute_s=times["compute"],
+                         across_nodes=times["across_nodes"],
+                         hidden=times["send"] <= times["compute"], best=False))
+    for r in rows:
+        if r["fits"] and (r["hidden"] or r["cp"] == 1):
+            r["best"] = True
+            break
+    return rows
