@@ -1,5 +1,5 @@
 """``--cp N`` in the trainer: every layout it composes with equals the serial run (fp32, within
-1e-5; bf16 within test_precision's 2e-3 of the bf16 serial run), the ring's bytes equal the planner's formula to the byte, a checkpoint saved with cp
+1e-5; bf16 and fp16 within test_precision's 2e-3 of the 16-bit serial run), the ring's bytes equal the planner's formula to the byte, a checkpoint saved with cp
 resumes in another layout, and one rank's activation memory falls as 1/cp (measured with
 ``saved_tensors_hooks``, against the formula).
 
@@ -10,6 +10,7 @@ import torch
 
 from conftest import NANO, assert_same_training, serial_state
 from minipar import dist, train
+from minipar.errors import UsageError
 from minipar.plan.cp import cp_comm_bytes
 
 STEPS = ["--steps", "6"]
@@ -50,26 +51,28 @@ FOUR = [  # (flags, cp, dp, tp, ring bytes checked)
     (["--cp", "4", "--resume", "{tmp}/ck/step-000003"], 4, 1, 1, True),
     (["--cp", "4", "--dtype", "bf16"], 4, 1, 1, True),
     (["--cp", "2", "--dtype", "bf16", "--zero", "1"], 2, 2, 1, True),
+    (["--cp", "2", "--dtype", "fp16", "--tp", "2", "--sp"], 2, 1, 2, True),
 ]
 
 
 def test_cp_equals_serial_on_4_ranks(tmp_path):
     results = dist.launch(_cases, 4, [c[0] for c in FOUR], str(tmp_path), timeout=600)
     ref = serial_state(STEPS)
-    ref_bf16 = train.run_state(NANO + STEPS + ["--dtype", "bf16"], nproc=1)
+    ref16 = {d: train.run_state(NANO + STEPS + ["--dtype", d], nproc=1) for d in ("bf16", "fp16")}
     for i, (flags, cp, dp, tp, check_bytes) in enumerate(FOUR):
         got = _merged(results, i)
         if "--resume" in flags:       # steps 4..6 again, from the cp=2 x tp=2 checkpoint
             ref_tail = dict(ref, losses=ref["losses"][3:])
             assert_same_training(got, ref_tail, loss_tol=1e-5)
-        elif "bf16" in flags:         # tests/test_precision.py's tolerance against bf16 serial
-            for a, b in zip(got["losses"], ref_bf16["losses"]):
-                assert abs(a - b) <= 2e-3, (flags, got["losses"], ref_bf16["losses"])
+        elif "--dtype" in flags:      # tests/test_precision.py's tolerance, 16-bit serial run
+            ref_16 = ref16[flags[flags.index("--dtype") + 1]]
+            for a, b in zip(got["losses"], ref_16["losses"]):
+                assert abs(a - b) <= 2e-3, (flags, got["losses"], ref_16["losses"])
         else:
             assert_same_training(got, ref, loss_tol=1e-5)
         if check_bytes:
             recompute = "full" if "full" in flags else "none"
-            e = 2 if "bf16" in flags else 4
+            e = 2 if "--dtype" in flags else 4
             sent = got["history"][-1]["comm_bytes"]["send"]
             assert sent == _ring_bytes(flags, cp, dp, tp, recompute=recompute, e=e), flags
     # and the cp checkpoint resumes on one process
@@ -99,7 +102,7 @@ def test_cp4_composes_on_8_ranks(tmp_path):
     (["--cp", "0"], "--cp"),
 ])
 def test_cp_refuses_what_cannot_compose(flags, message):
-    with pytest.raises(train.UsageError, match=message):
+    with pytest.raises(UsageError, match=message):
         train.parse_config(["--model", "nano"] + flags)
 
 
