@@ -397,6 +397,9 @@ def parallelize(model: GPT, group, seq_len: int, balanced: bool = True) -> GPT:
     ring = Ring.of(group, balanced)
     if ring.n == 1:
         return model
+    if model.cfg.dropout:      # said, not silently dropped: the ring has no attention dropout
+        raise UsageError(f"ring attention applies no attention dropout, but the model has "
+                         f"dropout={model.cfg.dropout}; use dropout 0 with context parallelism")
     for block in model.blocks:
         block.attn = RingSelfAttention.from_attention(block.attn, ring)
     model.embed.positions = local_positions(seq_len, ring.n, ring.index, balanced).to(
