@@ -156,7 +156,8 @@ def manifest_for(cfg, step: int, tokens: int, loss_scaler=None) -> dict:
     """What ``manifest.json`` says; with fp16's loss scaler, its state (the same on every rank)."""
     return {
         "format": FORMAT, "step": step,
-        "layout": {"world": cfg.world, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "sp": cfg.sp,
+        "layout": {"world": cfg.world, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp,
+                   "sp": cfg.sp,
                    "zero": cfg.zero, "shard": cfg.shard, "spec": cfg.spec,
                    "schedule": cfg.schedule, "microbatches": cfg.microbatches},
         "model": {"preset": cfg.model, "config": cfg.model_cfg.to_dict()},

@@ -320,8 +320,14 @@ def recv(t: torch.Tensor, src: int) -> None:
     _run("recv", "p2p", 0, _nbytes(t), lambda a: dist.recv(t, src), False)
 
 
-def isend(t: torch.Tensor, dst: int) -> Handle:
-    return _run("send", "p2p", _nbytes(t), 0, lambda a: dist.isend(t, dst), True)
+def isend(t: torch.Tensor, dst: int, label: str = "p2p") -> Handle:
+    """Asynchronous send to global rank ``dst``; ``label`` files its bytes (e.g. ``"cp"``)."""
+    return _run("send", label, _nbytes(t), 0, lambda a: dist.isend(t, dst), True)
+
+
+def irecv(t: torch.Tensor, src: int, label: str = "p2p") -> Handle:
+    """Asynchronous receive from global rank ``src`` into ``t`` (valid after ``wait()``)."""
+    return _run("recv", label, 0, _nbytes(t), lambda a: dist.irecv(t, src), True)
 
 
 def barrier(group=None) -> None:

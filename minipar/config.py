@@ -28,8 +28,11 @@ def parser() -> cli.ArgumentParser:
                    help="start N local processes (omit under torchrun or srun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: each sequence split over N ranks, attention "
+                        "by ring attention (minipar.cp)")
     p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel degree (default: world size / (tp*pp))")
+                   help="data-parallel degree (default: world size / (tp*pp*cp))")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stage over the data-parallel group (0 = plain DP)")
     p.add_argument("--shard", type=str, default=None, metavar="P,G,OS",
@@ -163,10 +166,11 @@ class RunConfig:
     start_step: int = 0            # the resumed checkpoint's step (0: a fresh run)
     loss_scale_init: float = 2.0**16   # fp16's dynamic loss scaler
     loss_scale_window: int = 2000
+    cp: int = 1                    # context parallelism: each sequence over cp ranks
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def seq_len(self) -> int:
@@ -194,7 +198,7 @@ def parse_config(argv: list[str]) -> RunConfig:
     a = parser().parse_args(argv)
     if a.nproc is not None and a.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {a.nproc}")
-    for name in ("tp", "pp", "steps", "batch_size", "chunks", "log_every"):
+    for name in ("tp", "pp", "cp", "steps", "batch_size", "chunks", "log_every"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     _positive("lr", a.lr)
@@ -203,14 +207,18 @@ def parse_config(argv: list[str]) -> RunConfig:
     if a.model not in PRESETS:
         raise UsageError(f"unknown --model {a.model!r}; choose one of {', '.join(PRESETS)}")
     world = world_size_from(a.nproc)
-    if world % (a.tp * a.pp):
-        raise UsageError(f"{world} processes do not divide into tp={a.tp} x pp={a.pp}; "
-                         f"use a process count that is a multiple of {a.tp * a.pp}")
-    d = a.dp if a.dp is not None else world // (a.tp * a.pp)
-    if d < 1 or d * a.tp * a.pp != world:
-        raise UsageError(f"--dp {d} x --tp {a.tp} x --pp {a.pp} = {d * a.tp * a.pp}, but there "
-                         f"are {world} processes; omit --dp or make the product equal the "
-                         f"process count")
+    if a.cp < 1:
+        raise UsageError(f"--cp must be >= 1, got {a.cp}")
+    inner = a.tp * a.pp * a.cp
+    cp_words = f" x cp={a.cp}" if a.cp > 1 else ""
+    if world % inner:
+        raise UsageError(f"{world} processes do not divide into tp={a.tp} x pp={a.pp}{cp_words}; "
+                         f"use a process count that is a multiple of {inner}")
+    d = a.dp if a.dp is not None else world // inner
+    if d < 1 or d * inner != world:
+        raise UsageError(f"--dp {d} x --tp {a.tp} x --pp {a.pp}{cp_words.replace(' cp=', ' --cp ')}"
+                         f" = {d * inner}, but there are {world} processes; omit --dp or make "
+                         f"the product equal the process count")
     m = a.microbatches if a.microbatches is not None else (2 * a.pp if a.pp > 1 else 1)
     if m < 1:
         raise UsageError(f"--microbatches must be >= 1, got {m}")
@@ -247,6 +255,14 @@ def parse_config(argv: list[str]) -> RunConfig:
                                     moe_every=a.moe_every, capacity_factor=a.capacity_factor,
                                     moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
     moe.validate(model_cfg, a.ep, d, a.tp)
+    if a.cp > 1:
+        from . import cp
+        cp.validate(model_cfg.seq_len, a.cp, a.tp, a.sp)
+        if model_cfg.moe_experts:
+            raise UsageError("--cp with MoE: the load-balancing loss E sum_e f_e P_e multiplies two "
+                             "means over the whole sequence, which a rank holding 1/cp of it "
+                             "cannot form (a sum of per-chunk products is not the product of "
+                             "sums); use --cp 1 for MoE")
     if model_cfg.moe_experts and a.dtype != "fp32" and (a.zero is not None or a.shard is not None):
         raise UsageError("MoE under ZeRO runs in fp32 only (the experts stay outside the fp32 "
                          "master shards); use --dtype fp32, or plain DP for bf16")
@@ -269,12 +285,13 @@ def parse_config(argv: list[str]) -> RunConfig:
     elif a.schedule == "interleaved":
         raise UsageError("--schedule interleaved needs --pp > 1")
     spec = None
+    replicas = d * a.cp      # the ranks holding the same parameters: ZeRO shards over all of them
     if a.shard is not None:
         spec = sharding.parse_shard(a.shard)
     elif a.zero is not None:
-        spec = sharding.zero_shard(a.zero, d)
+        spec = sharding.zero_shard(a.zero, replicas)
     if spec is not None:
-        reason = sharding.shard_violation(tuple(spec), d)
+        reason = sharding.shard_violation(tuple(spec), replicas)
         if reason:
             raise UsageError(reason)
         spec = tuple(int(s) for s in spec)
@@ -290,7 +307,8 @@ def parse_config(argv: list[str]) -> RunConfig:
                      weight_decay=a.weight_decay, eval_every=a.eval_every,
                      eval_batches=a.eval_batches, save=a.save, save_every=a.save_every,
                      keep=a.keep, resume=resume, start_step=start, ep=a.ep,
-                     loss_scale_init=a.loss_scale_init, loss_scale_window=a.loss_scale_window)
+                     loss_scale_init=a.loss_scale_init, loss_scale_window=a.loss_scale_window,
+                     cp=a.cp)
 
 
 def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:

@@ -97,16 +97,21 @@ def config(name: str, **overrides) -> GPTConfig:
 # Parts
 # --------------------------------------------------------------------------------------
 class Embedding(nn.Module):
-    """Token plus learned position embedding: (b s) -> (b s d)."""
+    """Token plus learned position embedding: (b s) -> (b s d).
+
+    ``positions``: the global position of each token of ``idx`` (None: 0..s-1). Context
+    parallelism (``minipar.cp``) sets it to the positions of the chunks its rank holds."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
+        self.positions: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = (torch.arange(idx.shape[1], device=idx.device) if self.positions is None
+                     else self.positions)
         return self.drop(self.tok(idx) + self.pos(positions))
 
 

@@ -20,7 +20,8 @@ def banner(cfg: RunConfig, backend: str, device: torch.device, full_params: int,
            local_params: int) -> str:
     where = (f"{_plural(cfg.world, 'process')}, {backend} on {device.type}" if backend != "none"
              else f"1 process on {device}")
-    layout = f"dp={cfg.dp} pp={cfg.pp} tp={cfg.tp}{' +sp' if cfg.sp else ''}, {engine_name(cfg)}"
+    layout = (f"dp={cfg.dp} pp={cfg.pp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''} tp={cfg.tp}"
+              f"{' +sp' if cfg.sp else ''}, {engine_name(cfg)}")
     held = ("" if local_params == full_params else
             f"; rank 0's {'experts and rest' if cfg.ep > 1 else 'pipeline stage and TP slice'}: "
             f"{local_params:,}")
@@ -50,7 +51,8 @@ class Progress:
 def layout_words(layout: dict) -> str:
     sharding = (f", shard {layout['shard']}" if layout.get("shard") else
                 f", ZeRO-{layout['zero']}" if layout.get("zero") is not None else "")
-    return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']}"
+    cp = f" cp={layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    return (f"dp={layout['dp']} pp={layout['pp']}{cp} tp={layout['tp']}"
             f"{' +sp' if layout.get('sp') else ''}{sharding}")
 
 
@@ -85,7 +87,7 @@ def engine_name(cfg: RunConfig) -> str:
         return f"shard {cfg.shard}"
     if cfg.zero is not None:
         return f"ZeRO-{cfg.zero}"
-    return f"DP {cfg.dp_mode}" if cfg.dp > 1 else "no DP"
+    return f"DP {cfg.dp_mode}" if cfg.dp * cfg.cp > 1 else "no DP"
 
 
 def summary(history: list[dict]) -> str:

@@ -439,13 +439,16 @@ class ParallelEmbedding(nn.Module):
         super().__init__()
         self.tok, self.pos, self.drop = tok, pos, drop
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.positions: torch.Tensor | None = None   # as model.Embedding's (context parallelism)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)                                  # (b, s, h), or (b, s/t, h) with SP
+        every = (torch.arange(idx.shape[1], device=idx.device) if self.positions is None
+                 else self.positions)
         if not self.sequence_parallel:
-            return self.drop(x + self.pos(torch.arange(x.shape[1], device=idx.device)))
+            return self.drop(x + self.pos(every))
         first = comm.rank(self.group) * x.shape[1]
-        positions = torch.arange(first, first + x.shape[1], device=idx.device)
+        positions = every[first:first + x.shape[1]]
         return self.drop(x + F.embedding(positions, f(self.pos.weight, self.group)))
 
 

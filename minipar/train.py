@@ -84,7 +84,7 @@ class Engine(Protocol):
 
 
 def build_mesh(cfg: RunConfig) -> Mesh:
-    return Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, ep=cfg.ep)
+    return Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep)
 
 
 def build_policy(cfg: RunConfig) -> PrecisionPolicy:
@@ -105,6 +105,8 @@ def build_model(cfg: RunConfig, grid: Mesh, device,
     this rank's experts, in the policy's parameter dtype (16-bit: the parameters themselves;
     ``build_engine`` adds fp32 masters).
 
+    With ``--cp`` every block's attention becomes ring attention over the cp axis and the
+    embedding adds the positions of this rank's two chunks (``minipar.cp``).
     ``cfg.model_cfg.recompute`` is honoured by the Blocks themselves; ``--compile`` compiles
     each Block's forward (module hooks, such as ZeRO-3's gathers, stay outside the graph)."""
     policy = policy or build_policy(cfg)
@@ -115,6 +117,9 @@ def build_model(cfg: RunConfig, grid: Mesh, device,
     if cfg.model_cfg.moe_experts:
         model = moe.expert_parallel(model, grid, cfg.ep)
     model = model.to(device=device, dtype=policy.param_dtype)
+    if cfg.cp > 1:
+        from . import cp
+        model = cp.parallelize(model, grid.group("cp"), cfg.seq_len)
     if cfg.compile:
         for block in model.blocks:
             block.forward = torch.compile(block.forward)
@@ -172,6 +177,26 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
                              **({"fused": True} if fused else {}))
 
 
+def DataAxis(grid: Mesh):
+    """The mesh as the sharded engine sees it with ``--cp``: dp x cp (``"dp_cp"``) as its one
+    data-parallel axis. Every cp rank holds the whole model, so its gradients are averaged, and
+    its states sharded, over dp x cp ranks exactly as over data-parallel ones."""
+    from . import zero
+
+    class _DataAxis(zero.GroupGrid):
+        def __init__(self):
+            super().__init__(grid.group("dp_cp"))
+            self.dp, self.dp_rank = grid.size("dp_cp"), grid.coord("dp_cp")
+
+        def lines(self, axis: str):
+            return grid.lines("dp_cp")
+
+        def new_groups(self, rank_lists, name):
+            return grid.new_groups(rank_lists, name)
+
+    return _DataAxis()
+
+
 def build_engine(cfg: RunConfig, grid: Mesh, module, policy: PrecisionPolicy | None = None,
                  groups: list[ParamGroup] | None = None) -> Engine:
     """The one place a layout becomes engines: DP (over the ``dp_cp`` axis, experts over
@@ -189,7 +214,9 @@ def build_engine(cfg: RunConfig, grid: Mesh, module, policy: PrecisionPolicy | N
     reduce_dtype = policy.reduce_dtype if policy.mixed else None
     if cfg.spec is not None:
         from . import zero
-        return zero.ShardedEngine(module, grid, cfg.spec, optimizer, reduce_dtype=reduce_dtype)
+        data_axis = grid if cfg.cp == 1 else DataAxis(grid)
+        return zero.ShardedEngine(module, data_axis, cfg.spec, optimizer,
+                                  reduce_dtype=reduce_dtype)
     dense = grid.group("dp_cp")
     return dp.DataParallel(module, comm.SOLO if dense is None else dense, mode=cfg.dp_mode,
                            bucket_mb=cfg.bucket_mb, optimizer=optimizer(module.parameters()),
@@ -248,7 +275,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
         for step in range(cfg.start_step + 1, cfg.steps + 1):
             lr = optim.lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule, cfg.min_lr)
             optim.set_lr(engine.optimizer, lr)
-            x, y = batches.local_batch(step, mesh.dp_rank, mesh.dp)
+            x, y = local_tokens(batches, step, mesh)
             x, y = to_device(x, device), to_device(y, device)
             comm.reset()
             if device.type == "cuda":
@@ -306,7 +333,7 @@ def measure(cfg: RunConfig, mesh: Mesh, engine: Engine, device, step: int, lr: f
     loss_sum, = comm.all_reduce_scalars([float(local_loss) if holds_loss else 0.0], comm.WORLD)
     peaks = comm.all_reduce_scalars([state["params"], state["grads"], state["optimizer"],
                                      state["total"], step_time, memory], comm.WORLD, op="max")
-    record = dict(step=step, loss=loss_sum / mesh.dp, step_time_s=peaks[4],
+    record = dict(step=step, loss=loss_sum / (mesh.dp * mesh.cp), step_time_s=peaks[4],
                   tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
                   model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
                                          optimizer=int(peaks[2]), total=int(peaks[3])),
@@ -330,11 +357,22 @@ def evaluate(cfg: RunConfig, grid: Mesh, runner: Runner, batches: data.Batches,
     through the same runner (pipeline, TP) without gradients."""
     total = 0.0
     for i in range(1, cfg.eval_batches + 1):
-        x, y = batches.local_batch(i, grid.dp_rank, grid.dp)
+        x, y = local_tokens(batches, i, grid)
         total += runner.evaluate(x.to(device), y.to(device))
     holds_loss = grid.is_last_stage and grid.tp_rank == 0
     loss_sum, = comm.all_reduce_scalars([total if holds_loss else 0.0], comm.WORLD)
-    return loss_sum / (grid.dp * cfg.eval_batches)
+    return loss_sum / (grid.dp * grid.cp * cfg.eval_batches)
+
+
+def local_tokens(batches: data.Batches, step: int, mesh: Mesh):
+    """This rank's sequences of the global batch (its dp slice) and, with ``--cp``, its two
+    load-balanced chunks of each (``minipar.cp``). Every cp rank holds as many tokens, so the
+    mean of the ranks' mean losses is the mean over every token of the global batch."""
+    x, y = batches.local_batch(step, mesh.dp_rank, mesh.dp)
+    if mesh.cp > 1:
+        from . import cp
+        x, y = (cp.shard_sequence(t, mesh.cp, mesh.coord("cp")) for t in (x, y))
+    return x, y
 
 
 def _resume(cfg: RunConfig, mesh: Mesh, runner: Runner, engine: Engine,

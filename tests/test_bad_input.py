@@ -202,6 +202,8 @@ BENCH = [
     ("pp --micro-batch 0", "--micro-batch"),
     ("zero --nproc 0", "--nproc"),
     ("zero --warmup -1", "--warmup"),
+    ("cp --heads 0", "--heads"),
+    ("cp --nproc 4 --seq-len 100", "--seq-len"),
     ("gpu --warmup -1", "--warmup"),
     ("calibrate --nproc 0", "--nproc"),
     ("calibrate --out {tmp}/adir", "--out"),

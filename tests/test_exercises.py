@@ -65,6 +65,15 @@ def _mutant(tmp_path, ex_id, old, new):
      "weights = top_probs / top_probs.sum(dim=-1, keepdim=True)", "raw probability at k = 1"),
     ("ex08", 'P = rearrange(probs, "(b s) e -> b s e", b=f.shape[0]).sum(dim=1) / seq_len',
      "P = probs.mean(dim=0)", "per sequence"),
+    ("ex09", "lse = torch.logaddexp(lse_a, lse_b)", "lse = torch.maximum(lse_a, lse_b)",
+     "merged lse"),
+    ("ex09", "lse = torch.logaddexp(lse_a, lse_b)",
+     "lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))", "overflow"),
+    ("ex09", "torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b",
+     "torch.exp(lse_b - lse)[..., None] * out_a + torch.exp(lse_a - lse)[..., None] * out_b",
+     "its own block"),
+    ("ex09", "torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b",
+     "(out_a + out_b) / 2", "not softmax attention"),
 ])
 def test_checker_catches_wrong_answers(tmp_path, ex_id, old, new, expected):
     failures = exercises.check(ex_id, path=_mutant(tmp_path, ex_id, old, new))

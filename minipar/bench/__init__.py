@@ -5,6 +5,7 @@
     python -m minipar.bench pp      bubble fraction vs (p-1)/(m+p-1); minipar vs torch pipelining
     python -m minipar.bench zero    ZeRO presets vs ZeroRedundancyOptimizer and FSDP2
     python -m minipar.bench moe     expert-parallel MoE layer vs one process with the same routing
+    python -m minipar.bench cp      ring attention (context parallel) vs one process; torch context_parallel
     python -m minipar.bench calibrate   measure this machine into a planner hardware file
     python -m minipar.bench validate    the planner's step times against the trainer's here
     python -m minipar.bench gpu     the trainer vs a plain (nanoGPT-style) loop on one GPU: MFU
@@ -18,7 +19,7 @@ import statistics
 
 import torch
 
-BENCHES = ("dp", "tp", "pp", "zero", "moe", "gpu", "calibrate", "validate")
+BENCHES = ("dp", "tp", "pp", "zero", "moe", "cp", "gpu", "calibrate", "validate")
 
 
 def machine() -> str:

@@ -10,6 +10,8 @@
     nb06  06_scaling_experiments  weak/strong scaling measured and predicted, the pipeline's
                                   micro-batch trade-off, GPT 22B-1T on Frontier
     nb08  08_mixture_of_experts   routing, load balance, all-to-all bytes, dense vs MoE
+    nb09  09_long_context         activations against s and cp, the ring drawn block by block,
+                                  the causal imbalance measured, a 128k-token run planned
 
 A notebook imports its module (``from minipar.lab import nb03``) and the package it teaches;
 it carries no second copy of the code. Functions named ``*_experiment`` or documented as

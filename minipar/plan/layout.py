@@ -33,10 +33,11 @@ class Layout:
     v: int = 1                 # model chunks per stage (interleaved 1F1B when > 1)
     sp: bool = False           # sequence parallelism inside the TP group
     schedule: str = "1f1b"     # gpipe | 1f1b  (v > 1 makes 1f1b interleaved)
+    cp: int = 1                # context parallel: each sequence over cp ranks (plan.cp)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def global_batch(self) -> int:
@@ -55,7 +56,8 @@ class Layout:
     def describe(self, shard: bool = True) -> str:
         v = f" v={self.v}" if self.v > 1 else ""
         spec = " shard=({},{},{})".format(*self.shard) if shard else ""
-        return (f"tp={self.tp} pp={self.pp}{v} dp={self.dp} b={self.micro_batch} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"tp={self.tp} pp={self.pp}{v}{cp} dp={self.dp} b={self.micro_batch} "
                 f"m={self.microbatches}{spec} recompute={self.recompute}")
 
 
@@ -92,5 +94,8 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
         raise PlanError(f"interleaving (v={v}) needs pp > 1, the 1f1b schedule and a "
                         f"micro-batch count divisible by pp={p} (Megatron-LM's rule)")
     per_node = dp_per_node(layout, gpus_per_node, order) if gpus_per_node else None
-    check_shard(layout.shard, layout.dp, per_node)
+    if layout.cp < 1 or (layout.cp > 1 and shape.seq_len % (2 * layout.cp)):
+        raise PlanError(f"cp={layout.cp} cuts each sequence into {2 * layout.cp} chunks (the "
+                        f"causal balance); seq_len {shape.seq_len} is not divisible by them")
+    check_shard(layout.shard, layout.dp * layout.cp, per_node)   # ZeRO shards over dp x cp
     return layout

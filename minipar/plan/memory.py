@@ -88,6 +88,7 @@ beyond live tensors, (reserved - allocated) / reserved: the framework profile's 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -231,8 +232,13 @@ def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
 
 def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
                      dtype: str = "mixed") -> float:
-    per_layer = layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp,
-                                       layout.recompute, flash, dtype)
+    if layout.cp > 1:      # a layer of s/cp tokens, scores never stored (ring attention)
+        from .cp import cp_layer_activation_bytes
+        per_layer = cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
+                                              layout.sp, layout.recompute, flash, dtype)
+    else:
+        per_layer = layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp,
+                                           layout.recompute, flash, dtype)
     held = stash_layers(shape.layers // layout.pp, layout.pp, layout.microbatches,
                         layout.v, layout.schedule)
     return per_layer * held
@@ -241,11 +247,13 @@ def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
 def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
                     dtype: str = "mixed", framework=None) -> float:
     """The transient buffers listed in the module docstring."""
-    t, b, s = layout.tp, layout.micro_batch, shape.seq_len
+    t, b, s = layout.tp, layout.micro_batch, shape.seq_len // layout.cp
     act = ACTIVATION_BYTES[dtype]
     total = b * s * shape.vocab / t * (act + 4)                   # logits + fp32 softmax
     if layout.recompute == "full":
-        total += layer_activation_bytes(shape, b, t, layout.sp, "none", flash, dtype)
+        local = dataclasses.replace(shape, seq_len=s) if layout.cp > 1 else shape
+        total += layer_activation_bytes(local, b, t, layout.sp, "none", flash or layout.cp > 1,
+                                        dtype)
     total += gather_bytes(shape, t, layout.shard, dtype)
     if layout.dp > 1:
         g = (framework.grad_bytes if framework and framework.grad_bytes
@@ -276,7 +284,7 @@ def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
     """Everything one device holds at its peak: params, grads, optimizer, activations,
     temporary, total (bytes). ``framework`` (a ``frameworks.Framework``) sets the gradient
     buffer's precision and the bucket size."""
-    states = model_state_bytes(shape, layout.dp, shard=layout.shard, tp=layout.tp,
+    states = model_state_bytes(shape, layout.dp * layout.cp, shard=layout.shard, tp=layout.tp,
                                pp=layout.pp, dtype=dtype)
     out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
     if framework is not None and framework.grad_bytes:
