@@ -54,3 +54,30 @@ def test_comm_seconds_from_cuda_events_on_nccl(monkeypatch):
     assert by_op == pytest.approx({"all_reduce": 0.005, "all_gather": 0.005})
     assert comm.stats.pending == [] and _FakeEvent.synced == 2
     comm.reset()
+
+
+def test_bench_gpu_check_refuses_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from conftest import cli
+    res = cli("minipar.bench", "gpu", "--check")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--check needs a GPU" in lines[0], res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_gpu_check_cpu_smoke():
+    """``--check --device cpu`` runs every part of the check's machinery (no GPU figures):
+    the comparison and an fp32 checkpoint round trip, bit for bit, and a pasteable summary."""
+    from conftest import cli
+    res = cli("minipar.bench", "gpu", "--check", "--device", "cpu", "--model", "nano",
+              "--steps", "3", "--warmup", "1", "--batch-size", "4", "--dtype", "fp32",
+              timeout=540)
+    assert res.returncode == 0, res.stderr + res.stdout
+    out = res.stdout
+    assert out.startswith("minipar GPU check:") and "machine:" in out
+    assert "[ok] trainer vs plain loop: model nano" in out
+    assert "[ok] fp32 checkpoint round trip: losses and parameters of steps 3..4 bit-identical" in out
+    assert "all checks passed" in out
