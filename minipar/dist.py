@@ -18,6 +18,7 @@ dp_cp); ``Grid`` is its old name, kept with its old attributes (``dp_group``, ``
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -54,6 +55,25 @@ def _timeout_s() -> float:
 
 def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=_timeout_s())
+
+
+# ``--compile``: the first step compiles every Block (inductor: minutes for a large model,
+# and not in step on every rank), while the others already wait in a collective.
+COMPILE_TIMEOUT_S = 600
+
+
+@contextlib.contextmanager
+def timeout_default(seconds: float | None):
+    """Inside: MINIPAR_TIMEOUT defaults to ``seconds`` (None: to 60 as always); a value the
+    user set wins. Set in the environment, so ranks started inside inherit it."""
+    if seconds is None or "MINIPAR_TIMEOUT" in os.environ:
+        yield
+        return
+    os.environ["MINIPAR_TIMEOUT"] = str(seconds)
+    try:
+        yield
+    finally:
+        os.environ.pop("MINIPAR_TIMEOUT", None)
 
 
 # --------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from . import cli, comm, data, dist, dp, mfu, moe, optim, sharding
+from . import cli, comm, data, dist, dp, mfu, moe, optim, sharding, steplog
 from .errors import UsageError
 from .model import PRESETS, RECOMPUTE, GPTConfig, build, config
 from .precision import DTYPES, MixedPrecision
@@ -589,6 +589,9 @@ def worker(cfg: RunConfig, return_state: bool = False):
         _note_changed_training(log, saved["training"], cfg)
     hook = optim.install(grid, runner, engine, clip=cfg.clip_grad, weight_decay=cfg.weight_decay)
     progress = Progress(cfg.start_step, cfg.steps, show_eta=is_rank0 and sys.stdout.isatty())
+    # host syncs and metric collectives on logging steps only (minipar.steplog)
+    steps = steplog.StepLog(cfg.log_every, cfg.steps, cfg.batch_size * cfg.seq_len, flops, peak,
+                            cfg.world, grid.dp, device)
     # a resumed run appends to its metrics file; a fresh one starts it
     metrics_file = (open(cfg.metrics, "a" if cfg.resume else "w")
                     if (cfg.metrics and is_rank0) else None)
@@ -599,10 +602,13 @@ def worker(cfg: RunConfig, return_state: bool = False):
             optim.set_lr(engine.optimizer, lr)
             x, y = batches.local_batch(step, grid.dp_rank, grid.dp)
             x, y = to_device(x, device), to_device(y, device)
+            evaluating = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
+            saving = bool(cfg.save) and (step == cfg.steps or
+                                         bool(cfg.save_every and step % cfg.save_every == 0))
+            logging = steps.is_logging(step, also=evaluating or saving)
+            hook.measure = logging                    # the norm: only when clipping or logging
             comm.reset()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
+            steps.begin_step()
             engine.zero_grad()
             engine.begin_step(cfg.microbatches)
             local_loss = runner.forward_backward(x, y)
@@ -610,29 +616,14 @@ def worker(cfg: RunConfig, return_state: bool = False):
             local_loss -= routing["penalty"]          # report the cross-entropy as the loss
             _maybe_crash(grid.rank, step)
             engine.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - t0
-            sent = comm.stats.bytes_by_op()
-            waited = comm.stats.seconds_by_op()
             # The loss lives on the last stage; every TP rank has the same value.
             holds_loss = grid.is_last_stage and grid.tp_rank == 0
-            state = engine.model_state_bytes()
-            memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-            loss_sum, = comm.all_reduce_scalars([float(local_loss) if holds_loss else 0.0],
-                                                comm.WORLD)
-            peaks = comm.all_reduce_scalars([state["params"], state["grads"], state["optimizer"],
-                                             state["total"], step_time, memory], comm.WORLD,
-                                            op="max")
-            record = dict(step=step, loss=loss_sum / grid.dp, step_time_s=peaks[4],
-                          tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
-                          model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
-                                                 optimizer=int(peaks[2]), total=int(peaks[3])),
-                          comm_bytes=sent, comm_seconds=waited, grad_norm=hook.grad_norm, lr=lr,
-                          **mfu.utilisation(flops, peaks[4], peak, cfg.world))
-            if device.type == "cuda":
-                record["peak_memory_bytes"] = int(peaks[5])
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            records = steps.end_step(step, lr, local_loss, holds_loss, logging, engine,
+                                     lambda: hook.grad_norm)
+            if not logging:
+                continue
+            record = records[-1]
+            if evaluating:
                 record["val_loss"] = evaluate(cfg, grid, runner, val_batches, device)
                 moe.step_stats(runner.module)     # MoE: forget the evaluation's routing
             if cfg.model_cfg.moe_experts:
@@ -640,18 +631,17 @@ def worker(cfg: RunConfig, return_state: bool = False):
                     [routing["aux_loss"], routing["dropped"], routing["assigned"]], comm.WORLD)
                 record.update(aux_loss=aux / cfg.world, drop_rate=dropped / assigned)
             if is_rank0:
-                history.append(record)
+                history.extend(records)
                 if metrics_file:
-                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.write("".join(json.dumps(r) + "\n" for r in records))
                     metrics_file.flush()
-                if step % cfg.log_every == 0 or step == cfg.steps:
-                    util = f" | MFU {record['mfu']:5.1%}" if record["mfu"] is not None else ""
-                    val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
-                    log(f"step {step:4d}/{cfg.steps} | loss {record['loss']:.4f} | "
-                        f"{record['tokens_per_s']:8.0f} tok/s | {record['step_time_s']*1e3:7.1f} ms"
-                        f" | rank 0 sent {sum(sent.values()) / 2**20:6.2f} MiB{val}{util}"
-                        f"{progress.eta(step)}")
-            if cfg.save and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
+                util = f" | MFU {record['mfu']:5.1%}" if record["mfu"] is not None else ""
+                val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+                log(f"step {step:4d}/{cfg.steps} | loss {record['loss']:.4f} | "
+                    f"{record['tokens_per_s']:8.0f} tok/s | {record['step_time_s']*1e3:7.1f} ms"
+                    f" | rank 0 sent {sum(record['comm_bytes'].values()) / 2**20:6.2f} MiB{val}"
+                    f"{util}{progress.eta(step)}")
+            if saving:
                 from . import checkpoint
                 manifest = checkpoint.manifest_for(cfg, step, tokens.numel())
                 log(f"saved {checkpoint.save(cfg.save, step, manifest, grid, runner, engine, cfg.keep)}")
@@ -728,7 +718,8 @@ def summary(history: list[dict]) -> str:
     if not history:
         return "no steps run"
     last, first = history[-1], history[0]
-    timed = history[1:] or history  # the first step pays for warm-up
+    logged = [h for h in history if "step_time_s" in h]   # the logging steps' full records
+    timed = logged[1:] or logged    # the first one pays for warm-up
     tps = sum(h["tokens_per_s"] for h in timed) / len(timed)
     ms = last["model_state_bytes"]
     sent = last["comm_bytes"]
@@ -737,7 +728,7 @@ def summary(history: list[dict]) -> str:
         mean = lambda key: sum(h[key] for h in timed) / len(timed)   # noqa: E731
         util = f", MFU {mean('mfu'):.1%} (HFU {mean('hfu'):.1%})"
     lines = [f"summary: {len(history)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
-             f"{tps:,.0f} tokens/s (mean after step 1){util}",
+             f"{tps:,.0f} tokens/s (mean after step {logged[0]['step']}){util}",
              f"  model state per rank (the largest over ranks): params {ms['params']:,} B, "
              f"grads {ms['grads']:,} B, optimizer {ms['optimizer']:,} B, total {ms['total']:,} B",
              *([f"  held-out loss {evals[-1]['val_loss']:.4f} at step {evals[-1]['step']}"]
@@ -745,7 +736,7 @@ def summary(history: list[dict]) -> str:
              "  sent by rank 0 in the last step: " +
              (", ".join(f"{op} {b:,} B" for op, b in sorted(sent.items()) if b) or "nothing")]
     if "peak_memory_bytes" in last:
-        peak = max(h["peak_memory_bytes"] for h in history)
+        peak = max(h["peak_memory_bytes"] for h in logged)
         lines.append(f"  peak GPU memory (torch.cuda.max_memory_allocated, the largest over "
                      f"ranks): {peak / 2**30:.2f} GiB")
     return "\n".join(lines)
@@ -754,9 +745,10 @@ def summary(history: list[dict]) -> str:
 def run(argv: list[str]) -> list[dict]:
     """Check the flags, then train (launching --nproc processes if asked); rank 0's metrics."""
     cfg = parse_config(argv)
-    if cfg.nproc is not None and cfg.nproc > 1 and dist.env_from_os() is None:
-        return dist.launch(worker, cfg.nproc, cfg, backend=cfg.backend, timeout=cfg.timeout)[0]
-    return worker(cfg)
+    with dist.timeout_default(dist.COMPILE_TIMEOUT_S if cfg.compile else None):
+        if cfg.nproc is not None and cfg.nproc > 1 and dist.env_from_os() is None:
+            return dist.launch(worker, cfg.nproc, cfg, backend=cfg.backend, timeout=cfg.timeout)[0]
+        return worker(cfg)
 
 
 def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:

@@ -81,3 +81,98 @@ def test_bench_gpu_check_cpu_smoke():
     assert "[ok] trainer vs plain loop: model nano" in out
     assert "[ok] fp32 checkpoint round trip: losses and parameters of steps 3..4 bit-identical" in out
     assert "all checks passed" in out
+
+
+# --------------------------------------------------------------------------------------
+# No per-step work the user did not ask for
+# --------------------------------------------------------------------------------------
+from conftest import NANO                               # noqa: E402
+from minipar import dist, optim, train                  # noqa: E402
+
+BASE = NANO[:NANO.index("--steps")] + NANO[NANO.index("--steps") + 2:]
+
+
+def _counting_norms(monkeypatch):
+    calls = []
+    real = optim.global_grad_norm
+    monkeypatch.setattr(optim, "global_grad_norm",
+                        lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_norm_only_when_clipping_or_logging(monkeypatch):
+    """Without --clip-grad the global norm is computed on logging steps only (here 3 and 6
+    of 6); with it, on every step. The losses do not depend on when it is computed, and
+    every step's loss still reaches the history (the --metrics lines)."""
+    calls = _counting_norms(monkeypatch)
+    every = train.run(BASE + ["--steps", "6"])
+    assert len(calls) == 6
+    calls.clear()
+    sparse = train.run(BASE + ["--steps", "6", "--log-every", "3"])
+    assert len(calls) == 2
+    assert [h["loss"] for h in sparse] == [h["loss"] for h in every]
+    assert [h["step"] for h in sparse] == list(range(1, 7))
+    for h in sparse:
+        if h["step"] % 3:
+            assert set(h) == {"step", "loss", "lr", "comm_bytes"}, h
+        else:
+            assert h["grad_norm"] == every[h["step"] - 1]["grad_norm"]
+            assert h["comm_clock"] == "host" and "step_time_s" in h
+    calls.clear()
+    clipped = train.run(BASE + ["--steps", "6", "--log-every", "3", "--clip-grad", "0.5"])
+    assert len(calls) == 6
+    assert [h["grad_norm"] for h in clipped if h["step"] % 3 == 0] != [None, None]
+
+
+def test_host_reads_do_not_grow_with_non_logging_steps(monkeypatch):
+    """A non-logging step reads nothing off the device: 2 steps logging once and 5 steps
+    logging once make the same number of reads (float/item/tolist) in minipar's code. Not
+    counted: ``minipar.data`` (batch indices from a CPU generator, never a device tensor) and
+    torch's own (CPU Adam reads its step counter; the fused GPU kernel does not)."""
+    import sys
+    reads = []
+
+    def counted(real):
+        def read(self, *a, **k):
+            where = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+            if "/minipar/" in where and not where.endswith("minipar/data.py"):
+                reads.append(where)
+            return real(self, *a, **k)
+        return read
+
+    for name in ("__float__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    counts = []
+    for steps in (2, 5):
+        reads.clear()
+        train.run(BASE + ["--steps", str(steps), "--log-every", str(steps)])
+        counts.append(len(reads))
+    assert counts[0] == counts[1], counts
+
+
+def test_every_step_reaches_the_metrics_file_across_ranks(tmp_path):
+    """Two ranks, --log-every 4 over 6 steps: six lines, the serial run's losses; the
+    logging steps' lines (4 and the last) carry the full record."""
+    import json
+    path = tmp_path / "m.jsonl"
+    train.run(BASE + ["--steps", "6", "--log-every", "4", "--nproc", "2", "--metrics", str(path)])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    serial = train.run(BASE + ["--steps", "6"])
+    assert [r["step"] for r in lines] == list(range(1, 7))
+    for r, s in zip(lines, serial):
+        assert abs(r["loss"] - s["loss"]) <= 1e-5
+        assert ("step_time_s" in r) == (r["step"] in (4, 6))
+
+
+def test_compile_gets_a_longer_default_collective_timeout(monkeypatch):
+    """--compile: the first step compiles while other ranks wait, so the default
+    MINIPAR_TIMEOUT is dist.COMPILE_TIMEOUT_S there; a value the user set wins."""
+    seen = []
+    monkeypatch.setattr(dist, "launch", lambda *a, **k: seen.append(dist._timeout_s()) or [[]])
+    monkeypatch.delenv("MINIPAR_TIMEOUT", raising=False)
+    train.run(BASE + ["--nproc", "2", "--compile"])
+    train.run(BASE + ["--nproc", "2"])
+    monkeypatch.setenv("MINIPAR_TIMEOUT", "45")
+    train.run(BASE + ["--nproc", "2", "--compile"])
+    assert seen == [dist.COMPILE_TIMEOUT_S, 60, 45]
+    assert dist._timeout_s() == 45
