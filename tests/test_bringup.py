@@ -176,3 +176,49 @@ def test_compile_gets_a_longer_default_collective_timeout(monkeypatch):
     train.run(BASE + ["--nproc", "2", "--compile"])
     assert seen == [dist.COMPILE_TIMEOUT_S, 60, 45]
     assert dist._timeout_s() == 45
+
+
+# --------------------------------------------------------------------------------------
+# Start-up under torchrun: every rank parses the flags, every rank checks --metrics
+# --------------------------------------------------------------------------------------
+PARSE_ROUNDS = """
+import os, sys
+import torch.distributed as tdist
+from minipar import train
+tdist.init_process_group("gloo")
+failed = 0
+for i in range(int(sys.argv[2])):
+    tdist.barrier()            # all four ranks check the same new path at once
+    try:
+        train.parse_config(["--model", "nano", "--metrics", os.path.join(sys.argv[1], f"m{i}.jsonl")])
+    except BaseException as e:
+        failed += 1
+        print(f"rank {tdist.get_rank()} round {i}: {type(e).__name__}: {e}", flush=True)
+tdist.barrier()
+print(f"rank {tdist.get_rank()} failed {failed}", flush=True)
+tdist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_ranks_check_one_metrics_file_at_once(tmp_path):
+    """torchrun, 4 ranks, the trainer's own flag check on one --metrics path per round, the
+    ranks released together 25 times: 0 failures, and no probe file left behind. (The old
+    create-then-delete probe failed 12 of these 100 checks on the 2-core VM.)"""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    script = tmp_path / "parse_rounds.py"
+    script.write_text(PARSE_ROUNDS)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                        "--master-port", str(dist.free_port()), str(script), str(out), "25"],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(ln for ln in r.stdout.splitlines() if "failed" in ln) == [
+        f"rank {k} failed 0" for k in range(4)], r.stdout
+    assert os.listdir(out) == []
