@@ -151,11 +151,13 @@ def test_host_reads_do_not_grow_with_non_logging_steps(monkeypatch):
 
 
 def test_every_step_reaches_the_metrics_file_across_ranks(tmp_path):
-    """Two ranks, --log-every 4 over 6 steps: six lines, the serial run's losses; the
-    logging steps' lines (4 and the last) carry the full record."""
+    """A 2-stage pipeline (the loss lives on the last stage only), --log-every 4 over 6
+    steps: six lines, the serial run's losses; the logging steps' lines (4 and the last)
+    carry the full record."""
     import json
     path = tmp_path / "m.jsonl"
-    train.run(BASE + ["--steps", "6", "--log-every", "4", "--nproc", "2", "--metrics", str(path)])
+    train.run(BASE + ["--steps", "6", "--log-every", "4", "--nproc", "2", "--pp", "2",
+                      "--metrics", str(path)])
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     serial = train.run(BASE + ["--steps", "6"])
     assert [r["step"] for r in lines] == list(range(1, 7))
