@@ -1,10 +1,12 @@
 """Bringing minipar up on a new GPU cluster, checked on the CPU: communication seconds as the
-device spends them (``comm.clock``), and no per-step work the user did not ask for (the
-global gradient norm, host syncs for metrics)."""
+device spends them (``comm.clock``), no per-step work the user did not ask for (the global
+gradient norm, host syncs for metrics), ``--compile``'s longer collective timeout,
+``bench gpu --check``, and every torchrun rank checking one ``--metrics`` path at once."""
 import pytest
 import torch
 
-from minipar import comm
+from conftest import NANO
+from minipar import comm, dist, optim, train
 
 
 class _FakeEvent:
@@ -86,9 +88,6 @@ def test_bench_gpu_check_cpu_smoke():
 # --------------------------------------------------------------------------------------
 # No per-step work the user did not ask for
 # --------------------------------------------------------------------------------------
-from conftest import NANO                               # noqa: E402
-from minipar import dist, optim, train                  # noqa: E402
-
 BASE = NANO[:NANO.index("--steps")] + NANO[NANO.index("--steps") + 2:]
 
 
