@@ -22,8 +22,9 @@ gradients its optimizer sees by the same ``min(1, max_norm / (norm + 1e-6))``, a
 no host sync) and is computed only when clipping, or on the trainer's logging steps.
 
 **Weight decay** (``--weight-decay``), decoupled as in AdamW (``p *= 1 - lr wd`` before the
-update), on the matrices only: not on biases, LayerNorms and the position table (as nanoGPT
-and Megatron-LM). The choice is made by the serial name, so every layout decays the same
+update), on the matrices only: not on biases, LayerNorms and the position table. Leaving the
+position table out is minipar's own rule (nanoGPT and Megatron-LM decay it: they exclude only
+biases and norms). The choice is made by the serial name, so every layout decays the same
 elements; a ZeRO unit's flat shard mixes kinds, so decay is applied piece by piece rather
 than through Adam's parameter groups (Adam itself runs with weight_decay = 0).
 
@@ -111,6 +112,10 @@ class StepHook:
     def grad_norm(self) -> float | None:
         """The last computed norm as a number (one host sync), None if not computed."""
         return None if self._norm is None else float(self._norm)
+
+    @grad_norm.setter
+    def grad_norm(self, value) -> None:
+        self._norm = value             # None: forget it (a step the loss scaler skipped)
 
     def __call__(self, optimizer, args=(), kwargs=None):
         self._norm = None
