@@ -130,6 +130,7 @@ from torch.utils._pytree import tree_leaves
 from . import comm, dist, dp, sharding
 from .dp import optimizer_state_bytes
 from .errors import UsageError
+from .groups import ParamGroup
 
 
 # --------------------------------------------------------------------------------------
@@ -467,7 +468,10 @@ class ShardedEngine:
         reason = spec_violation(self.spec, grid.dp)
         if reason:
             raise UsageError(reason)
-        dp.broadcast_module(module, grid.dp_group)
+        # MoE experts come from the first rank of their own group (they differ across EP)
+        experts = [p for p in module.parameters() if hasattr(p, "grad_group")]
+        dp.broadcast_module(module, grid.dp_group, [ParamGroup(
+            "expert", experts, "edp", experts[0].grad_group)] if experts else [])
         self.mesh = ShardMesh(grid, self.spec)
         # a wider dtype to reduce gradients in than the parameters' own (None: their own)
         if reduce_dtype is not None and (self.mesh.d == 1 or all(

@@ -133,7 +133,10 @@ def _norm(a):
 
 def assert_like_serial(got: dict, ref: dict, precision: str, tp: bool, where: str) -> None:
     if precision == "fp32":
-        assert_same_training(got, ref)
+        try:
+            assert_same_training(got, ref)
+        except AssertionError as e:
+            raise AssertionError(f"{where}: {e}") from None
         return
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
         assert abs(a - b) <= 2e-3, f"{where} step {step}: loss {a} vs 16-bit serial {b}"
