@@ -113,13 +113,21 @@ def serial_shapes(model_cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
 
 
 def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Adam creates its state at the first step; a checkpoint needs it before (to load into)."""
+    """Adam creates its state at the first step; a checkpoint needs it before (to load into).
+
+    The step counter lives where Adam itself would put it: on the parameter's device for the
+    fused and capturable kernels (they read it there: a CPU counter beside CUDA parameters
+    fails the first fused step after ``--resume``), a CPU scalar otherwise.
+    """
     for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
             if not optimizer.state.get(p):
-                optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                      "exp_avg": torch.zeros_like(p.detach()),
-                                      "exp_avg_sq": torch.zeros_like(p.detach())}
+                optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32,
+                                        device=p.device if on_device else "cpu"),
+                    "exp_avg": torch.zeros_like(p.detach()),
+                    "exp_avg_sq": torch.zeros_like(p.detach())}
 
 
 def _adam_step(optimizer) -> torch.Tensor:

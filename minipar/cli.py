@@ -20,6 +20,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 
 from .errors import Stopped, UsageError
 
@@ -151,18 +152,26 @@ def positive_float(text: str) -> float:
 
 def check_output_file(path: str, flag: str) -> None:
     """Raise UsageError unless ``path`` can be written: not a folder, in an existing folder
-    where a file can be created (tried, not guessed from permission bits)."""
+    where a file can be created (tried, not guessed from permission bits).
+
+    Safe when many ranks check the same path at once (torchrun, srun: every rank parses the
+    flags): an existing file is opened for appending (no change, nothing removed), and a
+    missing one is never created here; instead each process creates and removes its *own*
+    probe file beside it (a unique name), so no rank can remove what another one made.
+    """
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a folder; give a file name")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} {path}: its folder does not exist; create it first")
-    existed = os.path.exists(path)
     try:
-        with open(path, "a"):
-            pass
+        if os.path.exists(path):
+            with open(path, "a"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".minipar-probe-")
+            os.close(fd)
+            os.remove(probe)
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot be written ({e.strerror or e}); "
                          f"choose another path") from None
-    if not existed:
-        os.remove(path)

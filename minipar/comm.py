@@ -30,6 +30,15 @@ So a measured total equals a closed-form volume exactly when the code hands each
 collective exactly the tensors the formula assumes: that is what the tests check.
 
 gloo has no AVG for every collective, so ``op="avg"`` is a sum followed by a division.
+
+What "seconds" means (``clock()`` names the clock). On gloo (``"host"``) a call blocks the
+host until the op is done, so ``time.perf_counter`` around it is the time spent in it. On
+NCCL/RCCL a call only enqueues the op on the GPU and returns at once, so host time would be
+about 0; there (``"cuda-events"``) a pair of CUDA events on the current stream brackets the
+op: a blocking op's seconds are how long the compute stream waited for it (the collective,
+and the peers it waits for), an asynchronous op's how long the stream stalled in ``wait()``
+(its exposed part, as on the host). The events are read when the seconds are asked for,
+after the step's ``torch.cuda.synchronize()``, so timing adds no host sync of its own.
 """
 from __future__ import annotations
 
@@ -125,14 +134,31 @@ class Stats:
         self.sent = defaultdict(int)
         self.received = defaultdict(int)
         self.calls = defaultdict(int)
-        self.seconds = defaultdict(float)
+        self._seconds = defaultdict(float)
+        self.pending = []              # [(key, start event, end event)]: read on demand
 
     def add(self, op, group, sent, received, seconds):
+        """``seconds``: a float (host clock) or a (start, end) pair of CUDA events."""
         key = (op, group_name(group))
         self.sent[key] += int(sent)
         self.received[key] += int(received)
         self.calls[key] += 1
-        self.seconds[key] += seconds
+        if isinstance(seconds, tuple):
+            self.pending.append((key, *seconds))
+        else:
+            self._seconds[key] += seconds
+
+    def _read_events(self):
+        for key, start, end in self.pending:
+            end.synchronize()          # already done after the step's synchronize
+            self._seconds[key] += start.elapsed_time(end) / 1e3
+        self.pending = []
+
+    @property
+    def seconds(self) -> dict:
+        """Seconds by (op, group name), on ``clock()``'s clock."""
+        self._read_events()
+        return self._seconds
 
     def bytes_by_op(self) -> dict[str, int]:
         out = defaultdict(int)
@@ -141,7 +167,8 @@ class Stats:
         return dict(out)
 
     def seconds_by_op(self) -> dict[str, float]:
-        """Seconds this rank spent blocked in each kind of op (waiting on async ones)."""
+        """Seconds this rank spent blocked in each kind of op (waiting on async ones), on
+        ``clock()``'s clock."""
         out = defaultdict(float)
         for (op, _), s in self.seconds.items():
             out[op] += s
@@ -154,8 +181,9 @@ class Stats:
         return dict(out)
 
     def table(self) -> list[dict]:
+        seconds = self.seconds
         return [dict(op=op, group=g, calls=self.calls[(op, g)], bytes_sent=self.sent[(op, g)],
-                     bytes_received=self.received[(op, g)], seconds=self.seconds[(op, g)])
+                     bytes_received=self.received[(op, g)], seconds=seconds[(op, g)])
                 for (op, g) in sorted(self.calls)]
 
 
@@ -186,6 +214,29 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def clock() -> str:
+    """How collectives are timed: ``"cuda-events"`` on NCCL/RCCL, ``"host"`` otherwise."""
+    return "cuda-events" if dist.is_initialized() and dist.get_backend() == "nccl" else "host"
+
+
+def _start_timer():
+    """A host time stamp, or a CUDA event recorded on the current stream (NCCL)."""
+    if clock() == "host":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _elapsed(start):
+    """Seconds since ``start`` (host), or the (start, end) event pair to be read later."""
+    if isinstance(start, float):
+        return time.perf_counter() - start
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    return (start, end)
+
+
 class Handle:
     """An asynchronous op in flight; ``wait()`` finishes it and records its waiting time."""
 
@@ -198,12 +249,13 @@ class Handle:
     def wait(self):
         if self.done:
             return
-        t = time.perf_counter()
+        t = _start_timer() if _tracking[-1] else None
         if self.work is not None:
             self.work.wait()
         if self.after is not None:
             self.after()
-        _record(self.op, self.group, self.sent, self.received, time.perf_counter() - t)
+        if t is not None:
+            _record(self.op, self.group, self.sent, self.received, _elapsed(t))
         self.done = True
 
 
@@ -211,11 +263,12 @@ def _run(op, group, sent, received, call, async_op, after=None):
     """Issue ``call(async_op)``; return a Handle (async) or finish and record (sync)."""
     if async_op:
         return Handle(call(True), op, group, sent, received, after)
-    t = time.perf_counter()
+    t = _start_timer() if _tracking[-1] else None
     call(False)
     if after is not None:
         after()
-    _record(op, group, sent, received, time.perf_counter() - t)
+    if t is not None:
+        _record(op, group, sent, received, _elapsed(t))
     return None
 
 

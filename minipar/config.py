@@ -74,7 +74,8 @@ def parser() -> cli.ArgumentParser:
                    help="the device's peak TFLOP/s for MFU (default: looked up from the GPU's "
                         "name; none on a CPU)")
     p.add_argument("--metrics", default=None, help="write one JSON line per step (rank 0)")
-    p.add_argument("--log-every", type=int, default=1, help="progress line every K steps")
+    p.add_argument("--log-every", type=int, default=1,
+                   help="progress line every K steps; the metrics' host syncs happen only then")
     p.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="with --nproc: kill every rank after this many seconds")

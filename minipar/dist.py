@@ -7,8 +7,10 @@ Three ways in, one result (an initialised default process group):
   rank. The first rank that raises stops all the others and its traceback is re-raised here;
   a run past ``timeout`` seconds is killed. Nothing hangs.
 * ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT.
-* Slurm's ``srun`` sets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODELIST; the
-  master is the first host of the node list (this is how minipar runs on Frontier's MI250X
+* Slurm's ``srun`` sets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODELIST and the
+  step's variables (SLURM_STEP_ID, SLURM_STEP_NUM_TASKS; a batch script outside ``srun`` has
+  the first ones but not these, and is a plain process); the master is the first host of the
+  node list (this is how minipar runs on Frontier's MI250X
   nodes, where the NCCL backend is RCCL).
 
 The process grid is ``minipar.mesh.Mesh`` (named axes dp, pp, cp, tp and the derived ep, edp,
@@ -16,6 +18,7 @@ dp_cp); ``Grid`` is its old name, kept with its old attributes (``dp_group``, ``
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -54,6 +57,25 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=_timeout_s())
 
 
+# ``--compile``: the first step compiles every Block (inductor: minutes for a large model,
+# and not in step on every rank), while the others already wait in a collective.
+COMPILE_TIMEOUT_S = 600
+
+
+@contextlib.contextmanager
+def timeout_default(seconds: float | None):
+    """Inside: MINIPAR_TIMEOUT defaults to ``seconds`` (None: to 60 as always); a value the
+    user set wins. Set in the environment, so ranks started inside inherit it."""
+    if seconds is None or "MINIPAR_TIMEOUT" in os.environ:
+        yield
+        return
+    os.environ["MINIPAR_TIMEOUT"] = str(seconds)
+    try:
+        yield
+    finally:
+        os.environ.pop("MINIPAR_TIMEOUT", None)
+
+
 # --------------------------------------------------------------------------------------
 # Backend and device
 # --------------------------------------------------------------------------------------
@@ -71,8 +93,8 @@ def slurm_binds_one_gpu(environ=os.environ) -> bool:
     Read from what srun sets for the task, never guessed from "one GPU is visible": that
     alone also describes a one-GPU laptop running several processes.
     """
-    if "SLURM_PROCID" not in environ:
-        return False
+    if "SLURM_PROCID" not in environ or not in_slurm_step(environ):
+        return False      # the batch script's own SLURM_GPUS_PER_TASK binds nothing to it
     if environ.get("SLURM_GPUS_PER_TASK", "").strip() == "1":
         return True
     # --gpu-bind narrows each task's visible list to a subset of the step's GPUs.
@@ -164,8 +186,22 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+_SLURM_STEP = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS")
+
+
+def in_slurm_step(environ=os.environ) -> bool:
+    """This process is a task that ``srun`` started, not the batch script itself.
+
+    An sbatch batch script (and whatever it runs without ``srun``) already has SLURM_PROCID=0
+    and the job's SLURM_NTASKS, so those two alone would make ``--nproc 1`` or ``bench gpu``
+    wait for ranks that never come; srun adds the step's variables to each task it starts.
+    """
+    return any(var in environ for var in _SLURM_STEP)
+
+
 def env_from_os(environ=os.environ) -> Env | None:
-    """Read the launcher's environment: torchrun first, then Slurm; None if neither is set."""
+    """Read the launcher's environment: torchrun first, then an srun step; None if neither
+    (a plain process, also inside an sbatch batch script outside ``srun``)."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         world = int(environ["WORLD_SIZE"])
         return Env(rank=int(environ["RANK"]), world_size=world,
@@ -173,8 +209,8 @@ def env_from_os(environ=os.environ) -> Env | None:
                    local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world)),
                    master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
                    master_port=int(environ.get("MASTER_PORT", 29500)))
-    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        world = int(environ["SLURM_NTASKS"])
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and in_slurm_step(environ):
+        world = int(environ.get("SLURM_STEP_NUM_TASKS") or environ["SLURM_NTASKS"])
         tasks_per_node = environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         nnodes = int(environ.get("SLURM_NNODES", 1))
         local_world = int(tasks_per_node) if tasks_per_node.isdigit() else max(1, world // nnodes)

@@ -18,7 +18,8 @@ gradient, so every layout must count each element exactly once:
 So ``norm^2 = all_reduce(sum over owned pieces of grad^2)`` over every rank (one 8-byte
 scalar; metrics bookkeeping, not counted in ``comm_bytes``), and every rank scales all the
 gradients its optimizer sees by the same ``min(1, max_norm / (norm + 1e-6))``, as
-``torch.nn.utils.clip_grad_norm_`` does.
+``torch.nn.utils.clip_grad_norm_`` does. The norm stays on the device (``torch._foreach_norm``,
+no host sync) and is computed only when clipping, or on the trainer's logging steps.
 
 **Weight decay** (``--weight-decay``), decoupled as in AdamW (``p *= 1 - lr wd`` before the
 update), on the matrices only: not on biases, LayerNorms and the position table. Leaving the
@@ -62,38 +63,76 @@ def decays(serial_name: str, ndim: int) -> bool:
     return ndim >= 2 and serial_name != "embed.pos.weight"
 
 
-def global_grad_norm(grid, runner, engine) -> float:
-    """The serial model's gradient norm, from the pieces this rank owns (collective)."""
-    sums = [piece.views["grad"].double().pow(2).sum() for piece in pieces(grid, runner, engine)
+def _owned_grads(grid, runner, engine) -> list[torch.Tensor]:
+    return [piece.views["grad"] for piece in pieces(grid, runner, engine)
             if piece.owner and "grad" in piece.views]
-    local = float(torch.stack(sums).sum()) if sums else 0.0      # one device sync, not one per piece
-    total, = comm.all_reduce_scalars([local], comm.WORLD)
-    return math.sqrt(total)
+
+
+def global_grad_norm(grid, runner, engine) -> torch.Tensor:
+    """The serial model's gradient norm, from the pieces this rank owns (collective).
+
+    On the device and without a host sync: one ``torch._foreach_norm`` per (device, dtype)
+    group of owned gradient pieces (norms in fp32, their squares summed in fp64), then one
+    all-reduce of that scalar over the world. Returns a 0-d fp64 tensor; ``float()`` of it
+    is the only sync, and the trainer makes it on logging steps only.
+    """
+    grads = _owned_grads(grid, runner, engine)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    device = grads[0].device if grads else (
+        torch.device("cuda", torch.cuda.current_device()) if comm.clock() == "cuda-events"
+        else torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for group in groups.values():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32)
+        total += torch.stack(norms).double().pow(2).sum().to(device)
+    with comm.untracked():                         # metrics bookkeeping, not training traffic
+        comm.all_reduce(total, comm.WORLD)
+    return total.sqrt()
 
 
 class StepHook:
-    """Clip, then decay, right before each Adam update; remembers the norm for the metrics."""
+    """Clip, then decay, right before each Adam update; keeps the norm for the metrics.
+
+    The norm is computed only when it is needed: on every step when clipping, else only on
+    the steps the trainer asks for (``measure = True``: its logging steps). Clipping scales
+    by ``min(1, max_norm / (norm + 1e-6))`` on the device (``torch._foreach_mul_``, as
+    ``clip_grad_norm_`` does), so it costs no host sync either.
+    """
 
     def __init__(self, grid, runner, engine, clip: float | None = None,
                  weight_decay: float = 0.0):
         self.grid, self.runner, self.engine = grid, runner, engine
         self.clip, self.weight_decay = clip, weight_decay
-        self.grad_norm = None
+        self.measure = True            # the trainer sets it per step (its logging steps)
+        self._norm = None
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last computed norm as a number (one host sync), None if not computed."""
+        return None if self._norm is None else float(self._norm)
+
+    @grad_norm.setter
+    def grad_norm(self, value) -> None:
+        self._norm = value             # None: forget it (a step the loss scaler skipped)
 
     def __call__(self, optimizer, args=(), kwargs=None):
-        self.grad_norm = global_grad_norm(self.grid, self.runner, self.engine)
+        self._norm = None
+        if self.clip is not None or self.measure:
+            self._norm = global_grad_norm(self.grid, self.runner, self.engine)
         if self.clip is not None:
-            coef = self.clip / (self.grad_norm + 1e-6)
-            if coef < 1.0:
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
+            coef = (self.clip / (self._norm + 1e-6)).clamp(max=1.0)
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]
+            for device in {g.device for g in grads}:
+                torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
         if self.weight_decay:
             lr = optimizer.param_groups[0]["lr"]
-            for piece in pieces(self.grid, self.runner, self.engine):
-                if decays(piece.name, len(piece.shape)):
-                    piece.views["param"].mul_(1.0 - lr * self.weight_decay)
+            decayed = [piece.views["param"] for piece in pieces(self.grid, self.runner, self.engine)
+                       if decays(piece.name, len(piece.shape))]
+            if decayed:
+                torch._foreach_mul_(decayed, 1.0 - lr * self.weight_decay)
 
 
 def install(grid, runner, engine, clip: float | None = None,

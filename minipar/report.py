@@ -94,7 +94,8 @@ def summary(history: list[dict]) -> str:
     if not history:
         return "no steps run"
     last, first = history[-1], history[0]
-    timed = history[1:] or history  # the first step pays for warm-up
+    logged = [h for h in history if "step_time_s" in h]   # the logging steps' full records
+    timed = logged[1:] or logged    # the first one pays for warm-up
     tps = sum(h["tokens_per_s"] for h in timed) / len(timed)
     ms = last["model_state_bytes"]
     sent = last["comm_bytes"]
@@ -103,7 +104,7 @@ def summary(history: list[dict]) -> str:
         mean = lambda key: sum(h[key] for h in timed) / len(timed)   # noqa: E731
         util = f", MFU {mean('mfu'):.1%} (HFU {mean('hfu'):.1%})"
     lines = [f"summary: {len(history)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
-             f"{tps:,.0f} tokens/s (mean after step 1){util}",
+             f"{tps:,.0f} tokens/s (mean after step {logged[0]['step']}){util}",
              f"  model state per rank (the largest over ranks): params {ms['params']:,} B, "
              f"grads {ms['grads']:,} B, optimizer {ms['optimizer']:,} B, total {ms['total']:,} B",
              *([f"  held-out loss {evals[-1]['val_loss']:.4f} at step {evals[-1]['step']}"]
@@ -114,7 +115,7 @@ def summary(history: list[dict]) -> str:
         lines.append(f"  fp16 loss scale {last['loss_scale']:g} at the last step, "
                      f"{last['skipped_steps']} step(s) skipped for overflowing gradients")
     if "peak_memory_bytes" in last:
-        peak = max(h["peak_memory_bytes"] for h in history)
+        peak = max(h["peak_memory_bytes"] for h in logged)
         lines.append(f"  peak GPU memory (torch.cuda.max_memory_allocated, the largest over "
                      f"ranks): {peak / 2**30:.2f} GiB")
     return "\n".join(lines)

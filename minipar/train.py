@@ -29,12 +29,11 @@ import json
 import math
 import os
 import sys
-import time
 from typing import Protocol
 
 import torch
 
-from . import comm, data, dist, dp, mfu, moe, optim
+from . import comm, data, dist, dp, mfu, moe, optim, steplog
 from .config import RunConfig, parse_config, parser, world_size_from  # noqa: F401  (re-exported)
 from .groups import ParamGroup, param_groups
 from .mesh import Mesh
@@ -267,6 +266,9 @@ def worker(cfg: RunConfig, return_state: bool = False):
     peak = cfg.peak_tflops or (mfu.peak_tflops(torch.cuda.get_device_name(device), cfg.dtype)
                                if device.type == "cuda" else None)
     progress = Progress(cfg.start_step, cfg.steps, show_eta=is_rank0 and sys.stdout.isatty())
+    # host syncs and metric collectives on logging steps only (minipar.steplog)
+    steps = steplog.StepLog(cfg.log_every, cfg.steps, cfg.batch_size * cfg.seq_len, flops, peak,
+                            cfg.world, mesh.dp * mesh.cp, device)
     # a resumed run appends to its metrics file; a fresh one starts it
     metrics_file = (open(cfg.metrics, "a" if cfg.resume else "w")
                     if (cfg.metrics and is_rank0) else None)
@@ -277,13 +279,16 @@ def worker(cfg: RunConfig, return_state: bool = False):
             optim.set_lr(engine.optimizer, lr)
             x, y = local_tokens(batches, step, mesh)
             x, y = to_device(x, device), to_device(y, device)
+            evaluating = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
+            saving = bool(cfg.save) and (step == cfg.steps or
+                                         bool(cfg.save_every and step % cfg.save_every == 0))
+            logging = steps.is_logging(step, also=evaluating or saving)
+            hook.measure = logging                    # the norm: only when clipping or logging
             comm.reset()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
+            steps.begin_step()
             scale = policy.loss_scaler.scale if policy.loss_scaler else None
             hook.grad_norm = None                     # a skipped step measures none
             faults.arm(step)
-            t0 = time.perf_counter()
 
             engine.zero_grad()
             engine.begin_step(cfg.microbatches)
@@ -292,24 +297,32 @@ def worker(cfg: RunConfig, return_state: bool = False):
             faults.crash(step)
             engine.step()
 
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            record = measure(cfg, mesh, engine, device, step, lr, local_loss, routing,
-                             time.perf_counter() - t0, flops, peak)
-            record["grad_norm"] = hook.grad_norm
+            # the loss lives on the last stage and every TP rank has it: one per replica counts
+            holds_loss = mesh.is_last_stage and mesh.tp_rank == 0
+            records = steps.end_step(step, lr, local_loss, holds_loss, logging, engine,
+                                     lambda: hook.grad_norm)
+            if not logging:
+                continue
+            record = records[-1]
+            if cfg.model_cfg.moe_experts:
+                # each rank holds its share (its stage's layers, its TP slice of the tokens) of
+                # its data-parallel batch: summed over the world, averaged over dp
+                aux, z, dropped, assigned = comm.all_reduce_scalars(
+                    [routing["aux_loss"], routing["z_loss"], routing["dropped"],
+                     routing["assigned"]], comm.WORLD)
+                record.update(aux_loss=aux / cfg.dp, z_loss=z / cfg.dp, drop_rate=dropped / assigned)
             if policy.loss_scaler is not None:
                 record.update(loss_scale=scale, skipped_steps=policy.loss_scaler.skipped_steps)
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            if evaluating:
                 record["val_loss"] = evaluate(cfg, mesh, runner, val_batches, device)
                 moe.step_stats(runner.module)     # MoE: forget the evaluation's routing
             if is_rank0:
-                history.append(record)
+                history.extend(records)
                 if metrics_file:
-                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.write("".join(json.dumps(r) + "\n" for r in records))
                     metrics_file.flush()
-                if step % cfg.log_every == 0 or step == cfg.steps:
-                    log(step_line(record, cfg.steps, progress))
-            if cfg.save and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
+                log(step_line(record, cfg.steps, progress))
+            if saving:
                 from . import checkpoint
                 manifest = checkpoint.manifest_for(cfg, step, tokens.numel(), policy.loss_scaler)
                 log(f"saved {checkpoint.save(cfg.save, step, manifest, mesh, runner, engine, cfg.keep)}")
@@ -321,34 +334,6 @@ def worker(cfg: RunConfig, return_state: bool = False):
     if return_state:
         return dict(history=history, **collect_state(mesh, runner, engine))
     return history if is_rank0 else None
-
-
-def measure(cfg: RunConfig, mesh: Mesh, engine: Engine, device, step: int, lr: float,
-            local_loss, routing: dict, step_time: float, flops: float, peak) -> dict:
-    """The step's metrics record, reduced over the ranks (the loss lives on the last stage and
-    every TP rank has it: one TP rank per replica counts it; sizes and times: the largest)."""
-    holds_loss = mesh.is_last_stage and mesh.tp_rank == 0
-    state = engine.model_state_bytes()
-    memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    loss_sum, = comm.all_reduce_scalars([float(local_loss) if holds_loss else 0.0], comm.WORLD)
-    peaks = comm.all_reduce_scalars([state["params"], state["grads"], state["optimizer"],
-                                     state["total"], step_time, memory], comm.WORLD, op="max")
-    record = dict(step=step, loss=loss_sum / (mesh.dp * mesh.cp), step_time_s=peaks[4],
-                  tokens_per_s=cfg.batch_size * cfg.seq_len / peaks[4],
-                  model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
-                                         optimizer=int(peaks[2]), total=int(peaks[3])),
-                  comm_bytes=comm.stats.bytes_by_op(), comm_seconds=comm.stats.seconds_by_op(),
-                  lr=lr, **mfu.utilisation(flops, peaks[4], peak, cfg.world))
-    if device.type == "cuda":
-        record["peak_memory_bytes"] = int(peaks[5])
-    if cfg.model_cfg.moe_experts:
-        # each rank holds its share (its stage's layers, its TP slice of the tokens) of its
-        # data-parallel batch: summed over the world, averaged over dp
-        aux, z, dropped, assigned = comm.all_reduce_scalars(
-            [routing["aux_loss"], routing["z_loss"], routing["dropped"], routing["assigned"]],
-            comm.WORLD)
-        record.update(aux_loss=aux / cfg.dp, z_loss=z / cfg.dp, drop_rate=dropped / assigned)
-    return record
 
 
 def evaluate(cfg: RunConfig, grid: Mesh, runner: Runner, batches: data.Batches,
@@ -452,9 +437,10 @@ class Faults:
 def run(argv: list[str]) -> list[dict]:
     """Check the flags, then train (launching --nproc processes if asked); rank 0's metrics."""
     cfg = parse_config(argv)
-    if cfg.nproc is not None and cfg.nproc > 1 and dist.env_from_os() is None:
-        return dist.launch(worker, cfg.nproc, cfg, backend=cfg.backend, timeout=cfg.timeout)[0]
-    return worker(cfg)
+    with dist.timeout_default(dist.COMPILE_TIMEOUT_S if cfg.compile else None):
+        if cfg.nproc is not None and cfg.nproc > 1 and dist.env_from_os() is None:
+            return dist.launch(worker, cfg.nproc, cfg, backend=cfg.backend, timeout=cfg.timeout)[0]
+        return worker(cfg)
 
 
 def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:

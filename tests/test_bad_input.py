@@ -18,6 +18,9 @@ import pytest
 from minipar import cli, dist
 
 
+_NCCL_TOO_MANY = dist.gpu_count() + 1     # --nproc 2 is valid on a host with two GPUs
+
+
 def _fixtures(tmp):
     (tmp / "empty.txt").write_bytes(b"")
     (tmp / "binary.bin").write_bytes(bytes(range(256)) * 64)
@@ -117,7 +120,8 @@ TRAIN = [
     ("--shard 1,x,2 --nproc 2", "shard"),
     ("--shard 0,1,2 --nproc 2", "shard"),
     ("--shard 1,2,4 --nproc 2", "shard"),
-    ("--backend nccl --nproc 2", "GPU"),
+    # more local processes than GPUs: refused on any host (none here; two on a 2-GPU node)
+    (f"--backend nccl --nproc {_NCCL_TOO_MANY} --batch-size {_NCCL_TOO_MANY}", "GPU"),
     # sequence length above what the data holds
     ("--seq-len 1000000", "--seq-len"),
     # --data: missing, empty, binary, not UTF-8, a folder

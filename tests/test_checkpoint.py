@@ -175,3 +175,47 @@ def test_bad_checkpoint_exits_2_with_one_line(saved, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:")
     assert "step" not in r.stdout
+
+
+def _fused_adamw(params, lr):
+    return torch.optim.AdamW(list(params), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                             fused=True)
+
+
+def test_resume_with_fused_adam(tmp_path, monkeypatch):
+    """The trainer uses fused AdamW on a GPU; injected here on the CPU (torch has a CPU fused
+    kernel): save at step 2, resume, and steps 3..4 repeat the uninterrupted run bit for bit,
+    with the step counter where a fused optimizer keeps it (its parameter's device, fp32)."""
+    made = []
+    monkeypatch.setattr(train, "make_optimizer",
+                        lambda params, lr: made.append(_fused_adamw(params, lr)) or made[-1])
+    root = str(tmp_path / "run")
+    full = train.run_state(NANO + ["--steps", "4", "--save", root, "--save-every", "2"], nproc=1)
+    resumed = train.run_state(NANO + ["--steps", "4", "--resume", checkpoint.step_dir(root, 2)],
+                              nproc=1)
+    assert resumed["losses"] == full["losses"][2:]
+    for name, p in full["params"].items():
+        assert torch.equal(resumed["params"][name], p), name
+    opt = made[-1]
+    assert opt.param_groups[0]["fused"]
+    fresh = _fused_adamw([torch.nn.Parameter(torch.ones(2))], 1e-3)
+    fresh.param_groups[0]["params"][0].grad = torch.ones(2)
+    fresh.step()
+    want = next(iter(fresh.state.values()))["step"]
+    for p, s in opt.state.items():
+        assert (s["step"].device, s["step"].dtype) == (p.device, want.dtype)
+        assert float(s["step"]) == 4
+
+
+def test_loaded_step_counter_lives_on_the_fused_kernels_device():
+    """A stand-in for CUDA parameters (the meta device): for a fused or capturable group the
+    counter a checkpoint loads into is made on the parameter's device, as Adam makes it;
+    for the plain kernel a CPU scalar, as Adam makes it."""
+    for flag, device in (("fused", "meta"), ("capturable", "meta"), (None, "cpu")):
+        p = torch.nn.Parameter(torch.zeros(3, device="meta"))
+        opt = torch.optim.AdamW([p])
+        if flag:
+            opt.param_groups[0][flag] = True     # what AdamW(fused=True) sets on a GPU
+        checkpoint.ensure_adam_state(opt)
+        step = opt.state[p]["step"]
+        assert (step.device.type, step.dtype) == (device, torch.float32), flag

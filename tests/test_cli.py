@@ -1,6 +1,8 @@
 """The command lines' shared plumbing (minipar.cli): defaults in --help, bad input is one
 line and exit status 2, the number parsers."""
 import argparse
+import os
+import queue
 
 import pytest
 
@@ -64,3 +66,36 @@ def test_commands_refuse_bad_input_with_one_line(command):
     r = cli(*command)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+
+
+def _probe_rounds(folder, rounds, barrier, failures):
+    for i in range(rounds):
+        barrier.wait()            # every process checks the same new path at the same moment
+        try:
+            mcli.check_output_file(os.path.join(folder, f"m{i}.jsonl"), "--metrics")
+        except BaseException as e:  # noqa: BLE001 - any failure is what this test counts
+            failures.put(f"round {i}: {type(e).__name__}: {e}")
+
+
+def test_output_probe_is_safe_when_every_rank_checks_at_once(tmp_path):
+    """torchrun/srun: every rank parses the flags, so every rank probes the same --metrics
+    path at once; none may fail, and the probe leaves nothing behind."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    ranks, rounds = 8, 150
+    barrier, failures = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=_probe_rounds, args=(str(tmp_path), rounds, barrier, failures))
+             for _ in range(ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * ranks
+    seen = []
+    while True:
+        try:
+            seen.append(failures.get(timeout=0.5))
+        except queue.Empty:
+            break
+    assert seen == [], f"{len(seen)} of {ranks * rounds} checks failed, e.g. {seen[:3]}"
+    assert os.listdir(tmp_path) == []

@@ -83,11 +83,41 @@ def test_env_torchrun_and_slurm():
                           "MASTER_ADDR": "n0", "MASTER_PORT": "1234"})
     assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port) == (3, 8, 1, "n0", 1234)
     s = dist.env_from_os({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                          "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "16",
                           "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "8(x2)",
                           "SLURM_NODELIST": "frontier[00012-00013]", "SLURM_JOBID": "77"})
     assert (s.rank, s.world_size, s.local_rank, s.local_world_size) == (9, 16, 1, 8)
     assert s.master_addr == "frontier00012"
     assert dist.env_from_os({}) is None
+
+
+def test_sbatch_script_outside_srun_is_a_plain_process(monkeypatch):
+    """Inside an sbatch batch script but outside srun, SLURM_PROCID and SLURM_NTASKS are
+    set: that is no rank of a 16-task world (it would wait for 15 ranks that never come)."""
+    assert dist.env_from_os(SBATCH_SCRIPT) is None
+    assert dist.in_slurm_step(SRUN_TASK) and not dist.in_slurm_step(SBATCH_SCRIPT)
+    # the batch script's --gpus-per-task binds nothing to it: --nproc 4 there takes GPUs 0..3
+    _gpus(monkeypatch, 8)
+    assert dist.resolve("auto", 4, dict(SBATCH_SCRIPT, LOCAL_RANK="2"))[1] == torch.device("cuda", 2)
+    # srun's own step: the step's task count is the world
+    s = dist.env_from_os(dict(SRUN_TASK, SLURM_NTASKS="16", SLURM_STEP_NUM_TASKS="8",
+                              SLURM_NODELIST="n[1-2]"))
+    assert (s.rank, s.world_size) == (3, 8)
+
+
+@pytest.mark.timeout(300)
+def test_trainer_inside_sbatch_script_ends(tmp_path):
+    """``python -m minipar.train --nproc 1`` and ``--nproc 2`` in a batch script (a fake
+    one: the job's Slurm variables, no srun step) run and end instead of waiting for ranks."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(SBATCH_SCRIPT, PYTHONPATH=ROOT, MINIPAR_TIMEOUT="30")
+    for nproc in ("1", "2"):
+        r = subprocess.run([sys.executable, "-m", "minipar.train", "--nproc", nproc, "--model",
+                            "nano", "--steps", "2", "--quiet"], capture_output=True, text=True,
+                           timeout=240, cwd=tmp_path, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "summary: 2 steps" in r.stdout
 
 
 # --------------------------------------------------------------------------------------
@@ -97,11 +127,15 @@ def _gpus(monkeypatch, n):
     monkeypatch.setattr(dist, "gpu_count", lambda: n)
 
 
-SRUN_BOUND = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3",
-              "SLURM_GPUS_PER_TASK": "1"}
-SRUN_GPU_BIND = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3",
-                 "SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7", "ROCR_VISIBLE_DEVICES": "3"}
-SRUN_UNBOUND = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3"}
+SRUN_TASK = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3", "SLURM_STEP_ID": "0",
+             "SLURM_STEP_NUM_TASKS": "8"}
+SRUN_BOUND = dict(SRUN_TASK, SLURM_GPUS_PER_TASK="1")
+SRUN_GPU_BIND = dict(SRUN_TASK, SLURM_STEP_GPUS="0,1,2,3,4,5,6,7", ROCR_VISIBLE_DEVICES="3")
+SRUN_UNBOUND = dict(SRUN_TASK)
+# an sbatch batch script outside srun: the job's PROCID/NTASKS, none of the step's variables
+SBATCH_SCRIPT = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "16",
+                 "SLURM_LOCALID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "8",
+                 "SLURM_GPUS_PER_TASK": "1", "SLURM_JOB_NODELIST": "frontier[00012-00013]"}
 
 
 @pytest.mark.parametrize("n_gpu,backend,local,environ,expected", [

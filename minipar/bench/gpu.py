@@ -16,12 +16,22 @@ step ends with ``torch.cuda.synchronize()`` in both, so the times are comparable
 
 Without a GPU it refuses (exit 2) rather than time a CPU; ``--device cpu`` runs it on the
 CPU on purpose, as a smoke test (no MFU unless ``--peak-tflops`` is given).
+
+``--check`` is what to run once when a GPU is lent: the suite's GPU tests
+(``tests/test_gpu.py``, in a fresh pytest), this comparison, and a checkpoint round trip in
+``--dtype`` (bf16 by default: save at step 2, resume, steps 3..4 bit for bit), then a summary
+naming the machine, the device and torch's build, to paste into a note. Exit status 0 when
+every check passed, 1 otherwise.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import io
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -60,25 +70,8 @@ def plain_loop(cfg: train.RunConfig, device: torch.device, steps: int) -> list[f
     return times
 
 
-def main(argv=None):
-    p = cli.ArgumentParser(prog="python -m minipar.bench gpu")
-    p.add_argument("--model", default="gpt2", choices=list(PRESETS))
-    p.add_argument("--batch-size", type=cli.positive_int, default=16, help="sequences")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    p.add_argument("--compile", action="store_true", help="torch.compile both")
-    p.add_argument("--steps", type=cli.positive_int, default=30)
-    p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="steps left out of the medians")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cpu: a smoke test on purpose (no GPU timing)")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="the device's dense peak (default: from the GPU's name)")
-    args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("python -m minipar.bench gpu needs a GPU and none is visible "
-                         "(--device cpu runs it on the CPU as a smoke test)")
-    if args.warmup < 0 or args.warmup >= args.steps:
-        raise UsageError(f"--warmup must be between 0 and --steps - 1, got {args.warmup}")
+def compare(args, out=print) -> dict:
+    """Both loops on ``args``' model and batches; prints the table, returns its figures."""
     flags = ["--model", args.model, "--batch-size", str(args.batch_size), "--dtype", args.dtype,
              "--recompute", args.recompute, "--steps", str(args.steps), "--quiet",
              "--backend", "gloo" if args.device == "cpu" else "auto"]
@@ -100,26 +93,148 @@ def main(argv=None):
                                 if device.type == "cuda" else None)
     flops = mfu.step_flops(cfg.model_cfg, cfg.batch_size, cfg.recompute)
     tokens = cfg.batch_size * cfg.seq_len
-    print(f"minipar.bench gpu: model {args.model}, {args.batch_size} x {cfg.seq_len} tokens a "
-          f"step, {args.dtype}, recompute {args.recompute}, compile {args.compile}, "
-          f"median of {len(ours)} steps after {args.warmup} warm-up, on {device}")
-    print(f"machine: {machine()}; peak {peak or 'unknown'} TFLOP/s")
-    print(f"{'loop':<10}{'median step':>14}{'tokens/s':>14}{'MFU':>8}")
+    out(f"minipar.bench gpu: model {args.model}, {args.batch_size} x {cfg.seq_len} tokens a "
+        f"step, {args.dtype}, recompute {args.recompute}, compile {args.compile}, "
+        f"median of {len(ours)} steps after {args.warmup} warm-up, on {device}")
+    out(f"machine: {machine()}; peak {peak or 'unknown'} TFLOP/s")
+    out(f"{'loop':<10}{'median step':>14}{'tokens/s':>14}{'MFU':>8}")
     rows = [("plain", median(plain)), ("minipar", median(ours))]
+    result = dict(model=args.model, seq_len=cfg.seq_len, ratio=rows[1][1] / rows[0][1])
     for name, t in rows:
         u = mfu.utilisation(flops, t, peak, 1)["mfu"]
-        print(f"{name:<10}{t * 1e3:>11.1f} ms{tokens / t:>14,.0f}"
-              f"{'' if u is None else f'{u:.1%}':>8}")
-    print(f"minipar / plain step time: {rows[1][1] / rows[0][1]:.3f}x (goal <= 1.05)")
+        result[name] = dict(step_s=t, mfu=u)
+        out(f"{name:<10}{t * 1e3:>11.1f} ms{tokens / t:>14,.0f}"
+            f"{'' if u is None else f'{u:.1%}':>8}")
+    out(f"minipar / plain step time: {result['ratio']:.3f}x (goal <= 1.05)")
     if plain_memory is not None:
         ours_memory = max(h["peak_memory_bytes"] for h in history)
-        print(f"peak GPU memory: plain {plain_memory / 2**30:.2f} GiB, minipar "
-              f"{ours_memory / 2**30:.2f} GiB (torch.cuda.max_memory_allocated)")
+        out(f"peak GPU memory: plain {plain_memory / 2**30:.2f} GiB, minipar "
+            f"{ours_memory / 2**30:.2f} GiB (torch.cuda.max_memory_allocated)")
         held = (plain_reserved - plain_memory) / plain_reserved if plain_reserved else 0.0
-        print(f"allocator reserve of the plain loop: (max reserved - max allocated) / max "
-              f"reserved = {held:.3f} (the planner's --reserve for this profile)")
+        out(f"allocator reserve of the plain loop: (max reserved - max allocated) / max "
+            f"reserved = {held:.3f} (the planner's --reserve for this profile)")
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# --check: what to run, once, when a GPU is lent
+# --------------------------------------------------------------------------------------
+GPU_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "tests", "test_gpu.py")
+
+
+def run_gpu_tests(timeout: float = 1500.0) -> tuple[bool, str]:
+    """The suite's GPU tests (tests/test_gpu.py of a source checkout) in a fresh pytest."""
+    if not os.path.isfile(GPU_TESTS):
+        return False, f"not found ({GPU_TESTS}: run from a source checkout)"
+    root = os.path.dirname(os.path.dirname(GPU_TESTS))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", GPU_TESTS, "-q", "-rs", "-p",
+                            "no:cacheprovider"], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"did not finish in {timeout:.0f} s"
+    lines = [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+    last = lines[-1].strip("= ") if lines else "(no output)"
+    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+    return r.returncode == 0, last + "".join(f"\n      {ln}" for ln in failed)
+
+
+def checkpoint_round_trip(device: str, dtype: str) -> tuple[bool, str]:
+    """Train nano 4 steps saving at 2, resume from 2: steps 3..4 must repeat bit for bit."""
+    from .. import checkpoint
+    flags = ["--model", "nano", "--batch-size", "8", "--quiet", "--dtype", dtype,
+             "--backend", "gloo" if device == "cpu" else "auto"]
+    with tempfile.TemporaryDirectory(prefix="minipar-check-") as tmp:
+        root = os.path.join(tmp, "run")
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                full = train.run_state(flags + ["--steps", "4", "--save", root,
+                                                "--save-every", "2"], nproc=1)
+                again = train.run_state(flags + ["--steps", "4", "--resume",
+                                                 checkpoint.step_dir(root, 2)], nproc=1)
+        except UsageError as e:
+            return False, f"refused: {e}"
+    diff = max(abs(a - b) for a, b in zip(again["losses"], full["losses"][2:]))
+    same = again["losses"] == full["losses"][2:] and all(
+        torch.equal(again["params"][n], p) for n, p in full["params"].items())
+    return same, (f"losses and parameters of steps 3..4 {'bit-identical' if same else 'differ'}"
+                  f" (max |dloss| {diff:.2e})")
+
+
+def check(args) -> int:
+    """``--check``: the GPU tests, trainer vs plain loop (MFU), a checkpoint round trip; a
+    summary to paste into a note. Exit status 0 when every check passed, else 1."""
+    t0 = time.perf_counter()
+    device = "cpu" if args.device == "cpu" else torch.cuda.get_device_name(0)
+    backend = "gloo"
+    if args.device == "cuda":
+        try:
+            version = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - a build without NCCL's version call: say so
+            version = "version unknown"
+        backend = f"{'RCCL' if torch.version.hip else 'NCCL'} {version}"
+    build = (f"HIP {torch.version.hip}" if torch.version.hip else
+             f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build")
+    rows = []
+    if args.device == "cuda":
+        ok, text = run_gpu_tests()
+    else:
+        ok, text = True, "not run (--device cpu: they need a GPU)"
+    rows.append(("GPU tests (tests/test_gpu.py)", ok, text))
+    figures = compare(args, out=lambda *a, **k: None)
+    mfu_of = {k: figures[k]["mfu"] for k in ("plain", "minipar")}
+    text = (f"model {figures['model']}, {args.dtype}, {args.batch_size} x {figures['seq_len']} "
+            f"tokens: plain {figures['plain']['step_s'] * 1e3:.1f} ms"
+            + (f" (MFU {mfu_of['plain']:.1%})" if mfu_of["plain"] is not None else "")
+            + f", minipar {figures['minipar']['step_s'] * 1e3:.1f} ms"
+            + (f" (MFU {mfu_of['minipar']:.1%})" if mfu_of["minipar"] is not None else "")
+            + f", ratio {figures['ratio']:.3f}x (goal <= 1.05"
+            + (", met)" if figures["ratio"] <= 1.05 else ", not met)"))
+    rows.append(("trainer vs plain loop", True, text))
+    ok, text = checkpoint_round_trip(args.device, args.dtype)
+    rows.append((f"{args.dtype} checkpoint round trip", ok, text))
+    lines = ["minipar GPU check: python -m minipar.bench gpu --check"
+             + (" --device cpu (a smoke test, no GPU figures)" if args.device == "cpu" else ""),
+             f"  machine: {machine()}",
+             f"  device: {device}; torch {torch.__version__} ({build}); {backend}"]
+    for name, ok, text in rows:
+        lines.append(f"  [{'ok' if ok else 'FAIL'}] {name}: {text}")
+    passed = all(ok for _, ok, _ in rows)
+    lines.append(f"  {'all checks passed' if passed else 'some checks FAILED'} "
+                 f"in {time.perf_counter() - t0:.0f} s")
+    print("\n".join(lines))
+    return 0 if passed else 1
+
+
+def main(argv=None):
+    p = cli.ArgumentParser(prog="python -m minipar.bench gpu")
+    p.add_argument("--model", default="gpt2", choices=list(PRESETS))
+    p.add_argument("--batch-size", type=cli.positive_int, default=16, help="sequences")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--compile", action="store_true", help="torch.compile both")
+    p.add_argument("--steps", type=cli.positive_int, default=30)
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="steps left out of the medians")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke test on purpose (no GPU timing)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense peak (default: from the GPU's name)")
+    p.add_argument("--check", action="store_true",
+                   help="the one-command GPU check: the suite's GPU tests, this comparison and "
+                        "a checkpoint round trip in --dtype, as a summary to paste into a note")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"python -m minipar.bench gpu{' --check' if args.check else ''} needs a "
+                         f"GPU and none is visible (--device cpu runs it on the CPU as a smoke test)")
+    if args.warmup < 0 or args.warmup >= args.steps:
+        raise UsageError(f"--warmup must be between 0 and --steps - 1, got {args.warmup}")
+    if args.check:
+        return check(args)
+    compare(args)
     return 0
 
 
 if __name__ == "__main__":
-    cli.main_guard(main)
+    sys.exit(cli.main_guard(main))
