@@ -480,6 +480,31 @@ def parser():
     return p
 
 
+def _check_figure_format(path: str) -> None:
+    """matplotlib is there and can write this file type (it picks the type by extension)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as e:
+        raise UsageError(f"--plot needs matplotlib ({e}); pip install matplotlib") from None
+    ext = os.path.splitext(path)[1][1:].lower()
+    types = FigureCanvasBase.get_supported_filetypes()
+    if ext not in types:
+        raise UsageError(f"--plot {path}: give a figure file ending in one of "
+                         f"{', '.join('.' + t for t in ('png', 'pdf', 'svg') if t in types)}")
+
+
+def _check_workdir(folder: str) -> None:
+    """--workdir can be created and written (each point writes its metrics file there)."""
+    from .cli import check_output_file
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--workdir {folder}: cannot be created ({e.strerror or e})") from None
+    check_output_file(os.path.join(folder, "metrics-n1.jsonl"), "--workdir")
+
+
 def main(argv=None):
     from .cli import main_guard
     try:
@@ -492,9 +517,14 @@ def main(argv=None):
 def _main(argv: list[str]) -> list[dict]:
     from .cli import check_output_file
     args, trainer_argv = parser().parse_known_args(argv)
+    # Every output is checked now, not after the last point has run.
     for path, flag in ((args.out, "--out"), (args.plot, "--plot")):
         if path:
-            check_output_file(path, flag)   # a folder, a missing folder, not writable: now
+            check_output_file(path, flag)   # a folder, a missing folder, not writable
+    if args.plot:
+        _check_figure_format(args.plot)
+    if args.workdir:
+        _check_workdir(args.workdir)
     if args.tasks_per_node is not None and args.tasks_per_node < 1:
         raise UsageError(f"--tasks-per-node must be >= 1, got {args.tasks_per_node}")
     if not 0 < args.point_timeout < float("inf"):
