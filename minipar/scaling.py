@@ -167,6 +167,10 @@ def plan_points(mode: str, nproc_list: list[int], trainer_argv: list[str]) -> li
 # --------------------------------------------------------------------------------------
 # Running one point
 # --------------------------------------------------------------------------------------
+def _procs(n: int) -> str:
+    return f"{n} process{'es' if n != 1 else ''}"
+
+
 class PointFailed(RuntimeError):
     """A point's trainer exited non-zero; the message has its command and last lines."""
 
@@ -221,11 +225,11 @@ def run_point(point: Point, launcher: str = "local", timeout: float = 600.0,
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 30)
     except subprocess.TimeoutExpired:
-        raise TimeoutError(f"the point with {point.processes} processes ran past {timeout:.0f} s: "
+        raise TimeoutError(f"the point with {_procs(point.processes)} ran past {timeout:.0f} s: "
                            f"{shlex.join(cmd)}") from None
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
-        raise PointFailed(f"the point with {point.processes} processes failed "
+        raise PointFailed(f"the point with {_procs(point.processes)} failed "
                            f"(exit {done.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail))
     with open(metrics) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -533,7 +537,9 @@ def _main(argv: list[str]) -> list[dict]:
 
     def report(r):
         if not args.json:
-            print(f"{r['processes']} processes: {r['measured']['step_time_s'] * 1e3:.1f} ms/step, "
+            n = r["processes"]
+            print(f"{n} process{'es' if n != 1 else ''}: "
+                  f"{r['measured']['step_time_s'] * 1e3:.1f} ms/step, "
                   f"efficiency {r['measured']['efficiency']:.1%} "
                   f"(predicted {r['predicted']['efficiency']:.1%})", file=sys.stderr, flush=True)
 
