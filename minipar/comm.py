@@ -41,6 +41,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from . import trace
+
 
 
 class _World:
@@ -177,9 +179,14 @@ def untracked():
         _tracking.pop()
 
 
-def _record(op, group, sent, received, seconds):
+def _record(op, group, sent, received, seconds, start=None, issued=None):
+    """Count one op; with ``--trace`` also put it on the timeline (``start``: when this rank
+    began blocking on it, ``issued``: when an async op was issued)."""
     if _tracking[-1]:
         stats.add(op, group, sent, received, seconds)
+        if trace.active is not None and start is not None:
+            trace.active.comm(op, group_name(group), sent, start if issued is None else issued,
+                              start, start + seconds)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -203,7 +210,8 @@ class Handle:
             self.work.wait()
         if self.after is not None:
             self.after()
-        _record(self.op, self.group, self.sent, self.received, time.perf_counter() - t)
+        _record(self.op, self.group, self.sent, self.received, time.perf_counter() - t,
+                start=t, issued=self.t0)
         self.done = True
 
 
@@ -215,7 +223,7 @@ def _run(op, group, sent, received, call, async_op, after=None):
     call(False)
     if after is not None:
         after()
-    _record(op, group, sent, received, time.perf_counter() - t)
+    _record(op, group, sent, received, time.perf_counter() - t, start=t)
     return None
 
 

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from . import cli, comm, data, dist, dp, mfu, moe, optim, sharding
+from . import cli, comm, data, dist, dp, mfu, moe, optim, sharding, trace
 from .errors import UsageError
 from .model import PRESETS, RECOMPUTE, GPTConfig, build, config
 from .precision import DTYPES, MixedPrecision
@@ -87,6 +87,9 @@ def parser() -> cli.ArgumentParser:
                    help="the device's peak TFLOP/s for MFU (default: looked up from the GPU's "
                         "name; none on a CPU)")
     p.add_argument("--metrics", default=None, help="write one JSON line per step (rank 0)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write every rank's timeline (compute spans, every collective) as a "
+                        "Chrome/Perfetto trace; open it at ui.perfetto.dev")
     p.add_argument("--log-every", type=int, default=1, help="progress line every K steps")
     p.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
     p.add_argument("--timeout", type=float, default=3600.0,
@@ -177,6 +180,7 @@ class RunConfig:
     keep: int = 0
     resume: str | None = None      # resolved: the checkpoint folder itself
     start_step: int = 0            # the resumed checkpoint's step (0: a fresh run)
+    trace: str | None = None       # --trace FILE (minipar.trace)
 
     @property
     def world(self) -> int:
@@ -243,6 +247,8 @@ def parse_config(argv: list[str]) -> RunConfig:
             raise UsageError(f"--metrics {a.metrics}: its folder is not writable")
     if a.metrics:
         cli.check_output_file(a.metrics, "--metrics")   # tried, not guessed from mode bits
+    if a.trace:
+        cli.check_output_file(a.trace, "--trace")
     if not 0 <= a.seed < 2**32:
         raise UsageError(f"--seed must be from 0 to 2**32 - 1, got {a.seed}")
     if a.seq_len is not None and a.seq_len < 1:
@@ -299,7 +305,7 @@ def parse_config(argv: list[str]) -> RunConfig:
                      warmup=a.warmup, lr_schedule=a.lr_schedule, min_lr=a.min_lr,
                      weight_decay=a.weight_decay, eval_every=a.eval_every,
                      eval_batches=a.eval_batches, save=a.save, save_every=a.save_every,
-                     keep=a.keep, resume=resume, start_step=start, ep=a.ep)
+                     keep=a.keep, resume=resume, start_step=start, ep=a.ep, trace=a.trace)
 
 
 def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:
@@ -593,6 +599,9 @@ def worker(cfg: RunConfig, return_state: bool = False):
     metrics_file = (open(cfg.metrics, "a" if cfg.resume else "w")
                     if (cfg.metrics and is_rank0) else None)
     history = []
+    tracer = trace.start(grid.rank) if cfg.trace else None
+    if tracer:
+        trace.instrument(runner.module)
     try:
         for step in range(cfg.start_step + 1, cfg.steps + 1):
             lr = optim.lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule, cfg.min_lr)
@@ -605,14 +614,18 @@ def worker(cfg: RunConfig, return_state: bool = False):
             t0 = time.perf_counter()
             engine.zero_grad()
             engine.begin_step(cfg.microbatches)
-            local_loss = runner.forward_backward(x, y)
+            with trace.span("forward + backward"):
+                local_loss = runner.forward_backward(x, y)
             routing = moe.step_stats(runner.module)   # MoE: aux loss and drops; 0 when dense
             local_loss -= routing["penalty"]          # report the cross-entropy as the loss
             _maybe_crash(grid.rank, step)
-            engine.step()
+            with trace.span("optimizer step (gradient sync + update)"):
+                engine.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
+            if tracer:
+                tracer.complete(f"step {step}", t0, t0 + step_time, cat="step")
             sent = comm.stats.bytes_by_op()
             waited = comm.stats.seconds_by_op()
             # The loss lives on the last stage; every TP rank has the same value.
@@ -658,6 +671,11 @@ def worker(cfg: RunConfig, return_state: bool = False):
     finally:
         if metrics_file:
             metrics_file.close()
+        trace.stop()
+    if tracer:
+        with comm.untracked():
+            trace.gather_and_write(cfg.trace, tracer)
+        log(f"trace of every rank written to {cfg.trace} (open it at ui.perfetto.dev)")
     if is_rank0:
         print(summary(history))
     if return_state:
