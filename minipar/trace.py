@@ -167,6 +167,46 @@ def load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
+def in_flight(events: list[dict], rank: int, op: str | None = None) -> list[tuple[float, float]]:
+    """(start, end) in ms of every asynchronous op of ``rank`` (of kind ``op`` if given),
+    from its issue to the end of its wait."""
+    opened, out = {}, []
+    for e in events:
+        if e.get("pid") != rank or e["ph"] not in ("b", "e"):
+            continue
+        if e["ph"] == "b" and (op is None or e["args"]["op"] == op):
+            opened[e["id"]] = e["ts"]
+        elif e["ph"] == "e" and e["id"] in opened:
+            out.append((opened.pop(e["id"]) / 1e3, e["ts"] / 1e3))
+    return sorted(out)
+
+
+def spans(events: list[dict], rank: int, name: str) -> list[tuple[float, float]]:
+    """(start, end) in ms of ``rank``'s compute spans called ``name``."""
+    return sorted((e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in events
+                  if e.get("pid") == rank and e["ph"] == "X" and e["name"] == name)
+
+
+def overlap_ms(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Milliseconds during which some interval of ``a`` and some interval of ``b`` both run."""
+    def union(iv):
+        merged = []
+        for s, e in sorted(iv):
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        return merged
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in union(a) for s2, e2 in union(b))
+
+
+def traced_run(argv: list[str], path: str) -> list[dict]:
+    """Train with ``python -m minipar.train`` flags ``argv`` plus ``--trace path``; the events."""
+    from . import train
+    train.run([*argv, "--quiet", "--trace", path])
+    return load(path)
+
+
 def plot(events: list[dict], ax=None, title: str | None = None, ranks=None):
     """Draw a trace with matplotlib (the notebooks' view of what Perfetto shows): one row
     of compute spans and one of communication spans per rank, time in milliseconds."""
