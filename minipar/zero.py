@@ -130,6 +130,7 @@ from torch.utils._pytree import tree_leaves
 from . import comm, dist, dp, sharding
 from .dp import optimizer_state_bytes
 from .errors import UsageError
+from .groups import ParamGroup
 
 
 # --------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def spec_violation(spec: Spec, d: int) -> str | None:
 # --------------------------------------------------------------------------------------
 # The sharding mesh
 # --------------------------------------------------------------------------------------
-class Mesh:
+class ShardMesh:
     """This rank's place in ``dp_ranks.view(rep, os, g, p)`` and a group along each axis.
 
     Every rank creates the groups of every data-parallel line of the grid (one line per
@@ -171,7 +172,7 @@ class Mesh:
         self.spec, self.d = spec, grid.dp
         s_p, s_g, s_os = spec
         sizes = dict(rep=self.d // s_os, o=s_os // s_g, g=s_g // s_p, p=s_p)
-        lines = rearrange(grid.ranks, "d pp tp -> (pp tp) d")
+        lines = grid.lines("dp")
         axes = "l (rep o g p)"
         self.p_group = grid.new_groups(
             rearrange(lines, f"{axes} -> (l rep o g) p", **sizes).tolist(), "zero_p")
@@ -189,7 +190,7 @@ class Mesh:
 
 
 class GroupGrid:
-    """One data-parallel line over a process group: the part of ``dist.Grid`` a Mesh reads.
+    """One data-parallel line over a process group: the part of ``dist.Grid`` a ShardMesh reads.
 
     It lets the engine and ``ShardedOptimizer`` shard over any group (None: the whole world;
     ``comm.SOLO``: one rank). A mesh group that is the whole line reuses ``group`` itself (all
@@ -201,14 +202,17 @@ class GroupGrid:
         self.dp_group = group
         ranks = comm.global_ranks(group)
         self.dp, self.dp_rank = len(ranks), comm.rank(group)
-        self.ranks = torch.tensor(ranks).view(-1, 1, 1)
+        self.line = torch.tensor(ranks).view(1, -1)
+
+    def lines(self, axis: str) -> torch.Tensor:    # what ShardMesh reads: the one dp line
+        return self.line
 
     def new_groups(self, rank_lists: list[list[int]], name: str):
         me = comm.global_ranks(None)[0]
         mine = next(ranks for ranks in rank_lists if me in ranks)
         if len(mine) == 1:
             return None
-        if sorted(mine) == sorted(self.ranks.flatten().tolist()):
+        if sorted(mine) == sorted(self.line.flatten().tolist()):
             return self.dp_group
         if self.dp != tdist.get_world_size():
             raise UsageError(f"the shard group {name} ({len(mine)} of the group's {self.dp} "
@@ -320,7 +324,7 @@ class Unit:
                     (mixed precision's fp32 reduction: ``flat_grad`` and ``widen``).
     """
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], mesh: Mesh,
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], mesh: ShardMesh,
                  reduce_dtype: torch.dtype | None = None):
         s_p, s_g, s_os = mesh.spec
         self.module, self.params = module, params
@@ -404,7 +408,7 @@ def all_gather_in_place(out: torch.Tensor, group) -> None:
 # --------------------------------------------------------------------------------------
 # OS sharding (ZeRO-1): each rank updates its slice, then the slices are all-gathered
 # --------------------------------------------------------------------------------------
-def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, mesh: Mesh):
+def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, mesh: ShardMesh):
     """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates.
 
     With s_g = 1 (ZeRO-1) ``grad_shard`` is the whole local gradient, so the reduce-scatter
@@ -428,7 +432,7 @@ def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, 
 # --------------------------------------------------------------------------------------
 # G sharding (ZeRO-2): reduce-scatter each unit's gradient as soon as backward is done with it
 # --------------------------------------------------------------------------------------
-def reduce_scatter_gradient(u: Unit, mesh: Mesh) -> None:
+def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
     """Add the unit's full gradient, summed over the G group, into this rank's G shard.
 
     The G group is zero_p x zero_g; reduce-scattering over zero_p and then zero_g sends the
@@ -464,8 +468,11 @@ class ShardedEngine:
         reason = spec_violation(self.spec, grid.dp)
         if reason:
             raise UsageError(reason)
-        dp.broadcast_module(module, grid.dp_group)
-        self.mesh = Mesh(grid, self.spec)
+        # MoE experts come from the first rank of their own group (they differ across EP)
+        experts = [p for p in module.parameters() if hasattr(p, "grad_group")]
+        dp.broadcast_module(module, grid.dp_group, [ParamGroup(
+            "expert", experts, "edp", experts[0].grad_group)] if experts else [])
+        self.mesh = ShardMesh(grid, self.spec)
         # a wider dtype to reduce gradients in than the parameters' own (None: their own)
         if reduce_dtype is not None and (self.mesh.d == 1 or all(
                 p.dtype == reduce_dtype for p in module.parameters())):
@@ -733,7 +740,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.stage, self.group = stage, dp.resolve_group(group)
         d = comm.size(self.group)
-        self.mesh = Mesh(GroupGrid(self.group), Spec(1, 1, d) if stage == 1 else Spec(1, d, d))
+        self.mesh = ShardMesh(GroupGrid(self.group), Spec(1, 1, d) if stage == 1 else Spec(1, d, d))
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         for params in trainable:
             if not params:
@@ -741,7 +748,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if len({(p.dtype, p.device) for p in params}) > 1:
                 raise UsageError("ShardedOptimizer: the parameters of one group must share a "
                                  "dtype and a device (make one group per dtype)")
-            if any(getattr(p, "_minipar_data_parallel", False) for p in params):
+            if any(dp.is_wrapped(p) for p in params):
                 raise UsageError("ShardedOptimizer averages the gradients itself (reduce-"
                                  "scatter); give it the bare model's parameters, not those of a "
                                  "dp.DataParallel, which would average them a second time")
