@@ -142,6 +142,29 @@ def _time_forward(module, label: str) -> list:
     return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
 
+def traced_call(path: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on this rank with a trace recorded, written to ``path`` by rank 0
+    (the benches' ``--trace``: ``dist.launch(trace.traced_call, n, path, measure, ...)``)."""
+    import torch.distributed as dist
+    from . import comm
+    tracer = start(dist.get_rank() if dist.is_initialized() else 0)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        stop()
+    with comm.untracked():
+        gather_and_write(path, tracer)
+    return result
+
+
+def launch(path: str | None, fn, nprocs: int, *args, **kwargs) -> list:
+    """``dist.launch(fn, nprocs, ...)``, traced to ``path`` when it is given (the benches)."""
+    from . import dist
+    if path is None:
+        return dist.launch(fn, nprocs, *args, **kwargs)
+    return dist.launch(traced_call, nprocs, path, fn, *args, **kwargs)
+
+
 def gather_and_write(path: str, tracer: Tracer) -> int:
     """Collect every rank's events on rank 0 and write ``path`` there; returns the number of
     events written (0 on the other ranks)."""

@@ -53,3 +53,14 @@ def test_trace_into_a_missing_folder_is_refused_before_training(tmp_path):
     from minipar.errors import UsageError
     with pytest.raises(UsageError, match="--trace"):
         run(NANO + ["--trace", str(tmp_path / "no" / "t.json")])
+
+
+def test_bench_dp_writes_a_trace(tmp_path):
+    from minipar.bench import dp as bench_dp
+    path = tmp_path / "bench.json"
+    bench_dp.main(["--nproc", "2", "--model", "nano", "--steps", "1", "--warmup", "0",
+                   "--trace", str(path)])
+    events = trace.load(str(path))
+    names = {e["name"] for e in events if e.get("pid") == 1 and e["ph"] == "X"}
+    assert {"naive step 0", "overlapped step 0"} <= names, names
+    assert any(e.get("cat") == "comm" for e in events if e.get("pid") == 0)
