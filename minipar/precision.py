@@ -220,8 +220,11 @@ class MixedPrecision:
         16-bit parameters."""
         for p, m in zip(self.params, self.masters):
             main = main_grads.get(p) if main_grads is not None else _legacy_main_grad(p)
-            if main is not None:
-                m.grad = main if main.dtype == torch.float32 else main.float()
+            if main is not None and main.dtype != torch.float32:
+                m.grad = main.float()
+            elif main is not None:
+                # unscaling works in place: never on an engine's own buffer (a ZeRO shard)
+                m.grad = main if self.loss_scaler is None else main.clone()
             elif p.grad is not None:
                 m.grad = p.grad.float()
             else:
