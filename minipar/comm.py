@@ -50,6 +50,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from . import trace
+
 
 
 class _World:
@@ -205,9 +207,14 @@ def untracked():
         _tracking.pop()
 
 
-def _record(op, group, sent, received, seconds):
+def _record(op, group, sent, received, seconds, start=None, issued=None):
+    """Count one op; with ``--trace`` also put it on the timeline in host time (``start``: when
+    this rank began blocking on it, ``issued``: when an async op was issued; it ends now)."""
     if _tracking[-1]:
         stats.add(op, group, sent, received, seconds)
+        if trace.active is not None and start is not None:
+            trace.active.comm(op, group_name(group), sent, start if issued is None else issued,
+                              start, time.perf_counter())
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -250,12 +257,14 @@ class Handle:
         if self.done:
             return
         t = _start_timer() if _tracking[-1] else None
+        host = time.perf_counter()               # the trace's clock (minipar.trace)
         if self.work is not None:
             self.work.wait()
         if self.after is not None:
             self.after()
         if t is not None:
-            _record(self.op, self.group, self.sent, self.received, _elapsed(t))
+            _record(self.op, self.group, self.sent, self.received, _elapsed(t),
+                    start=host, issued=self.t0)
         self.done = True
 
 
@@ -264,11 +273,12 @@ def _run(op, group, sent, received, call, async_op, after=None):
     if async_op:
         return Handle(call(True), op, group, sent, received, after)
     t = _start_timer() if _tracking[-1] else None
+    host = time.perf_counter()
     call(False)
     if after is not None:
         after()
     if t is not None:
-        _record(op, group, sent, received, _elapsed(t))
+        _record(op, group, sent, received, _elapsed(t), start=host)
     return None
 
 

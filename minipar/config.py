@@ -74,6 +74,9 @@ def parser() -> cli.ArgumentParser:
                    help="the device's peak TFLOP/s for MFU (default: looked up from the GPU's "
                         "name; none on a CPU)")
     p.add_argument("--metrics", default=None, help="write one JSON line per step (rank 0)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write every rank's timeline (compute spans, every collective) as a "
+                        "Chrome/Perfetto trace; open it at ui.perfetto.dev")
     p.add_argument("--log-every", type=int, default=1,
                    help="progress line every K steps; the metrics' host syncs happen only then")
     p.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
@@ -168,6 +171,7 @@ class RunConfig:
     loss_scale_init: float = 2.0**16   # fp16's dynamic loss scaler
     loss_scale_window: int = 2000
     cp: int = 1                    # context parallelism: each sequence over cp ranks
+    trace: str | None = None       # --trace FILE (minipar.trace)
 
     @property
     def world(self) -> int:
@@ -238,6 +242,8 @@ def parse_config(argv: list[str]) -> RunConfig:
             raise UsageError(f"--metrics {a.metrics}: its folder is not writable")
     if a.metrics:
         cli.check_output_file(a.metrics, "--metrics")   # tried, not guessed from mode bits
+    if a.trace:
+        cli.check_output_file(a.trace, "--trace")
     if not 0 <= a.seed < 2**32:
         raise UsageError(f"--seed must be from 0 to 2**32 - 1, got {a.seed}")
     if a.seq_len is not None and a.seq_len < 1:
@@ -309,7 +315,7 @@ def parse_config(argv: list[str]) -> RunConfig:
                      eval_batches=a.eval_batches, save=a.save, save_every=a.save_every,
                      keep=a.keep, resume=resume, start_step=start, ep=a.ep,
                      loss_scale_init=a.loss_scale_init, loss_scale_window=a.loss_scale_window,
-                     cp=a.cp)
+                     cp=a.cp, trace=a.trace)
 
 
 def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:

@@ -36,7 +36,10 @@ class ByteTokenizer:
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        """The text of the complete UTF-8 characters only: a sampled byte sequence can stop
+        inside a multi-byte character, or the model can emit a byte that starts none; those
+        bytes are left out rather than shown as U+FFFD."""
+        return bytes(int(i) for i in ids).decode("utf-8", errors="ignore")
 
 
 def default_corpus() -> str:

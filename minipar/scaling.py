@@ -167,6 +167,10 @@ def plan_points(mode: str, nproc_list: list[int], trainer_argv: list[str]) -> li
 # --------------------------------------------------------------------------------------
 # Running one point
 # --------------------------------------------------------------------------------------
+def _procs(n: int) -> str:
+    return f"{n} process{'es' if n != 1 else ''}"
+
+
 class PointFailed(RuntimeError):
     """A point's trainer exited non-zero; the message has its command and last lines."""
 
@@ -221,11 +225,11 @@ def run_point(point: Point, launcher: str = "local", timeout: float = 600.0,
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 30)
     except subprocess.TimeoutExpired:
-        raise TimeoutError(f"the point with {point.processes} processes ran past {timeout:.0f} s: "
+        raise TimeoutError(f"the point with {_procs(point.processes)} ran past {timeout:.0f} s: "
                            f"{shlex.join(cmd)}") from None
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
-        raise PointFailed(f"the point with {point.processes} processes failed "
+        raise PointFailed(f"the point with {_procs(point.processes)} failed "
                            f"(exit {done.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail))
     with open(metrics) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -480,6 +484,31 @@ def parser():
     return p
 
 
+def _check_figure_format(path: str) -> None:
+    """matplotlib is there and can write this file type (it picks the type by extension)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as e:
+        raise UsageError(f"--plot needs matplotlib ({e}); pip install matplotlib") from None
+    ext = os.path.splitext(path)[1][1:].lower()
+    types = FigureCanvasBase.get_supported_filetypes()
+    if ext not in types:
+        raise UsageError(f"--plot {path}: give a figure file ending in one of "
+                         f"{', '.join('.' + t for t in ('png', 'pdf', 'svg') if t in types)}")
+
+
+def _check_workdir(folder: str) -> None:
+    """--workdir can be created and written (each point writes its metrics file there)."""
+    from .cli import check_output_file
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--workdir {folder}: cannot be created ({e.strerror or e})") from None
+    check_output_file(os.path.join(folder, "metrics-n1.jsonl"), "--workdir")
+
+
 def main(argv=None):
     from .cli import main_guard
     try:
@@ -492,9 +521,14 @@ def main(argv=None):
 def _main(argv: list[str]) -> list[dict]:
     from .cli import check_output_file
     args, trainer_argv = parser().parse_known_args(argv)
+    # Every output is checked now, not after the last point has run.
     for path, flag in ((args.out, "--out"), (args.plot, "--plot")):
         if path:
-            check_output_file(path, flag)   # a folder, a missing folder, not writable: now
+            check_output_file(path, flag)   # a folder, a missing folder, not writable
+    if args.plot:
+        _check_figure_format(args.plot)
+    if args.workdir:
+        _check_workdir(args.workdir)
     if args.tasks_per_node is not None and args.tasks_per_node < 1:
         raise UsageError(f"--tasks-per-node must be >= 1, got {args.tasks_per_node}")
     if not 0 < args.point_timeout < float("inf"):
@@ -503,7 +537,9 @@ def _main(argv: list[str]) -> list[dict]:
 
     def report(r):
         if not args.json:
-            print(f"{r['processes']} processes: {r['measured']['step_time_s'] * 1e3:.1f} ms/step, "
+            n = r["processes"]
+            print(f"{n} process{'es' if n != 1 else ''}: "
+                  f"{r['measured']['step_time_s'] * 1e3:.1f} ms/step, "
                   f"efficiency {r['measured']['efficiency']:.1%} "
                   f"(predicted {r['predicted']['efficiency']:.1%})", file=sys.stderr, flush=True)
 

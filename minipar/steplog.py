@@ -10,12 +10,12 @@ or saves. With the default ``--log-every 1`` every step is one, as before.
   ``--clip-grad`` needs it (``minipar.optim``).
 * A **logging step** synchronizes once, reduces the losses of every step since the previous
   logging step in one all-reduce (and the step time, model-state bytes and peak memory in one
-  max-reduce), and returns one record per step. The non-logging steps' records hold
-  ``step``, ``loss``, ``lr`` and ``comm_bytes`` (rank 0's bytes, counted on the host: free);
-  the logging step's record holds everything (docs/reference.md, "Metrics line"), with
-  ``step_time_s`` the mean wall time per step since the previous logging step (its own
-  time when every step logs), ``comm_seconds`` and ``grad_norm`` of that step, and
-  ``peak_memory_bytes`` over the interval.
+  max-reduce), and returns one record per step. Every record holds
+  ``step``, ``loss``, ``lr``, ``comm_bytes`` (rank 0's bytes, counted on the host: free),
+  ``step_time_s`` (the mean wall time per step since the previous logging step: its own time
+  when every step logs), ``tokens_per_s`` and ``model_state_bytes``; the logging step's record
+  adds the rest (docs/reference.md, "Metrics line"): ``comm_seconds`` and ``grad_norm`` of that
+  step, MFU, and ``peak_memory_bytes`` over the interval.
 """
 from __future__ import annotations
 
@@ -80,10 +80,11 @@ class StepLog:
         records, self.pending, self.losses, self.t0 = self.pending, [], [], None
         for record, value in zip(records, losses):
             record["loss"] = value
+        for record in records:                 # the interval's mean, on every line
+            record.update(step_time_s=peaks[4], tokens_per_s=self.tokens / peaks[4],
+                          model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
+                                                 optimizer=int(peaks[2]), total=int(peaks[3])))
         records[-1].update(
-            step_time_s=peaks[4], tokens_per_s=self.tokens / peaks[4],
-            model_state_bytes=dict(params=int(peaks[0]), grads=int(peaks[1]),
-                                   optimizer=int(peaks[2]), total=int(peaks[3])),
             comm_seconds=comm.stats.seconds_by_op(), comm_clock=comm.clock(),
             grad_norm=grad_norm(), **mfu.utilisation(self.flops, peaks[4], self.peak, self.world))
         if self.device.type == "cuda":

@@ -29,11 +29,12 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Protocol
 
 import torch
 
-from . import comm, data, dist, dp, mfu, moe, optim, steplog
+from . import comm, data, dist, dp, mfu, moe, optim, steplog, trace
 from .config import RunConfig, parse_config, parser, world_size_from  # noqa: F401  (re-exported)
 from .groups import ParamGroup, param_groups
 from .mesh import Mesh
@@ -273,6 +274,9 @@ def worker(cfg: RunConfig, return_state: bool = False):
     metrics_file = (open(cfg.metrics, "a" if cfg.resume else "w")
                     if (cfg.metrics and is_rank0) else None)
     history = []
+    tracer = trace.start(mesh.rank) if cfg.trace else None
+    if tracer:
+        trace.instrument(runner.module)
     try:
         for step in range(cfg.start_step + 1, cfg.steps + 1):
             lr = optim.lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule, cfg.min_lr)
@@ -286,19 +290,24 @@ def worker(cfg: RunConfig, return_state: bool = False):
             hook.measure = logging                    # the norm: only when clipping or logging
             comm.reset()
             steps.begin_step()
+            t_step = time.perf_counter()
             scale = policy.loss_scaler.scale if policy.loss_scaler else None
             hook.grad_norm = None                     # a skipped step measures none
             faults.arm(step)
 
             engine.zero_grad()
             engine.begin_step(cfg.microbatches)
-            local_loss = runner.forward_backward(x, y)
+            with trace.span("forward + backward"):
+                local_loss = runner.forward_backward(x, y)
             routing = moe.step_stats(runner.module)   # MoE: aux loss and drops; 0 when dense
             faults.crash(step)
-            engine.step()
+            with trace.span("optimizer step (gradient sync + update)"):
+                engine.step()
 
             # the loss lives on the last stage and every TP rank has it: one per replica counts
             holds_loss = mesh.is_last_stage and mesh.tp_rank == 0
+            if tracer:                                # host time: no sync for the trace
+                tracer.complete(f"step {step}", t_step, time.perf_counter(), cat="step")
             records = steps.end_step(step, lr, local_loss, holds_loss, logging, engine,
                                      lambda: hook.grad_norm)
             if not logging:
@@ -329,6 +338,11 @@ def worker(cfg: RunConfig, return_state: bool = False):
     finally:
         if metrics_file:
             metrics_file.close()
+        trace.stop()
+    if tracer:
+        with comm.untracked():
+            trace.gather_and_write(cfg.trace, tracer)
+        log(f"trace of every rank written to {cfg.trace} (open it at ui.perfetto.dev)")
     if is_rank0:
         print(summary(history))
     if return_state:

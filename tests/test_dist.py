@@ -374,8 +374,8 @@ def test_killing_a_rank_of_a_zero3_run_ends_the_run_naming_it():
 
 @pytest.mark.parametrize("how,status,line", [
     ("SIGTERM", 128 + 15, "stopped by SIGTERM: every rank was stopped"),
-    ("SIGINT", 130, "interrupted: every rank was stopped"),
-    ("Ctrl-C", 130, "interrupted: every rank was stopped"),
+    pytest.param("SIGINT", 130, "interrupted: every rank was stopped", marks=pytest.mark.slow),
+    pytest.param("Ctrl-C", 130, "interrupted: every rank was stopped", marks=pytest.mark.slow),
 ])
 def test_signalled_launcher_stops_every_rank_with_one_line(how, status, line):
     proc = _start(TRAIN_FOREVER + ["--nproc", "2"])

@@ -11,7 +11,10 @@ from minipar.train import run_state
 from conftest import NANO, assert_same_training, serial_state
 
 
-CASES = [(n, mode, 1) for n in (2, 4) for mode in dp.MODES] + [(2, mode, 2) for mode in dp.MODES]
+# Quick tier: every mode on 2 ranks; the 4-rank runs of the same code are in the full suite.
+CASES = ([(2, mode, 1) for mode in dp.MODES]
+         + [pytest.param(4, mode, 1, marks=pytest.mark.slow) for mode in dp.MODES]
+         + [(2, mode, 2) for mode in dp.MODES])
 
 
 @pytest.mark.parametrize("nproc,mode,micro", CASES)

@@ -30,6 +30,7 @@ CELLS = [
 ]
 
 
+@pytest.mark.slow   # the notebooks (full suite) launch from a kernel too
 def test_launch_from_a_jupyter_kernel():
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(c) for c in CELLS]

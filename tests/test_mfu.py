@@ -73,6 +73,7 @@ def test_bench_gpu_refuses_without_a_gpu():
     assert len(lines) == 1 and "needs a GPU" in lines[0], res.stderr
 
 
+@pytest.mark.slow
 def test_bench_gpu_cpu_smoke():
     res = cli("minipar.bench", "gpu", "--device", "cpu", "--model", "nano", "--steps", "3",
               "--warmup", "1", "--batch-size", "4", "--peak-tflops", "1", timeout=300)

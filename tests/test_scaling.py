@@ -41,6 +41,11 @@ def test_efficiency_is_throughput_per_process_against_the_smallest_point():
     (["weak", "--nproc-list", "1,2", "--hardware", "no-such-machine"], "--hardware"),
     (["weak", "--nproc-list", "1,2", "--launcher", "srun"], "needs a Slurm allocation"),
     (["sideways", "--nproc-list", "1,2"], "invalid choice"),
+    (["weak", "--nproc-list", "1,2", "--plot", "scaling.xyz"], "give a figure file ending in"),
+    (["weak", "--nproc-list", "1,2", "--plot", "scaling"], "give a figure file ending in"),
+    (["weak", "--nproc-list", "1,2", "--plot", "no/such/folder/s.png"], "does not exist"),
+    (["weak", "--nproc-list", "1,2", "--out", "no/such/folder/s.jsonl"], "does not exist"),
+    (["weak", "--nproc-list", "1,2", "--workdir", os.path.join(ROOT, "pyproject.toml", "sub")], "--workdir"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_run(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)

@@ -141,8 +141,8 @@ def test_each_layer_equals_its_serial_twin(t):
 # --------------------------------------------------------------------------------------
 # The whole model in the trainer against the single-process run
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("t,sp,d", [(2, False, 1), (2, True, 1), (4, False, 1), (4, True, 1),
-                                    (2, False, 2), (2, True, 2)])
+@pytest.mark.parametrize("t,sp,d", [(2, False, 1), (2, True, 1), (2, False, 2)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [(4, False, 1), (4, True, 1), (2, True, 2)]])
 def test_trainer_matches_serial(t, sp, d):
     extra = ["--tp", str(t), "--dp", str(d)] + (["--sp"] if sp else [])
     got = run_state(NANO + extra, nproc=t * d)

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import cli, comm, data, dp, dist
+from .. import cli, comm, data, dp, dist, trace
 from ..model import PRESETS, build, config, num_params
 from ..plan.network import ring_bytes
 from . import machine, median
@@ -58,7 +58,8 @@ def measure(model_name="tiny", steps=12, warmup=3, batch_per_rank=8, bucket_mb=1
             comm.reset()
             tdist.barrier()
             t0 = time.perf_counter()
-            _step(model, opt, engine, x, y)
+            with trace.span(f"{v} step {step}"):
+                _step(model, opt, engine, x, y)
             elapsed = time.perf_counter() - t0
             slowest, = comm.all_reduce_scalars([elapsed], comm.WORLD, op="max")
             if step >= warmup:
@@ -79,8 +80,12 @@ def main(argv=None):
     p.add_argument("--warmup", type=cli.nonnegative_int, default=3)
     p.add_argument("--batch-per-rank", type=cli.positive_int, default=8)
     p.add_argument("--bucket-mb", type=cli.positive_float, default=1.0)
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write every rank's timeline as a Chrome/Perfetto trace (minipar.trace)")
     args = p.parse_args(argv)
-    rows = dist.launch(measure, args.nproc, model_name=args.model, steps=args.steps,
+    if args.trace:
+        cli.check_output_file(args.trace, "--trace")
+    rows = trace.launch(args.trace, measure, args.nproc, model_name=args.model, steps=args.steps,
                        warmup=args.warmup, batch_per_rank=args.batch_per_rank,
                        bucket_mb=args.bucket_mb, timeout=1800)[0]
     print(f"minipar.bench dp: {args.nproc} gloo ranks, model {args.model}, "

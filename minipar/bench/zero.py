@@ -17,12 +17,13 @@ communication buffers do not), and for minipar the bytes sent next to the formul
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 import torch.distributed as tdist
 
-from .. import cli, comm, data, dist, zero
+from .. import cli, comm, data, dist, trace, zero
 from ..model import PRESETS, build, config
 from ..plan.memory import model_state_bytes
 from ..plan.network import zero_comm_bytes
@@ -210,7 +211,8 @@ def measure(model_name="tiny", steps=10, warmup=3, batch_per_rank=8, variants=No
             comm.reset()
             tdist.barrier()
             t0 = time.perf_counter()
-            v.step(x, y)
+            with trace.span(f"{name} step {step}"):
+                v.step(x, y)
             slowest, = comm.all_reduce_scalars([time.perf_counter() - t0], comm.WORLD, op="max")
             if step >= warmup:
                 times[name].append(slowest)
@@ -258,13 +260,27 @@ def main(argv=None):
     p.add_argument("--steps", type=cli.positive_int, default=10)
     p.add_argument("--warmup", type=cli.nonnegative_int, default=3)
     p.add_argument("--batch-per-rank", type=cli.positive_int, default=8)
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write every rank's timeline as a Chrome/Perfetto trace (minipar.trace); "
+                        "with several --nproc, one file each: FILE with -nN before its extension")
     args = p.parse_args(argv)
+    paths = {n: _per_count(args.trace, n, len(args.nproc)) for n in args.nproc}
+    for path in paths.values():
+        if path:
+            cli.check_output_file(path, "--trace")
     for n in args.nproc:
-        rows = dist.launch(measure, n, model_name=args.model, steps=args.steps,
+        rows = trace.launch(paths[n], measure, n, model_name=args.model, steps=args.steps,
                            warmup=args.warmup, batch_per_rank=args.batch_per_rank,
                            timeout=3600)[0]
         print(report(rows, args), flush=True)
         print()
+
+
+def _per_count(path, n: int, counts: int):
+    if path is None or counts == 1:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-n{n}{ext}"
 
 
 if __name__ == "__main__":

@@ -150,13 +150,17 @@ def make(ex_ids=None, folder: Path | None = None, force: bool = False) -> list[P
         raise dist.UsageError(f"{names}: differs from the blank exercise (your work?); not "
                               f"overwritten. Rename it, or pass --force to overwrite (the old "
                               f"file is kept as .bak)")
-    folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for path, text in plan:
-        if path in edited:
-            path.replace(path.with_name(path.name + ".bak"))
-        path.write_text(text)
-        written.append(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, text in plan:
+            if path in edited:
+                path.replace(path.with_name(path.name + ".bak"))
+            path.write_text(text)
+            written.append(path)
+    except OSError as e:
+        raise dist.UsageError(f"{folder}: cannot write the exercises there "
+                              f"({e.strerror or e}); give --out a folder you can write") from None
     return written
 
 
@@ -201,7 +205,20 @@ def _trampoline(fn, ref, *args):
 
 def launch_student(fn, nprocs: int, student, *args, timeout: float = 60.0) -> list:
     """Run ``fn(student_module, *args)`` on ``nprocs`` gloo ranks; results by rank."""
-    return dist.launch(_trampoline, nprocs, fn, _ref(student), *args, timeout=timeout)
+    results = dist.launch(_trampoline, nprocs, fn, _ref(student), *args, timeout=timeout)
+    _progress()
+    return results
+
+
+# The grader's child touches this file after loading the student file and after every
+# launch; the parent's time limit counts from the last touch, so a long but moving check is
+# never cut while a file that loops forever is stopped after ``timeout`` seconds.
+_PROGRESS_FILE = os.environ.get("MINIPAR_GRADE_PROGRESS")
+
+
+def _progress() -> None:
+    if _PROGRESS_FILE:
+        Path(_PROGRESS_FILE).touch()
 
 
 def run_check(ex_id: str, student) -> list[str]:
@@ -233,6 +250,7 @@ def _check_here(ex_id: str, path: str | None, solution: bool) -> list[str]:
     else:
         try:
             student = load(path)
+            _progress()
         except SystemExit as e:
             return [f"your file does not load: it calls sys.exit({e.code!r}) when imported"]
         except BaseException:  # noqa: BLE001 - a syntax error is the most common student mistake
@@ -266,12 +284,13 @@ def student_file(ex_id: str, path=None) -> Path:
     return path
 
 
-DEFAULT_CHECK_TIMEOUT = 600.0
+DEFAULT_CHECK_TIMEOUT = 60.0
 
 
 def check(ex_id: str, path=None, solution: bool = False,
           timeout: float = DEFAULT_CHECK_TIMEOUT) -> list[str]:
-    """Grade: run the exercise's checks in a child process, at most ``timeout`` seconds.
+    """Grade: run the exercise's checks in a child process that must make progress (load
+    the file, finish a launch) at least every ``timeout`` seconds.
 
     Returns the failures in plain words (empty: PASS). A file that exits, loops, or takes
     the interpreter down is a failure with the reason; only a clean run of every check with
@@ -288,13 +307,17 @@ def check(ex_id: str, path=None, solution: bool = False,
         env = dict(os.environ)
         root = str(PACKAGE_DIR.parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        progress = Path(tmp) / "progress"
+        progress.touch()
+        env["MINIPAR_GRADE_PROGRESS"] = str(progress)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return [f"timed out after {timeout:.0f} s: the checks did not finish (an endless "
-                    f"loop, or a send without its matching receive?)"]
+            code = _wait_while_moving(proc, progress, timeout)
+            if code is None:
+                _kill_group(proc)
+                return [f"timed out after {timeout:.0f} s without progress: the checks were "
+                        f"stopped (an endless loop, or a send without its matching receive?); "
+                        f"on a slow machine give more time with --timeout"]
         except BaseException:
             _kill_group(proc)
             raise
@@ -307,6 +330,17 @@ def check(ex_id: str, path=None, solution: bool = False,
                     f"the interpreter?)"]
         return [f"the checks ended early with exit code {code} before reporting: your code "
                 f"exits the process (sys.exit / os._exit) instead of returning"]
+
+
+def _wait_while_moving(proc, progress: Path, timeout: float) -> int | None:
+    """The child's exit code, or None once ``progress`` is ``timeout`` seconds old."""
+    import time
+    while True:
+        try:
+            return proc.wait(timeout=min(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            if time.time() - progress.stat().st_mtime > timeout:
+                return None
 
 
 def _kill_group(proc) -> None:

@@ -20,7 +20,8 @@ def main(argv=None):
     c.add_argument("--file", default=None, help="the student file (default: exercises/exNN_*.py)")
     c.add_argument("--solution", action="store_true", help="check the package's own solution")
     c.add_argument("--timeout", type=cli.positive_float, default=DEFAULT_CHECK_TIMEOUT,
-                   help="seconds before the checks count as hung")
+                   help="seconds without progress (file loaded, a launch finished) before the checks "
+                        "count as hung")
     args = p.parse_args(argv)
 
     if args.cmd == "list":

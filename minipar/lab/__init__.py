@@ -32,3 +32,25 @@ def explorer(draw, **controls):
     """
     import ipywidgets as widgets
     return widgets.interactive(draw, **controls)
+
+
+def traced_step(argv: list[str], name: str, op: str | None = None) -> dict:
+    """Train with ``argv`` and ``--trace``; the last step's timeline, for notebooks 01, 04, 05.
+
+    Returns ``dict(path, events, window=(start, end) ms of the last step, in_flight=[(start,
+    end) ms of rank 0's asynchronous ``op`` ops issued in it], hidden_ms=the time they were in
+    flight while rank 0's forward + backward ran)``. The trace file is written to the
+    temporary folder (open it at ui.perfetto.dev).
+    """
+    import os
+    import tempfile
+    from .. import trace
+    path = os.path.join(tempfile.gettempdir(), f"minipar_trace_{name}.json")
+    events = trace.traced_run(argv, path)
+    steps = [e for e in events if e.get("pid") == 0 and e.get("cat") == "step"]
+    last = max(steps, key=lambda e: e["ts"])
+    window = (last["ts"] / 1e3, (last["ts"] + last["dur"]) / 1e3)
+    inside = [iv for iv in trace.in_flight(events, 0, op) if window[0] <= iv[0] <= window[1]]
+    compute = [iv for iv in trace.spans(events, 0, "forward + backward") if iv[0] >= window[0]]
+    return dict(path=path, events=events, window=window, in_flight=inside,
+                hidden_ms=trace.overlap_ms(inside, compute))

@@ -253,7 +253,8 @@ def draw_layouts(histories: dict[str, list[dict]], reference: str, warmup: int =
                 color=f"C{i}", label=name)
     ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)",
            title="every layout on the serial curve")
-    ax.legend(fontsize=7)
+    # below the axes: inside, it hid the curves and the y-label
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     rows = summarize(histories, warmup)
     names = [r["layout"] for r in rows]
     colors = ["grey"] + [f"C{i}" for i in range(len(rows) - 1)]

@@ -1,0 +1,277 @@
+"""A timeline of every rank's step, written as a Chrome / Perfetto trace (``--trace FILE``).
+
+Where the time of a step goes, and what overlaps what, is the lesson of DP's buckets, ZeRO-3's
+prefetch and the pipeline's schedule. This module records it from minipar's own bookkeeping
+(no profiler, so it costs a few microseconds per event and runs the same on gloo and NCCL):
+
+* compute spans the trainer marks: each step, its forward and backward, its optimizer step;
+  and the forward of every transformer block and micro-batch (module hooks), so the pipeline's
+  micro-batches show;
+* every collective and point-to-point op that goes through ``minipar.comm`` (bookkeeping in
+  ``comm.untracked()`` is left out): a blocking op is a span from its call to its return; an
+  asynchronous op (``async_op=True``) is a span from its issue to the end of its ``wait()``,
+  drawn on its own track, and the wait itself is a span on the compute track. An op issued
+  during backward and waited for at the optimizer step is the overlap you are looking for.
+
+The file is JSON in the Trace Event Format (``{"traceEvents": [...]}``, times in
+microseconds): open it at https://ui.perfetto.dev (drag the file in) or in Chrome's
+chrome://tracing. One process row per rank (pid = rank), a "compute" thread (tid 0) and a
+"comm" thread (tid 1) each; asynchronous ops appear as async slices under the rank. Every
+rank's clock starts at the same barrier, so ranks line up to within that barrier's skew
+(on one machine the clocks are the same; across nodes, to a barrier's latency). Rank 0
+gathers the events and writes the one file.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+COMPUTE, COMM = 0, 1
+
+
+class Tracer:
+    """One rank's events, in microseconds from ``t0`` (perf_counter seconds)."""
+
+    def __init__(self, rank: int, t0: float | None = None):
+        self.rank = rank
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.events: list[dict] = []
+        self._next_id = 0
+
+    def _us(self, t: float) -> float:
+        return round((t - self.t0) * 1e6, 3)
+
+    def complete(self, name: str, start: float, end: float, tid: int = COMPUTE,
+                 cat: str = "compute", **args) -> None:
+        """A span from ``start`` to ``end`` (perf_counter seconds) on one thread row."""
+        self.events.append(dict(name=name, ph="X", pid=self.rank, tid=tid, cat=cat,
+                                ts=self._us(start), dur=round((end - start) * 1e6, 3),
+                                args=args))
+
+    def comm(self, op: str, group: str, sent: int, issued: float, start: float,
+             end: float) -> None:
+        """A communication op: blocking (issued == start) or asynchronous."""
+        label = f"{op} {group} {_size(sent)}"
+        args = dict(op=op, group=group, bytes_sent=int(sent))
+        if issued < start:   # async: in flight from issue to the end of its wait
+            self._next_id += 1
+            common = dict(name=label, cat="comm", id=self._next_id, pid=self.rank, tid=COMM)
+            self.events.append(dict(common, ph="b", ts=self._us(issued), args=args))
+            self.events.append(dict(common, ph="e", ts=self._us(end)))
+            self.complete(f"wait {op}", start, end, tid=COMPUTE, cat="wait", **args)
+        else:
+            self.complete(label, start, end, tid=COMM, cat="comm", **args)
+
+    @contextlib.contextmanager
+    def span(self, name: str, cat: str = "compute"):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.complete(name, start, time.perf_counter(), cat=cat)
+
+    def metadata(self) -> list[dict]:
+        meta = [dict(name="process_name", ph="M", pid=self.rank, args=dict(name=f"rank {self.rank}")),
+                dict(name="process_sort_index", ph="M", pid=self.rank, args=dict(sort_index=self.rank))]
+        for tid, name in ((COMPUTE, "compute"), (COMM, "comm")):
+            meta.append(dict(name="thread_name", ph="M", pid=self.rank, tid=tid, args=dict(name=name)))
+        return meta
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 1024 else f"{n} B"
+
+
+# The tracer of this process while a traced run is on; None otherwise (then every hook is
+# a single ``is None`` test).
+active: Tracer | None = None
+
+
+def start(rank: int = 0) -> Tracer:
+    """Begin recording on this rank. In a process group, call it on every rank: the clocks
+    start at a common barrier."""
+    global active
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+    active = Tracer(rank)
+    return active
+
+
+def stop() -> Tracer | None:
+    global active
+    tracer, active = active, None
+    return tracer
+
+
+@contextlib.contextmanager
+def span(name: str, cat: str = "compute"):
+    """A compute span on this rank's timeline; nothing when no trace is being recorded."""
+    if active is None:
+        yield
+        return
+    with active.span(name, cat):
+        yield
+
+
+def instrument(module) -> list:
+    """Record the forward of every transformer block of ``module`` (one span per call).
+
+    Returns the hook handles (``handle.remove()`` to take them off).
+    """
+    from .model import Block
+    handles = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, Block):
+            handles += _time_forward(sub, f"forward {name}")
+    return handles
+
+
+def _time_forward(module, label: str) -> list:
+    starts = []
+
+    def before(mod, args):
+        if active is not None:
+            starts.append(time.perf_counter())
+
+    def after(mod, args, output):
+        if active is not None and starts:
+            active.complete(label, starts.pop(), time.perf_counter(), cat="forward")
+
+    return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+
+def traced_call(path: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on this rank with a trace recorded, written to ``path`` by rank 0
+    (the benches' ``--trace``: ``dist.launch(trace.traced_call, n, path, measure, ...)``)."""
+    import torch.distributed as dist
+    from . import comm
+    tracer = start(dist.get_rank() if dist.is_initialized() else 0)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        stop()
+    with comm.untracked():
+        gather_and_write(path, tracer)
+    return result
+
+
+def launch(path: str | None, fn, nprocs: int, *args, **kwargs) -> list:
+    """``dist.launch(fn, nprocs, ...)``, traced to ``path`` when it is given (the benches)."""
+    from . import dist
+    if path is None:
+        return dist.launch(fn, nprocs, *args, **kwargs)
+    return dist.launch(traced_call, nprocs, path, fn, *args, **kwargs)
+
+
+def gather_and_write(path: str, tracer: Tracer) -> int:
+    """Collect every rank's events on rank 0 and write ``path`` there; returns the number of
+    events written (0 on the other ranks)."""
+    import torch.distributed as dist
+    events = tracer.metadata() + tracer.events
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(events, everyone, dst=0)
+        if dist.get_rank() != 0:
+            return 0
+        events = [e for part in everyone for e in part]
+    write(path, events)
+    return len(events)
+
+
+def write(path: str, events: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def load(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
+def in_flight(events: list[dict], rank: int, op: str | None = None) -> list[tuple[float, float]]:
+    """(start, end) in ms of every asynchronous op of ``rank`` (of kind ``op`` if given),
+    from its issue to the end of its wait."""
+    opened, out = {}, []
+    for e in events:
+        if e.get("pid") != rank or e["ph"] not in ("b", "e"):
+            continue
+        if e["ph"] == "b" and (op is None or e["args"]["op"] == op):
+            opened[e["id"]] = e["ts"]
+        elif e["ph"] == "e" and e["id"] in opened:
+            out.append((opened.pop(e["id"]) / 1e3, e["ts"] / 1e3))
+    return sorted(out)
+
+
+def spans(events: list[dict], rank: int, name: str) -> list[tuple[float, float]]:
+    """(start, end) in ms of ``rank``'s compute spans called ``name``."""
+    return sorted((e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in events
+                  if e.get("pid") == rank and e["ph"] == "X" and e["name"] == name)
+
+
+def overlap_ms(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Milliseconds during which some interval of ``a`` and some interval of ``b`` both run."""
+    def union(iv):
+        merged = []
+        for s, e in sorted(iv):
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        return merged
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in union(a) for s2, e2 in union(b))
+
+
+def traced_run(argv: list[str], path: str) -> list[dict]:
+    """Train with ``python -m minipar.train`` flags ``argv`` plus ``--trace path``; the events."""
+    from . import train
+    train.run([*argv, "--quiet", "--trace", path])
+    return load(path)
+
+
+def plot(events: list[dict], ax=None, title: str | None = None, ranks=None):
+    """Draw a trace with matplotlib (the notebooks' view of what Perfetto shows): one row
+    of compute spans and one of communication spans per rank, time in milliseconds."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 3))
+    ranks = sorted({e["pid"] for e in events if "pid" in e}) if ranks is None else list(ranks)
+    colors = {"compute": "#c7c7c7", "forward": "#4c72b0", "wait": "#c44e52", "comm": "#dd8452"}
+    opened = {}
+    rows = {}
+    for i, r in enumerate(ranks):
+        rows[(r, "compute")] = 2 * i
+        rows[(r, "comm")] = 2 * i + 1
+    for e in sorted(events, key=lambda e: e.get("ts", 0)):
+        if e.get("pid") not in ranks or e["ph"] == "M":
+            continue
+        if e["ph"] == "X" and e["cat"] == "step":
+            row = rows[(e["pid"], "compute")]
+            ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (row - 0.45, 0.9), facecolor="none",
+                           edgecolor="k", linewidth=0.6)
+        elif e["ph"] == "X":
+            row = rows[(e["pid"], "comm" if e["cat"] == "comm" else "compute")]
+            height = 0.8 if e["cat"] in ("compute",) else 0.5
+            ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (row - height / 2, height),
+                           color=colors.get(e["cat"], "#8172b2"), alpha=0.9 if height < 0.8 else 0.5)
+        elif e["ph"] == "b":
+            opened[(e["pid"], e["id"])] = e
+        elif e["ph"] == "e" and (e["pid"], e["id"]) in opened:
+            b = opened.pop((e["pid"], e["id"]))
+            row = rows[(e["pid"], "comm")]
+            ax.broken_barh([(b["ts"] / 1e3, (e["ts"] - b["ts"]) / 1e3)], (row - 0.2, 0.4),
+                           color=colors["comm"], alpha=0.45, edgecolor="k", linewidth=0.3)
+    ax.set_yticks(range(2 * len(ranks)),
+                  [f"rank {r} {kind}" for r in ranks for kind in ("compute", "comm")])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=colors["forward"], label="block forward"),
+                       Patch(color=colors["compute"], alpha=0.5, label="step phase"),
+                       Patch(color=colors["wait"], label="waiting for an async op"),
+                       Patch(color=colors["comm"], label="collective / in flight")],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if title:
+        ax.set_title(title, fontsize=9)
+    return ax
