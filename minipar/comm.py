@@ -205,6 +205,7 @@ class Handle:
             self.after()
         _record(self.op, self.group, self.sent, self.received, time.perf_counter() - t)
         self.done = True
+        self.work = self.after = None    # release the backend's work object now, not at exit
 
 
 def _run(op, group, sent, received, call, async_op, after=None):

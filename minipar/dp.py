@@ -79,6 +79,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import comm
 
 MODES = ("naive", "bucketed", "overlapped")
+DEFAULT_BUCKET_MB = 25.0     # bucket_mb=None: DDP's bucket_cap_mb default
 
 
 def tensor_bytes(tensors) -> int:
@@ -219,16 +220,23 @@ _UNSYNCED: weakref.WeakSet = weakref.WeakSet()
 _GUARD = []
 
 
-def _refuse_unsynced_step(optimizer, args, kwargs):
-    """Before any optimizer's step: none of its parameters may hold a gradient that a
-    DataParallel has accumulated but not averaged (that gradient would be this rank's alone)."""
+def refuse_unsynced(params, what: str = "optimizer.step()") -> None:
+    """None of ``params`` may hold a gradient that a DataParallel has accumulated but not
+    averaged (that gradient would be this rank's alone): raise before ``what`` uses it."""
+    ids = {id(p) for p in params}
     for ddp in list(_UNSYNCED):
-        if any(id(p) in ddp._param_ids for g in optimizer.param_groups for p in g["params"]):
+        if ids & ddp._param_ids:
             raise RuntimeError(
                 "DataParallel: the gradients were accumulated (under no_sync(), or for "
                 "begin_step(m)) but not averaged over the group yet; run the last backward "
                 "outside no_sync(), or call finish_grad_sync() (or the engine's step()) before "
-                "optimizer.step()")
+                f"{what}")
+
+
+def _refuse_unsynced_step(optimizer, args, kwargs):
+    """Before any optimizer's step (a global torch hook)."""
+    if _UNSYNCED:
+        refuse_unsynced([p for g in optimizer.param_groups for p in g["params"]])
 
 
 def _install_guard() -> None:
@@ -242,16 +250,22 @@ def _install_guard() -> None:
 class DataParallel(nn.Module):
     """Average gradients over ``group`` (None: the whole world, as torch; ``comm.SOLO``: one rank).
 
-    ``mode`` is one of ``MODES``; ``bucket_mb`` the bucket size of the bucketed modes;
+    ``mode`` is one of ``MODES``; ``bucket_mb`` the bucket size of the bucketed modes, in
+    MiB (``None``: DDP's default, ``DEFAULT_BUCKET_MB`` = 25);
     ``optimizer`` (optional) is stepped by ``step()`` when the wrapper is driven as an engine.
     """
 
     def __init__(self, module: nn.Module, group=None, mode: str = "overlapped",
-                 bucket_mb: float = 4.0, optimizer: torch.optim.Optimizer | None = None,
+                 bucket_mb: float | None = 4.0, optimizer: torch.optim.Optimizer | None = None,
                  broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if bucket_mb is None:
+            bucket_mb = DEFAULT_BUCKET_MB
+        if not bucket_mb >= 0:
+            raise ValueError(f"bucket_mb must be a size in MiB >= 0 (or None: "
+                             f"{DEFAULT_BUCKET_MB}), not {bucket_mb!r}")
         self.module, self.mode, self.optimizer = module, mode, optimizer
         self.group = resolve_group(group)
         self.d = comm.size(self.group)
@@ -482,6 +496,13 @@ class DataParallel(nn.Module):
 
     def sync_params(self):
         """After parameters were set outside ``step()`` (a checkpoint): nothing to gather."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Average what is still accumulated (``finish_grad_sync``), then clip as
+        ``torch.nn.utils.clip_grad_norm_`` on one process; returns the norm."""
+        from . import optim
+        self.finish_grad_sync()
+        return optim.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     # -- accounting ----------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:

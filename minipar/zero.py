@@ -118,293 +118,24 @@ that owns parameters (``units_of``: or a list, or a policy).
 """
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
 import torch
-import torch.distributed as tdist
 import torch.nn as nn
-from einops import rearrange
 from torch.utils._pytree import tree_leaves
 
-from . import comm, dist, dp, sharding
+from . import comm, dp
 from .dp import optimizer_state_bytes
 from .errors import UsageError
+from .shard import (GroupGrid, ShardMesh, Spec, Unit, all_gather_in_place, alloc_storage,  # noqa: F401
+                    as_grid, free_storage, gather_up, parse_shard, reduce_scatter_down,
+                    spec_violation, storage_bytes, units_of, zero_spec)
 
-
-# --------------------------------------------------------------------------------------
-# The spec: (s_p, s_g, s_os), ZeRO's presets, and the constraints
-# --------------------------------------------------------------------------------------
-class Spec(NamedTuple):
-    p: int    # s_p: the parameters are split over groups of s_p ranks
-    g: int    # s_g: the gradients, over groups of s_g ranks
-    os: int   # s_os: the optimizer states, over groups of s_os ranks
-
-
-# The rules live in the planner (torch-free), so the engine and the planner cannot disagree
-# about which specs exist; here they only get the engine's Spec type.
-def zero_spec(stage: int, d: int) -> Spec:
-    """ZeRO stage 0-3 over d data-parallel ranks."""
-    return Spec(*sharding.zero_shard(stage, d))
-
-
-def parse_shard(text: str) -> Spec:
-    return Spec(*sharding.parse_shard(text))
-
-
-def spec_violation(spec: Spec, d: int) -> str | None:
-    """Why ``spec`` cannot shard d ranks (one line: what is wrong; what would fix it), or None."""
-    return sharding.shard_violation(tuple(spec), d)
-
-
-# --------------------------------------------------------------------------------------
-# The sharding mesh
-# --------------------------------------------------------------------------------------
-class Mesh:
-    """This rank's place in ``dp_ranks.view(rep, os, g, p)`` and a group along each axis.
-
-    Every rank creates the groups of every data-parallel line of the grid (one line per
-    pipeline stage and tensor-parallel rank), as ``torch.distributed.new_group`` requires.
-    """
-
-    def __init__(self, grid, spec: Spec):
-        self.spec, self.d = spec, grid.dp
-        s_p, s_g, s_os = spec
-        sizes = dict(rep=self.d // s_os, o=s_os // s_g, g=s_g // s_p, p=s_p)
-        lines = rearrange(grid.ranks, "d pp tp -> (pp tp) d")
-        axes = "l (rep o g p)"
-        self.p_group = grid.new_groups(
-            rearrange(lines, f"{axes} -> (l rep o g) p", **sizes).tolist(), "zero_p")
-        self.g_group = grid.new_groups(
-            rearrange(lines, f"{axes} -> (l rep o p) g", **sizes).tolist(), "zero_g")
-        self.os_group = grid.new_groups(
-            rearrange(lines, f"{axes} -> (l rep g p) o", **sizes).tolist(), "zero_os")
-        self.rep_group = grid.new_groups(
-            rearrange(lines, f"{axes} -> (l o g p) rep", **sizes).tolist(), "zero_rep")
-        # i = ((rep * O + os) * G + g) * P + p, with i this rank's index in its DP line
-        i = grid.dp_rank
-        self.p_index = i % s_p
-        self.g_index = (i // s_p) % sizes["g"]
-        self.os_index = (i // s_g) % sizes["o"]
-
-
-class GroupGrid:
-    """One data-parallel line over a process group: the part of ``dist.Grid`` a Mesh reads.
-
-    It lets the engine and ``ShardedOptimizer`` shard over any group (None: the whole world;
-    ``comm.SOLO``: one rank). A mesh group that is the whole line reuses ``group`` itself (all
-    of ZeRO's stages); finer groups (AMSP's partial specs) are created with ``new_group``,
-    which every rank of the world must call, so they need the group to be the whole world.
-    """
-
-    def __init__(self, group):
-        self.dp_group = group
-        ranks = comm.global_ranks(group)
-        self.dp, self.dp_rank = len(ranks), comm.rank(group)
-        self.ranks = torch.tensor(ranks).view(-1, 1, 1)
-
-    def new_groups(self, rank_lists: list[list[int]], name: str):
-        me = comm.global_ranks(None)[0]
-        mine = next(ranks for ranks in rank_lists if me in ranks)
-        if len(mine) == 1:
-            return None
-        if sorted(mine) == sorted(self.ranks.flatten().tolist()):
-            return self.dp_group
-        if self.dp != tdist.get_world_size():
-            raise UsageError(f"the shard group {name} ({len(mine)} of the group's {self.dp} "
-                             f"ranks) must be created by every rank of the world: shard over "
-                             f"the whole world, or pass a dist.Grid")
-        return dist.Grid.new_groups(self, rank_lists, name)
-
-    @property
-    def distributed(self) -> bool:        # what dist.Grid.new_groups reads
-        return tdist.is_initialized()
-
-    @property
-    def rank(self) -> int:
-        return comm.global_ranks(None)[0]
-
-
-def as_grid(grid_or_group):
-    """A ``dist.Grid`` as it is; a process group (None: the whole world) as one data-parallel line."""
-    if isinstance(grid_or_group, (dist.Grid, GroupGrid)):
-        return grid_or_group
-    return GroupGrid(dp.resolve_group(grid_or_group))
-
-
-# --------------------------------------------------------------------------------------
-# Flat buffers, one set per unit
-# --------------------------------------------------------------------------------------
-def units_of(module: nn.Module, units=None) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """FSDP's wrapping: the groups of parameters gathered, freed and reduced together.
-
-    ``units`` picks the modules that become units:
-      * None: the module's ``parts()`` when it names them (minipar's GPT and pipeline stages:
-        the embedding, each block, the head), else each child module that owns parameters
-        (containers without a forward, ModuleList and ModuleDict, are looked into);
-      * a list of modules;
-      * a policy, a function ``module -> bool`` (FSDP's auto-wrap policy): the outermost
-        submodules it accepts.
-    A parameter used by two units (tied weights) and the parameters outside every unit form
-    one more unit on ``module`` itself, whose forward spans every use of them.
-    """
-    if units is None:
-        parts = module.parts() if hasattr(module, "parts") else _children_with_parameters(module)
-    elif callable(units):
-        parts = _accepted(module, units)
-    else:
-        parts = list(units)
-    owners: dict[int, int] = {}
-    for part in parts:
-        for p in {id(p) for p in part.parameters()}:
-            owners[p] = owners.get(p, 0) + 1
-    seen = {p for p, n in owners.items() if n > 1}      # tied across units: the root's
-    experts = {id(p) for p in module.parameters() if hasattr(p, "grad_group")}  # MoE: not sharded
-    out = []
-    for part in parts:
-        params = [p for p in part.parameters()
-                  if p.requires_grad and id(p) not in seen and id(p) not in experts]
-        seen.update(map(id, params))
-        if params:
-            out.append((part, params))
-    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in experts
-            and (id(p) not in seen or owners.get(id(p), 0) > 1)]
-    if rest:
-        out.insert(0, (module, rest))
-    return out
-
-
-def _children_with_parameters(module: nn.Module) -> list[nn.Module]:
-    out = []
-    for child in module.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            out += _children_with_parameters(child)
-        elif any(True for _ in child.parameters()):
-            out.append(child)
-    return out
-
-
-def _accepted(module: nn.Module, policy) -> list[nn.Module]:
-    out = []
-    for child in module.children():
-        out += [child] if policy(child) else _accepted(child, policy)
-    return out
-
-
-def free_storage(t: torch.Tensor) -> None:
-    """Release a buffer's memory but keep the tensor (and every view of it) for later."""
-    t.untyped_storage().resize_(0)
-
-
-def alloc_storage(t: torch.Tensor) -> None:
-    if t.untyped_storage().nbytes() == 0:
-        t.untyped_storage().resize_(t.numel() * t.element_size())
-
-
-def storage_bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.untyped_storage().nbytes()
-
-
-class Unit:
-    """A part's state as flat buffers of N elements (padded to a multiple of s_os).
-
-    ``flat``        the full parameters; each parameter's ``.data`` is a view into it. With
-                    s_p > 1 its memory is released between uses (``free_storage``).
-    ``p_shard``     this rank's P shard (``flat`` itself when s_p = 1).
-    ``grad_shard``  this rank's G shard of the gradient. With s_g = 1 it is the full
-                    gradient, and each parameter's ``.grad`` is a view into it.
-    ``os_param``, ``os_grad``  this rank's OS shard of the parameters (a view into
-                    ``p_shard``) and of the averaged gradient (a view into ``grad_shard``):
-                    what the optimizer sees.
-    ``reduce_dtype`` None: gradients are reduced in the parameters' dtype; else in this one
-                    (mixed precision's fp32 reduction: ``flat_grad`` and ``widen``).
-    """
-
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], mesh: Mesh,
-                 reduce_dtype: torch.dtype | None = None):
-        s_p, s_g, s_os = mesh.spec
-        self.module, self.params = module, params
-        self.numel = sum(p.numel() for p in params)
-        self.N = math.ceil(self.numel / s_os) * s_os
-        like = params[0]
-        self.flat = torch.zeros(self.N, dtype=like.dtype, device=like.device)
-        offset = 0
-        for p in params:
-            self.flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        n_p, n_g, n_os = self.N // s_p, self.N // s_g, self.N // s_os
-        if s_p == 1:
-            self.p_shard = self.flat
-        else:
-            self.p_shard = self.flat[mesh.p_index * n_p:(mesh.p_index + 1) * n_p].clone()
-            free_storage(self.flat)
-        # the G slice of the P shard and the OS slice of the G slice: nested chunks
-        self.g_slice = self.p_shard[mesh.g_index * n_g:(mesh.g_index + 1) * n_g]
-        self.os_param = self.g_slice[mesh.os_index * n_os:(mesh.os_index + 1) * n_os]
-        self.grad_shard = torch.zeros(n_g, dtype=like.dtype, device=like.device)
-        self.os_slice = slice(mesh.os_index * n_os, (mesh.os_index + 1) * n_os)
-        self.os_grad = self.grad_shard[self.os_slice]
-        self.os_param.grad = self.os_grad
-        self.reduce_dtype = reduce_dtype
-        self._narrow = None     # the bf16 G shard and its OS view while ``widen`` is in effect
-        self.handle = None      # a parameter all-gather in flight
-        self.ready = 0          # gradients accumulated in this step (one per param per micro-batch)
-
-    def attach_grads(self):
-        """With s_g = 1 every ``.grad`` is a view into the flat gradient (as DP's buckets)."""
-        offset = 0
-        for p in self.params:
-            p.grad = self.grad_shard[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-
-    def flat_grad(self) -> torch.Tensor:
-        """The unit's gradients as one padded flat tensor (zeros for a parameter without one)."""
-        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
-                 for p in self.params]
-        flat = torch.cat(grads + [self.flat.new_zeros(self.N - self.numel)])
-        return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
-
-    def widen(self):
-        """Before the step's reductions (mixed precision, fp32 reduction): ``grad_shard`` becomes
-        an fp32 copy of the bf16 G shard, so ``sharded_optimizer_step`` reduces in fp32, and its
-        OS slice ``os_grad`` is what the fp32 master reads (``os_param.main_grad``)."""
-        self._narrow = self.grad_shard, self.os_grad
-        self.grad_shard = self.grad_shard.to(self.reduce_dtype)
-        self.os_grad = self.grad_shard[self.os_slice]
-        self.os_param.main_grad = self.os_grad
-
-    def narrow(self):
-        """After the step: the bf16 G shard again, its OS slice holding the averaged gradient."""
-        grad_shard, os_grad = self._narrow
-        os_grad.copy_(self.os_grad)
-        self.grad_shard, self.os_grad, self._narrow = grad_shard, os_grad, None
-        self.os_param.main_grad = None
-
-
-def reduce_scatter_down(x: torch.Tensor, groups) -> torch.Tensor:
-    """Reduce-scatter (sum) ``x`` over each group in turn; return this rank's summed chunk."""
-    for group in groups:
-        n = comm.size(group)
-        if n > 1:
-            out = x.new_empty(x.numel() // n)
-            comm.reduce_scatter(out, x, group)
-            x = out
-    return x
-
-
-def all_gather_in_place(out: torch.Tensor, group) -> None:
-    """Every rank's own chunk of ``out`` is already in place: fetch the others' chunks."""
-    n = comm.size(group)
-    if n > 1:
-        mine = out.chunk(n)[comm.rank(group)].clone()
-        comm.all_gather(out, mine, group)
+Mesh = ShardMesh   # the name it had before the process mesh took it (``minipar.mesh``)
 
 
 # --------------------------------------------------------------------------------------
 # OS sharding (ZeRO-1): each rank updates its slice, then the slices are all-gathered
 # --------------------------------------------------------------------------------------
-def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, mesh: Mesh):
+def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, mesh: ShardMesh):
     """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates.
 
     With s_g = 1 (ZeRO-1) ``grad_shard`` is the whole local gradient, so the reduce-scatter
@@ -428,7 +159,7 @@ def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, 
 # --------------------------------------------------------------------------------------
 # G sharding (ZeRO-2): reduce-scatter each unit's gradient as soon as backward is done with it
 # --------------------------------------------------------------------------------------
-def reduce_scatter_gradient(u: Unit, mesh: Mesh) -> None:
+def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
     """Add the unit's full gradient, summed over the G group, into this rank's G shard.
 
     The G group is zero_p x zero_g; reduce-scattering over zero_p and then zero_g sends the
@@ -446,45 +177,40 @@ def reduce_scatter_gradient(u: Unit, mesh: Mesh) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# The engine, and P sharding (ZeRO-3): gather before use, free after, with hooks
+# P sharding (ZeRO-3): gather before use, free after, with hooks. Shared by the trainer's
+# engine (below) and the FSDP-shaped wrapper (``minipar.fsdp``): the same code, two owners.
 # --------------------------------------------------------------------------------------
-class ShardedEngine:
-    """Data parallelism with (s_p, s_g, s_os) sharding over ``grid``'s data-parallel group.
+class ShardedUnits:
+    """A module's units (``units_of``) as flat ``Unit`` buffers over ``mesh``, and the hooks that
+    move them: with s_p > 1 each unit is all-gathered before its forward and again before its
+    backward and freed after each (``prefetch``: the next unit's gather starts while this one
+    computes); once backward is done with a unit, ``reduce(u)`` runs (every backward pass when
+    ``reduce_each_backward``, else the owner reduces at its step).
 
-    ``grid`` is a ``dist.Grid`` (the trainer) or a process group (None: the whole world), so
-    the engine also runs a plain model in a plain loop (``zero_grad()``, backward, ``step()``).
-    The first rank's parameters and buffers are broadcast first (ranks may have built
-    different models). ``units``: which modules are gathered together (``units_of``).
+    ``dtype`` the units' compute dtype and ``grad_dtype`` the G shard's (None: the parameters');
+    ``exclude`` parameters stay outside the units (MoE experts, replicated). The owner
+    subclasses ``reduce``: the engine sums into the G shard and divides at its step, the
+    FSDP-shaped wrapper (``minipar.fsdp``) averages into each shard's ``.grad``.
     """
 
-    def __init__(self, module: nn.Module, grid, spec: Spec, make_optimizer,
-                 prefetch: bool = True, units=None, reduce_dtype: torch.dtype | None = None):
-        grid = as_grid(grid)
-        self.module, self.spec, self.prefetch = module, Spec(*spec), prefetch
-        reason = spec_violation(self.spec, grid.dp)
-        if reason:
-            raise UsageError(reason)
-        dp.broadcast_module(module, grid.dp_group)
-        self.mesh = Mesh(grid, self.spec)
-        # a wider dtype to reduce gradients in than the parameters' own (None: their own)
-        if reduce_dtype is not None and (self.mesh.d == 1 or all(
-                p.dtype == reduce_dtype for p in module.parameters())):
-            reduce_dtype = None
-        self.reduce_dtype = reduce_dtype
-        self.units = [Unit(m, params, self.mesh, reduce_dtype)
-                      for m, params in units_of(module, units)]
+    def __init__(self, module: nn.Module, mesh: ShardMesh, units=None, prefetch: bool = True,
+                 reduce_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
+                 reduce_each_backward: bool = False, exclude=(), dtype: torch.dtype | None = None):
+        self.module, self.mesh, self.spec, self.prefetch = module, mesh, mesh.spec, prefetch
+        self.reduce_each_backward = reduce_each_backward
+        self.units = [Unit(m, params, mesh, reduce_dtype, grad_dtype, dtype)
+                      for m, params in units_of(module, units, exclude)]
         self._unit_of = {p: u for u in self.units for p in u.params}
-        # -- MoE: experts (tagged with their own reduction group) stay whole, as in plain DP
-        self.tagged = [p for p in module.parameters() if hasattr(p, "grad_group")]
-        self.optimizer = make_optimizer([u.os_param for u in self.units] + self.tagged)
-        for p in self._unit_of:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in self._unit_of]
         if self.spec.p > 1:
             for u in self.units:
-                u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
-                u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
+                self._hooks.append(u.module.register_forward_pre_hook(
+                    lambda m, args, u=u: self._pre_forward(u)))
+                self._hooks.append(u.module.register_forward_hook(
+                    lambda m, args, out, u=u: self._post_forward(u, out)))
 
-    # -- P sharding: the unit's full parameters exist only while it computes -----------------
+    # -- the unit's full parameters exist only while it computes ------------------------------
     def _gather(self, u: Unit, wait: bool = True):
         if u.handle is None and storage_bytes(u.flat) == 0:
             alloc_storage(u.flat)
@@ -531,10 +257,59 @@ class ShardedEngine:
             return
         if self.spec.p > 1:
             self._free(u)
-        if self.spec.g > 1:
-            self._reduce(u)                          # every micro-batch: full grads never pile up
+        if self.reduce_each_backward:
+            self.reduce(u)                   # every micro-batch: full grads never pile up
 
-    def _reduce(self, u: Unit):
+    def reduce(self, u: Unit):
+        raise NotImplementedError
+
+    def settle(self):
+        """End of a backward pass or a step: reduce the units whose backward never finished
+        (a parameter it did not use), and wait on and release every gather still in flight
+        (a prefetch nobody used), so no async work outlives the sync."""
+        for u in self.units:
+            if self.spec.p > 1:
+                self._free(u)
+            if self.reduce_each_backward and any(p.grad is not None for p in u.params):
+                self.reduce(u)
+            u.ready = 0
+
+
+# --------------------------------------------------------------------------------------
+# The engine: the trainer's ZeRO/AMSP, (s_p, s_g, s_os) with its own optimizer
+# --------------------------------------------------------------------------------------
+class ShardedEngine(ShardedUnits):
+    """Data parallelism with (s_p, s_g, s_os) sharding over ``grid``'s data-parallel group.
+
+    ``grid`` is a ``dist.Grid`` (the trainer) or a process group (None: the whole world), so
+    the engine also runs a plain model in a plain loop (``zero_grad()``, backward, ``step()``).
+    The first rank's parameters and buffers are broadcast first (ranks may have built
+    different models). ``units``: which modules are gathered together (``units_of``).
+    Outside the trainer, ``minipar.fsdp.fully_shard`` (the same units and hooks) is the
+    nn.Module-shaped way, with any optimizer built afterwards.
+    """
+
+    def __init__(self, module: nn.Module, grid, spec: Spec, make_optimizer,
+                 prefetch: bool = True, units=None, reduce_dtype: torch.dtype | None = None):
+        grid = as_grid(grid)
+        spec = Spec(*spec)
+        reason = spec_violation(spec, grid.dp)
+        if reason:
+            raise UsageError(reason)
+        dp.broadcast_module(module, grid.dp_group)
+        mesh = ShardMesh(grid, spec)
+        # a wider dtype to reduce gradients in than the parameters' own (None: their own)
+        if reduce_dtype is not None and (mesh.d == 1 or all(
+                p.dtype == reduce_dtype for p in module.parameters())):
+            reduce_dtype = None
+        self.reduce_dtype = reduce_dtype
+        # -- MoE: experts (tagged with their own reduction group) stay whole, as in plain DP
+        self.tagged = [p for p in module.parameters() if hasattr(p, "grad_group")]
+        super().__init__(module, mesh, units, prefetch, reduce_dtype,
+                         reduce_each_backward=spec.g > 1, exclude=self.tagged)
+        self.optimizer = make_optimizer([u.os_param for u in self.units] + self.tagged)
+
+    def reduce(self, u: Unit):
         if storage_bytes(u.grad_shard) == 0:        # first gradient of the step for this unit
             alloc_storage(u.grad_shard)
             u.grad_shard.zero_()
@@ -562,12 +337,10 @@ class ShardedEngine:
             u.ready = 0
 
     def step(self):
+        self.settle()
         for u in self.units:
-            if self.spec.p > 1:
-                self._free(u)                   # a prefetch nobody waited for
-            if self.spec.g > 1 and (storage_bytes(u.grad_shard) == 0
-                                    or any(p.grad is not None for p in u.params)):
-                self._reduce(u)                 # a unit whose backward never finished
+            if self.spec.g > 1 and storage_bytes(u.grad_shard) == 0:
+                self.reduce(u)                  # a unit no backward reached
         for p in self.tagged:                   # MoE experts: sum over their replicas, / d
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -659,245 +432,4 @@ class ShardedEngine:
             all_gather_in_place(u.p_shard, self.mesh.g_group)
 
 
-def gather_up(x: torch.Tensor, groups) -> torch.Tensor:
-    """All-gather ``x`` over each group in turn (the reverse of ``reduce_scatter_down``)."""
-    for group in groups:
-        n = comm.size(group)
-        if n > 1:
-            out = x.new_empty(x.numel() * n)
-            comm.all_gather(out, x, group)
-            x = out
-    return x
-
-
-# --------------------------------------------------------------------------------------
-# ZeRO-1 and ZeRO-2 shaped like a torch optimizer, for any model in a plain loop
-# --------------------------------------------------------------------------------------
-# Optimizers whose update of an element reads only that element's parameter, gradient and
-# state (and scalars such as the step count): a flat slice across tensors leaves them exact.
-ELEMENT_WISE = tuple(getattr(torch.optim, name) for name in (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
-    "Rprop", "ASGD") if hasattr(torch.optim, name))
-_SCALAR_STATE = ("step", "eta", "mu", "mu_product")   # per-tensor scalars of those optimizers
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1 (``stage=1``) or ZeRO-2 (``stage=2``) over ``group``, shaped like a torch optimizer.
-
-    Where one process writes ``torch.optim.AdamW(model.parameters(), lr=1e-3)``, each of d
-    ranks writes ``ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)`` on the
-    bare model (group=None: the whole world; rank 0's parameters are broadcast first) and runs
-    the same loop. Each parameter group's trainable parameters become one flat ``Unit``
-    (their ``.data`` become views into it); this rank keeps the optimizer state of its 1/d
-    slice only, and the gradients are averaged here, not by a DataParallel:
-
-    * stage 1: backward accumulates this rank's gradients (``.grad`` are views into the
-      unit's flat gradient); ``step()`` reduce-scatters them down to this rank's slice,
-      updates it, and all-gathers the parameters;
-    * stage 2: as soon as backward is done with a unit, its gradient is reduce-scattered into
-      this rank's slice and the full gradient is dropped (after every backward pass: with
-      accumulation, m reduce-scatters per step); ``step()`` updates and all-gathers.
-
-    Bytes one rank sends per step (Psi = parameter bytes, padded; m backward passes)::
-
-        reduce_scatter  (d-1)/d Psi  (stage 2: m times)      all_gather  (d-1)/d Psi
-        broadcast       Psi from the first rank, once, when it is built
-
-    What keeps the numbers torch's (each is checked; a violation raises):
-    * only element-wise optimizers (``ELEMENT_WISE``; ``element_wise=True`` vouches for
-      another): a per-tensor statistic (Adafactor's rows and columns, LAMB's trust ratio)
-      over a slice of several tensors would silently differ;
-    * every trainable parameter gets a gradient before each ``step()``: torch skips a
-      parameter without one, a flat slice cannot;
-    * not over the parameters of a ``dp.DataParallel``, which would average them a second time.
-    ``step()`` consumes the gradients (as ``zero_grad(set_to_none=True)`` after it) and
-    ``.grad`` never holds the average: read gradients through the optimizer, not ``.grad``.
-    ``state_dict()`` is torch's own layout (every parameter's whole state, torch's indices),
-    gathered from the slices, so it loads into a plain optimizer and back: call it, and
-    ``load_state_dict()``, on every rank.
-    """
-
-    def __init__(self, params, optimizer_class, group=None, stage: int = 1,
-                 element_wise: bool | None = None, **defaults):
-        if stage not in (1, 2):
-            raise UsageError(f"ShardedOptimizer stage must be 1 (optimizer states) or 2 (and "
-                             f"gradients), not {stage!r}; ZeRO-3 shards the parameters too: "
-                             f"zero.ShardedEngine(model, group, zero_spec(3, d), make_optimizer)")
-        if not (optimizer_class in ELEMENT_WISE if element_wise is None else element_wise):
-            raise UsageError(
-                f"ShardedOptimizer updates flat slices that cut across tensors, exact only for "
-                f"element-wise optimizers ({', '.join(c.__name__ for c in ELEMENT_WISE)}); "
-                f"{getattr(optimizer_class, '__name__', optimizer_class)} may compute per-tensor "
-                f"statistics. Use torch.distributed.optim.ZeroRedundancyOptimizer (whole "
-                f"parameters per rank), or element_wise=True if each update is element by element")
-        super().__init__(params, defaults)
-        self.stage, self.group = stage, dp.resolve_group(group)
-        d = comm.size(self.group)
-        self.mesh = Mesh(GroupGrid(self.group), Spec(1, 1, d) if stage == 1 else Spec(1, d, d))
-        trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
-        for params in trainable:
-            if not params:
-                raise UsageError("ShardedOptimizer: a parameter group has no trainable parameter")
-            if len({(p.dtype, p.device) for p in params}) > 1:
-                raise UsageError("ShardedOptimizer: the parameters of one group must share a "
-                                 "dtype and a device (make one group per dtype)")
-            if any(getattr(p, "_minipar_data_parallel", False) for p in params):
-                raise UsageError("ShardedOptimizer averages the gradients itself (reduce-"
-                                 "scatter); give it the bare model's parameters, not those of a "
-                                 "dp.DataParallel, which would average them a second time")
-        self.units = [Unit(None, params, self.mesh) for params in trainable]
-        dp.broadcast_from_first([u.flat for u in self.units], self.group)
-        self.optimizer = optimizer_class([
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [u.os_param]}
-            for g, u in zip(self.param_groups, self.units)])
-        for g, inner in zip(self.param_groups, self.optimizer.param_groups):
-            for k, v in inner.items():          # the class's defaults the caller left out
-                g.setdefault(k, v)
-        self.defaults = {**self.optimizer.defaults, **defaults}
-        self._index = {id(p): i for i, p in enumerate(p for g in self.param_groups
-                                                      for p in g["params"])}
-        self._unit_of = {p: u for u in self.units for p in u.params}
-        self._views = {}                         # stage 1: each .grad a view into the flat gradient
-        for u in self.units if stage == 1 else []:
-            offset = 0
-            for p in u.params:
-                self._views[p] = u.grad_shard[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-        self._got_grad: set[int] = set()
-        self._in_backward = False
-        self.zero_grad()
-        for p in self._unit_of:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    def add_param_group(self, param_group):
-        if hasattr(self, "units"):
-            raise NotImplementedError("ShardedOptimizer: give every parameter group when it is built")
-        super().add_param_group(param_group)
-
-    # -- gradients ---------------------------------------------------------------------------
-    def _on_grad_ready(self, p: nn.Parameter):
-        self._got_grad.add(id(p))
-        if self.stage == 1:
-            return
-        if not self._in_backward:               # the first gradient of a backward pass
-            self._in_backward = True
-            for u in self.units:
-                u.ready = 0
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        u = self._unit_of[p]
-        u.ready += 1
-        if u.ready == len(u.params):
-            reduce_scatter_gradient(u, self.mesh)   # ZeRO-2: the full gradient is dropped
-
-    def _end_of_backward(self):
-        """Units that this backward reached only in part (a parameter it did not use)."""
-        self._in_backward = False
-        for u in self.units:
-            if any(p.grad is not None for p in u.params):
-                reduce_scatter_gradient(u, self.mesh)
-
-    def zero_grad(self, set_to_none: bool = True):
-        """Zero the gradients (stage 1 keeps ``.grad`` as views into the flat gradient)."""
-        for u in self.units:
-            u.grad_shard.zero_()
-            for p in u.params:
-                p.grad = self._views[p] if self.stage == 1 else None
-        self._got_grad.clear()
-        self._in_backward = False     # a backward that raised never ran its end callback
-
-    # -- the step ------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        missing = [p for p in self._unit_of if id(p) not in self._got_grad]
-        if missing:
-            raise RuntimeError(
-                f"ShardedOptimizer: {len(missing)} of {len(self._unit_of)} trainable parameters "
-                f"(shapes {[tuple(p.shape) for p in missing[:4]]}...) got no gradient since the "
-                f"last step; torch's optimizer would skip them, a flat slice cannot: leave them "
-                f"out of the optimizer or freeze them (requires_grad=False)")
-        for g, inner in zip(self.param_groups, self.optimizer.param_groups):
-            inner.update({k: v for k, v in g.items() if k != "params"})   # e.g. an LR scheduler's
-        for u in self.units:
-            if self.stage == 1:                 # a .grad someone replaced (set_to_none) comes back
-                for p in u.params:
-                    if p.grad is None:
-                        self._views[p].zero_()
-                    elif p.grad is not self._views[p]:
-                        self._views[p].copy_(p.grad)
-            elif any(p.grad is not None for p in u.params):
-                reduce_scatter_gradient(u, self.mesh)
-        sharded_optimizer_step(self.units, self.optimizer, self.mesh)
-        for u in self.units:                    # the step consumed the gradients
-            u.grad_shard.zero_()
-            for p in u.params:
-                p.grad = None
-        self._got_grad.clear()
-        return loss
-
-    # -- checkpoints in torch's layout ---------------------------------------------------------
-    def _os_offset(self, u: Unit) -> int:
-        s_p, s_g, s_os = self.mesh.spec
-        return (self.mesh.p_index * (u.N // s_p) + self.mesh.g_index * (u.N // s_g)
-                + self.mesh.os_index * (u.N // s_os))
-
-    def state_dict(self) -> dict:
-        """torch's ``Optimizer.state_dict()`` of the whole model (a collective: every rank)."""
-        state = {}
-        with comm.untracked():
-            for u in self.units:
-                mine = self.optimizer.state.get(u.os_param, {})
-                whole = {k: gather_up(v, [self.mesh.os_group, self.mesh.g_group, self.mesh.p_group])
-                         if torch.is_tensor(v) and v.dim() == 1 else v for k, v in mine.items()}
-                offset = 0
-                for p in u.params:
-                    if whole:
-                        state[self._index[id(p)]] = {
-                            k: (v[offset:offset + p.numel()].view_as(p).clone()
-                                if torch.is_tensor(v) and v.dim() == 1
-                                else v.clone() if torch.is_tensor(v) else v)
-                            for k, v in whole.items()}
-                    offset += p.numel()
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [self._index[id(p)] for p in g["params"]]} for g in self.param_groups]
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load torch's layout (from ``state_dict()`` here, or from a plain torch optimizer)."""
-        saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("load_state_dict: the saved parameter groups do not match this "
-                             "optimizer's (their number or their sizes differ)")
-        index = {}
-        for g, inner, saved in zip(self.param_groups, self.optimizer.param_groups, saved_groups):
-            hyper = {k: v for k, v in saved.items() if k != "params"}
-            g.update(hyper)
-            inner.update(hyper)
-            index.update({id(p): i for p, i in zip(g["params"], saved["params"])})
-        for u in self.units:
-            per = [state_dict["state"].get(index[id(p)]) for p in u.params]
-            if all(s is None for s in per):
-                self.optimizer.state.pop(u.os_param, None)
-                continue
-            if any(s is None for s in per):
-                raise ValueError("load_state_dict: state for some parameters of a group but not all")
-            n_os, start = u.os_param.numel(), self._os_offset(u)
-            mine = {}
-            for k, v in per[0].items():
-                if self._per_element(k, [s[k] for s in per], u.params):
-                    flat = torch.cat([s[k].reshape(-1).to(u.flat.device) for s in per]
-                                     + [per[0][k].new_zeros(u.N - u.numel).to(u.flat.device)])
-                    mine[k] = flat[start:start + n_os].clone()
-                else:
-                    mine[k] = v.clone() if torch.is_tensor(v) else v
-            self.optimizer.state[u.os_param] = mine
-
-    @staticmethod
-    def _per_element(key, values, params) -> bool:
-        if not all(torch.is_tensor(v) and v.shape == p.shape for v, p in zip(values, params)):
-            return False
-        return any(p.dim() > 0 for p in params) or key not in _SCALAR_STATE
-
+from .zero_optimizer import ELEMENT_WISE, ShardedOptimizer  # noqa: E402,F401  (re-exported)
