@@ -7,7 +7,8 @@ replica takes the same step and stays identical.
 1. ``naive``: after backward, one all-reduce per parameter tensor. Many small messages:
    each pays the collective's latency.
 2. ``bucketed``: gradients live in a few flat buffers (``param.grad`` is a view into one),
-   so one all-reduce per bucket of ``bucket_mb`` megabytes replaces dozens of small ones.
+   so one all-reduce per bucket of ``bucket_mb`` MiB replaces dozens of small ones
+   (``bucket_mb=None``: DDP's default bucket, 25 MiB; 0: one bucket per parameter).
 3. ``overlapped``: a hook fires when a parameter's gradient is final; once every gradient
    of a bucket is final, that bucket's all-reduce starts asynchronously while backward goes
    on computing the earlier layers' gradients. Buckets start in order (as DDP's), so every
@@ -41,7 +42,8 @@ Use it like torch's ``DistributedDataParallel`` (any ``nn.Module``, any optimize
 What it shares with DDP: it is an ``nn.Module`` whose forward is the wrapped module's;
 ``group=None`` is the whole world (``comm.SOLO``: a group of one); the first rank's parameters
 and buffers are broadcast when it is built; the synchronisation finishes by the end of each
-backward pass run outside ``no_sync()`` (a callback queued on autograd's engine); a backward
+backward pass run outside ``no_sync()`` (a callback queued on autograd's engine; every
+all-reduce it started is waited on and released by then, so no async work outlives it); a backward
 inside ``no_sync()`` only accumulates, and stepping an optimizer over gradients that were
 accumulated but not averaged raises instead of silently using them. Where it differs:
 ``state_dict()``/``load_state_dict()``/``named_parameters()`` use the wrapped module's names

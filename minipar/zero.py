@@ -94,15 +94,20 @@ gathers the parameters again, 2 m all-gathers per step: that is why Megatron-Dee
 pairs pipelines with ZeRO-1, whose traffic does not grow with m.
 
 MoE experts (``minipar.moe``) differ from one expert-parallel rank to the next, so they stay
-out of the shards: parameters tagged with ``p.grad_group`` are kept whole, as in plain DP,
-summed over that group (the expert's replicas) at the step and divided by d.
+out of the shards (``units_of``'s ``exclude``): kept whole, as in plain DP, summed over their
+own group (the expert's replicas) at the step and divided by d.
 
 The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
 ``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``,
 ``flat_ranges()`` and ``sync_params()`` (for clipping and checkpoints).
 
-Outside the trainer, on any model in a plain loop (group=None: the whole world; rank 0's
-parameters are broadcast first, so ranks may start from different seeds)::
+What lives where: ``minipar.shard`` holds the mechanics (the spec, the shard mesh, ``units_of``
+and the flat ``Unit`` buffers); this module the collectives of one step (``sharded_optimizer_step``,
+``reduce_scatter_gradient``), ``ShardedUnits`` (the gather/free/reduce hooks of P and G
+sharding) and the engine built on it. Two more owners use the same code outside the trainer:
+``minipar.fsdp.fully_shard`` (ZeRO-3 as an nn.Module with FSDP2's contract: ``ShardedUnits`` at
+(d, d, d), any optimizer built afterwards) and ``minipar.zero_optimizer.ShardedOptimizer``
+(ZeRO-1/2 shaped like a torch optimizer, re-exported here)::
 
     opt = zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
     for x, y in batches:                     # ZeRO-1/2: a torch optimizer's shape
@@ -110,11 +115,11 @@ parameters are broadcast first, so ranks may start from different seeds)::
         loss_fn(net(x), y).backward()        # stage 2: gradients reduce-scattered here
         opt.step()                           # stage 1: here; then the all-gather
 
-    engine = zero.ShardedEngine(net, None, zero.zero_spec(3, d), lambda ps: torch.optim.AdamW(ps))
-    ...  engine.zero_grad(); loss_fn(net(x), y).backward(); engine.step()     # ZeRO-3
+    model = fsdp.fully_shard(net)            # ZeRO-3: FSDP2's shape
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)      # steps this rank's shards
 
-``ShardedOptimizer`` makes one unit per parameter group; the engine one per child module
-that owns parameters (``units_of``: or a list, or a policy).
+``ShardedOptimizer`` makes one unit per parameter group; the engine and ``fully_shard`` one per
+child module that owns parameters (``units_of``: or a list, or a policy).
 """
 from __future__ import annotations
 
