@@ -22,7 +22,7 @@ solution is the package's own code, so peek only when stuck.
 from minipar.zero import *  # noqa: F401,F403  everything else, as the package has it
 
 
-def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, mesh: Mesh):
+def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, mesh: ShardMesh):
     """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates.
 
     With s_g = 1 (ZeRO-1) ``grad_shard`` is the whole local gradient, so the reduce-scatter

@@ -21,7 +21,7 @@ solution is the package's own code, so peek only when stuck.
 from minipar.zero import *  # noqa: F401,F403  everything else, as the package has it
 
 
-def reduce_scatter_gradient(u: Unit, mesh: Mesh) -> None:
+def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
     """Add the unit's full gradient, summed over the G group, into this rank's G shard.
 
     The G group is zero_p x zero_g; reduce-scattering over zero_p and then zero_g sends the

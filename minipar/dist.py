@@ -11,10 +11,8 @@ Three ways in, one result (an initialised default process group):
   master is the first host of the node list (this is how minipar runs on Frontier's MI250X
   nodes, where the NCCL backend is RCCL).
 
-The process grid lays the world out as ``torch.arange(world).view(dp, pp, tp)``: the ranks of
-one tensor-parallel group are adjacent (on one node, as the Frontier study advises), then
-the pipeline stages, and data parallelism is outermost. Every paradigm gets its process
-group from the same ``Grid``.
+The process grid is ``minipar.mesh.Mesh`` (named axes dp, pp, cp, tp and the derived ep, edp,
+dp_cp); ``Grid`` is its old name, kept with its old attributes (``dp_group``, ``tp_rank``, ...).
 """
 from __future__ import annotations
 
@@ -224,73 +222,9 @@ def new_group(ranks: list[int]):
 
 
 # --------------------------------------------------------------------------------------
-# The process grid
+# The process grid: minipar.mesh.Mesh under its first name
 # --------------------------------------------------------------------------------------
-class Grid:
-    """The (dp, pp, tp) layout of the world and one process group per axis.
-
-    ``ranks[d, p, t]`` is the global rank at data-parallel index d, stage p, tensor index t.
-    Every rank creates every group (torch.distributed requires that) and keeps its own.
-    Without an initialised process group (a single process) every group is ``None`` and
-    every size is 1, so the serial code path needs no special case.
-    """
-
-    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1):
-        self.dp, self.pp, self.tp = dp, pp, tp
-        world = dp * pp * tp
-        self.distributed = dist.is_initialized()
-        actual = dist.get_world_size() if self.distributed else 1
-        if world != actual:
-            raise UsageError(f"grid dp={dp} x pp={pp} x tp={tp} = {world} ranks, but the world "
-                             f"has {actual}; make dp*pp*tp equal the number of processes")
-        self.ranks = torch.arange(world).view(dp, pp, tp)
-        self.rank = dist.get_rank() if self.distributed else 0
-        coords = (self.ranks == self.rank).nonzero()[0].tolist()
-        self.dp_rank, self.pp_rank, self.tp_rank = coords
-        # One group per line of the grid along each axis; this rank keeps the one it is on.
-        self.tp_group = self._axis_group(self.ranks.reshape(-1, tp), "tp")
-        self.pp_group = self._axis_group(self.ranks.permute(0, 2, 1).reshape(-1, pp), "pp")
-        self.dp_group = self._axis_group(self.ranks.permute(1, 2, 0).reshape(-1, dp), "dp")
-        self.dp_ranks = self.ranks[:, self.pp_rank, self.tp_rank].tolist()
-        self.pp_ranks = self.ranks[self.dp_rank, :, self.tp_rank].tolist()
-        self.tp_ranks = self.ranks[self.dp_rank, self.pp_rank, :].tolist()
-
-    def _axis_group(self, lines: torch.Tensor, name: str):
-        return self.new_groups(lines.tolist(), name)
-
-    def new_groups(self, rank_lists: list[list[int]], name: str):
-        """Create one group per list (collectively, on every rank); return the one holding us.
-
-        Used by the grid axes and by paradigms that need finer groups (AMSP's shard groups).
-        """
-        from . import comm
-        if not self.distributed:
-            return None
-        mine = None
-        for ranks in rank_lists:
-            g = new_group(ranks) if len(ranks) > 1 else None
-            if self.rank in ranks:
-                mine = g
-                if g is not None:
-                    comm.name_group(g, name, ranks)
-        return mine
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    def stage_rank(self, stage: int) -> int:
-        """Global rank of pipeline stage ``stage`` on this rank's (dp, tp) line."""
-        return self.pp_ranks[stage % self.pp]
-
-    def __repr__(self):
-        return (f"Grid(dp={self.dp}, pp={self.pp}, tp={self.tp}; rank {self.rank} at "
-                f"dp={self.dp_rank} pp={self.pp_rank} tp={self.tp_rank})")
-
+from .mesh import Mesh as Grid  # noqa: E402  (mesh imports new_group from here, lazily)
 
 # --------------------------------------------------------------------------------------
 # The local launcher

@@ -236,18 +236,28 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every expert's parameters (found by module structure: ``MoE.experts``), in model order.
+    The router and everything else is dense. ``minipar.groups`` builds the reduce groups from it."""
+    return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
+
+
 def expert_parallel(model: nn.Module, grid, ep: int) -> nn.Module:
     """Split every MoE layer's experts over EP groups of ``ep`` consecutive DP ranks.
 
-    Every rank keeps experts [i E/ep, (i+1) E/ep) where i is its position in its EP group,
-    and tags them with ``p.grad_group`` = its replica group (the same position in the other
-    EP groups), over which the DP/ZeRO engines sum their gradients. ``ep`` = 1 changes
-    nothing (every rank keeps every expert, reduced over the whole DP group).
+    Every rank keeps experts [i E/ep, (i+1) E/ep) where i is its ``ep`` coordinate on the mesh
+    (``minipar.mesh``); an expert's gradient is summed over the ``edp`` axis (the same position
+    in the other EP groups), see ``minipar.groups``. ``ep`` = 1 changes nothing (every rank keeps
+    every expert, reduced over the whole DP group). ``grid`` is a ``minipar.mesh.Mesh``; one
+    built with another ``ep`` gets the EP groups made here.
     """
-    lines = rearrange(grid.ranks, "d pp tp -> (pp tp) d")
-    ep_group = grid.new_groups(rearrange(lines, "l (r e) -> (l r) e", e=ep).tolist(), "ep")
-    replicas = grid.new_groups(rearrange(lines, "l (r e) -> (l e) r", e=ep).tolist(),
-                               "ep_replica")
+    from .mesh import axis_lines
+    if grid.ep == ep:
+        ep_group, replicas = grid.group("ep"), grid.group("edp")
+    else:
+        lines = axis_lines(grid.dp, grid.pp, grid.cp, grid.tp, ep)
+        ep_group = grid.new_groups(lines["ep"].tolist(), "ep")
+        replicas = grid.new_groups(lines["edp"].tolist(), "edp")
     position = grid.dp_rank % ep
     for layer in moe_layers(model):
         layer.ep_group = ep_group

@@ -29,9 +29,133 @@ one: ``step()``, ``zero_grad()``, ``param_groups`` (a learning-rate schedule set
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------
+# The policy: what every engine is told about dtypes, as one value
+# --------------------------------------------------------------------------------------
+class DynamicLossScaler:
+    """Dynamic loss scaling (Micikevicius et al. 2018; torch's ``GradScaler``, Megatron-LM's
+    ``DynamicGradScaler``): fp16's smallest normal number is 6e-5, so small gradients flush to
+    zero unless the loss, and with it every gradient, is multiplied by ``scale`` first.
+
+    Each step: backward of ``loss * scale``; ``unscale_`` divides the gradients by ``scale``
+    and reports a local non-finite flag; the flag is reduced over the world
+    (``found_inf_anywhere``); ``update``: an overflow skips the step and multiplies the
+    scale by ``backoff_factor``; ``growth_interval`` clean steps in a row multiply it by
+    ``growth_factor``. ``skipped_steps`` counts the skipped ones.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        if not (math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
+        if not (growth_factor > 1 and 0 < backoff_factor < 1):
+            raise ValueError("growth_factor must be > 1 and backoff_factor in (0, 1)")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval must be a whole number >= 1, got {growth_interval}")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.growth_tracker = 0          # clean steps since the last change of scale
+        self.skipped_steps = 0
+
+    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide ``grads`` by the scale in place; return this rank's found-inf flag, a 1-element
+        fp32 tensor (1.0: some gradient here is inf or NaN) on the gradients' device."""
+        grads = [g for g in grads if g is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        found = torch.zeros(1, device=device)
+        inv = torch.full((1,), 1.0 / self.scale, device=device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():        # the fused kernel takes one dtype per call
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
+        return found
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            self.skipped_steps += 1
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict:
+        return dict(scale=self.scale, growth_factor=self.growth_factor,
+                    backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
+                    growth_tracker=self.growth_tracker, skipped_steps=self.skipped_steps)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def __repr__(self):
+        return (f"DynamicLossScaler(scale={self.scale:g}, growth_interval={self.growth_interval}, "
+                f"skipped_steps={self.skipped_steps})")
+
+
+def found_inf_anywhere(local_flag) -> bool:
+    """True when any rank of the world found a non-finite gradient: one max all-reduce of a
+    4-byte flag over the whole world, so every rank (TP, PP, EP, ZeRO shards: each holds
+    different gradients) skips the same step. Like the metrics' scalars, it is not counted in
+    ``comm_bytes`` (it is not part of any paradigm's volume formula)."""
+    from . import comm
+    value = float(local_flag) if not torch.is_tensor(local_flag) else float(local_flag.max())
+    return comm.all_reduce_scalars([value], comm.WORLD, op="max")[0] > 0
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The dtypes a run computes, reduces and updates in, and its loss scaler (or None).
+
+    ============  ===========  ============  ============  ======================
+    name          param_dtype  reduce_dtype  master_dtype  loss_scaler
+    ============  ===========  ============  ============  ======================
+    ``fp32``      fp32         fp32          fp32          None
+    ``bf16``      bf16         fp32 or bf16  fp32          None (bf16 has fp32's range)
+    ``fp16``      fp16         fp32 or fp16  fp32          ``DynamicLossScaler``
+    ============  ===========  ============  ============  ======================
+
+    ``param_dtype`` is also the compute dtype (the model itself is cast; no autocast).
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype = torch.float32
+    loss_scaler: DynamicLossScaler | None = None
+
+    @classmethod
+    def from_name(cls, name: str, reduce: str | None = None, loss_scale_init: float = 2.0**16,
+                  loss_scale_window: int = 2000) -> "PrecisionPolicy":
+        """``fp32``, ``bf16`` or ``fp16``; ``reduce`` names the reduce dtype (default fp32)."""
+        if name not in DTYPES:
+            raise ValueError(f"unknown precision {name!r}; choose {', '.join(DTYPES)}")
+        param = DTYPES[name]
+        reduce_dtype = DTYPES[reduce or "fp32"] if name != "fp32" else torch.float32
+        scaler = (DynamicLossScaler(loss_scale_init, growth_interval=loss_scale_window)
+                  if name == "fp16" else None)
+        return cls(param, reduce_dtype, torch.float32, scaler)
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit parameters updated through fp32 masters."""
+        return self.param_dtype != self.master_dtype
+
+    @property
+    def name(self) -> str:
+        return {v: k for k, v in DTYPES.items()}[self.param_dtype]
 
 
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

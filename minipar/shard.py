@@ -65,7 +65,7 @@ class ShardMesh:
         self.spec, self.d = spec, grid.dp
         s_p, s_g, s_os = spec
         sizes = dict(rep=self.d // s_os, o=s_os // s_g, g=s_g // s_p, p=s_p)
-        lines = rearrange(grid.ranks, "d pp tp -> (pp tp) d")
+        lines = grid.lines("dp")
         axes = "l (rep o g p)"
         self.p_group = grid.new_groups(
             rearrange(lines, f"{axes} -> (l rep o g) p", **sizes).tolist(), "zero_p")
@@ -95,14 +95,17 @@ class GroupGrid:
         self.dp_group = group
         ranks = comm.global_ranks(group)
         self.dp, self.dp_rank = len(ranks), comm.rank(group)
-        self.ranks = torch.tensor(ranks).view(-1, 1, 1)
+        self.line = torch.tensor(ranks).view(1, -1)
+
+    def lines(self, axis: str) -> torch.Tensor:    # what ShardMesh reads: the one dp line
+        return self.line
 
     def new_groups(self, rank_lists: list[list[int]], name: str):
         me = comm.global_ranks(None)[0]
         mine = next(ranks for ranks in rank_lists if me in ranks)
         if len(mine) == 1:
             return None
-        if sorted(mine) == sorted(self.ranks.flatten().tolist()):
+        if sorted(mine) == sorted(self.line.flatten().tolist()):
             return self.dp_group
         if self.dp != tdist.get_world_size():
             raise UsageError(f"the shard group {name} ({len(mine)} of the group's {self.dp} "

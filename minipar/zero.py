@@ -134,8 +134,6 @@ from .shard import (GroupGrid, ShardMesh, Spec, Unit, all_gather_in_place, alloc
                     as_grid, free_storage, gather_up, parse_shard, reduce_scatter_down,
                     spec_violation, storage_bytes, units_of, zero_spec)
 
-Mesh = ShardMesh   # the name it had before the process mesh took it (``minipar.mesh``)
-
 
 # --------------------------------------------------------------------------------------
 # OS sharding (ZeRO-1): each rank updates its slice, then the slices are all-gathered
