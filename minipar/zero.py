@@ -126,9 +126,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
-from . import comm, dp
+from . import comm, dist, dp
 from .dp import optimizer_state_bytes
+from .groups import ParamGroup, param_groups
+from .precision import MixedPrecision, PrecisionPolicy, found_inf_anywhere
 from .errors import UsageError
 from .shard import (GroupGrid, ShardMesh, Spec, Unit, all_gather_in_place, alloc_storage,  # noqa: F401
                     as_grid, free_storage, gather_up, parse_shard, reduce_scatter_down,
@@ -278,6 +281,27 @@ class ShardedUnits:
             u.ready = 0
 
 
+class _UnscaledStep:
+    """fp16 loss scaling at the engine's step: what ``sharded_optimizer_step`` calls in place of
+    ``optimizer.step()``, once every gradient is averaged (the OS shards, fp32 under an fp32
+    ``reduce_dtype``, and the experts). It divides them by the loss scale, reduces one found-inf
+    flag over the whole world (``precision.found_inf_anywhere``: every rank, whatever shard it
+    holds, skips the same step), updates the scale and steps only when every gradient is
+    finite. A skipped step still all-gathers (the unchanged) shards: the collectives stay the
+    same on every rank and every step. The caller multiplies the loss by ``loss_scaler.scale``."""
+
+    def __init__(self, engine: "ShardedEngine"):
+        self.engine = engine
+
+    def step(self):
+        e = self.engine
+        grads = [u.os_grad for u in e.units] + [p.grad for p in e.tagged]
+        found_inf = found_inf_anywhere(e.loss_scaler.unscale_(grads))
+        e.loss_scaler.update(found_inf)
+        if not found_inf:
+            e.optimizer.step()
+
+
 # --------------------------------------------------------------------------------------
 # The engine: the trainer's ZeRO/AMSP, (s_p, s_g, s_os) with its own optimizer
 # --------------------------------------------------------------------------------------
@@ -293,8 +317,12 @@ class ShardedEngine(ShardedUnits):
     """
 
     def __init__(self, module: nn.Module, grid, spec: Spec, make_optimizer,
-                 prefetch: bool = True, units=None, reduce_dtype: torch.dtype | None = None):
+                 prefetch: bool = True, units=None, reduce_dtype: torch.dtype | None = None,
+                 groups: list[ParamGroup] | None = None, policy: PrecisionPolicy | None = None):
         grid = as_grid(grid)
+        self.loss_scaler = None if policy is None else policy.loss_scaler
+        if policy is not None and policy.mixed:
+            reduce_dtype = policy.reduce_dtype
         spec = Spec(*spec)
         reason = spec_violation(spec, grid.dp)
         if reason:
@@ -302,12 +330,19 @@ class ShardedEngine(ShardedUnits):
         dp.broadcast_module(module, grid.dp_group)
         mesh = ShardMesh(grid, spec)
         # a wider dtype to reduce gradients in than the parameters' own (None: their own)
-        if reduce_dtype is not None and (mesh.d == 1 or all(
+        # (kept on one rank under loss scaling: the fp32 copy is where the grads are unscaled)
+        if reduce_dtype is not None and ((mesh.d == 1 and self.loss_scaler is None) or all(
                 p.dtype == reduce_dtype for p in module.parameters())):
             reduce_dtype = None
         self.reduce_dtype = reduce_dtype
-        # -- MoE: experts (tagged with their own reduction group) stay whole, as in plain DP
-        self.tagged = [p for p in module.parameters() if hasattr(p, "grad_group")]
+        # -- parameter groups (``minipar.groups``): the one reduced over the data-parallel axis
+        # is sharded; any other (MoE experts, over ``edp``) stays whole, as in plain DP
+        if groups is None:
+            groups = (param_groups(module, grid) if isinstance(grid, dist.Grid) else
+                      [ParamGroup("dense", [p for p in module.parameters() if p.requires_grad],
+                                  "dp_cp", grid.dp_group, grid.dp)])
+        self.whole = [g for g in groups if g.reduce_axis != "dp_cp"]
+        self.tagged = [p for g in self.whole for p in g.params]
         super().__init__(module, mesh, units, prefetch, reduce_dtype,
                          reduce_each_backward=spec.g > 1, exclude=self.tagged)
         self.optimizer = make_optimizer([u.os_param for u in self.units] + self.tagged)
@@ -344,19 +379,25 @@ class ShardedEngine(ShardedUnits):
         for u in self.units:
             if self.spec.g > 1 and storage_bytes(u.grad_shard) == 0:
                 self.reduce(u)                  # a unit no backward reached
-        for p in self.tagged:                   # MoE experts: sum over their replicas, / d
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, p.grad_group)
-            p.grad.div_(self.mesh.d)
+        for g in self.whole:                    # MoE experts: sum over their replicas, / d
+            for p in g.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                comm.all_reduce(p.grad, g.group)
+                p.grad.div_(g.divisor)
+        optimizer = self.optimizer if self.loss_scaler is None else _UnscaledStep(self)
         if self.reduce_dtype is None:
-            sharded_optimizer_step(self.units, self.optimizer, self.mesh)
+            sharded_optimizer_step(self.units, optimizer, self.mesh)
             return
         for u in self.units:
             u.widen()
-        sharded_optimizer_step(self.units, self.optimizer, self.mesh)
+        sharded_optimizer_step(self.units, optimizer, self.mesh)
         for u in self.units:
             u.narrow()
+
+    @property
+    def skipped_steps(self) -> int:
+        return 0 if self.loss_scaler is None else self.loss_scaler.skipped_steps
 
     def model_state_bytes(self) -> dict[str, int]:
         """Storage this rank holds now (between steps: only the shards the spec keeps)."""
@@ -402,14 +443,16 @@ class ShardedEngine(ShardedUnits):
         s_p, s_g, s_os = self.spec
         names = {p: n for n, p in self.module.named_parameters()}
         owner = comm.rank(self.mesh.rep_group) == 0
+        masters = self._masters()
         out = []
         for u in self.units:
             # the OS shard is chunk os of chunk g of chunk p of the unit's flat buffer
             lo = (self.mesh.p_index * (u.N // s_p) + self.mesh.g_index * (u.N // s_g)
                   + self.mesh.os_index * (u.N // s_os))
             hi = lo + u.N // s_os
-            flat = {"param": u.os_param.detach(), "grad": u.os_grad}
-            flat.update({k: v for k, v in self.optimizer.state.get(u.os_param, {}).items()
+            param = masters.get(u.os_param, u.os_param)      # mixed precision: the fp32 master
+            flat = {"param": param.detach(), "grad": u.os_grad}
+            flat.update({k: v for k, v in self.optimizer.state.get(param, {}).items()
                          if torch.is_tensor(v) and v.numel() == u.os_param.numel()})
             offset = 0
             for p in u.params:
@@ -418,18 +461,33 @@ class ShardedEngine(ShardedUnits):
                     out.append((names[p], p.shape, a - offset,
                                 {k: v[a - lo:b - lo] for k, v in flat.items()}, owner))
                 offset += p.numel()
-        for p in self.tagged:       # MoE experts: whole, owned by the first of their replicas
-            views = {"param": p.detach().view(-1)}
-            if p.grad is not None:
-                views["grad"] = p.grad.view(-1)
-            views.update({k: v.view(-1) for k, v in self.optimizer.state.get(p, {}).items()
-                          if torch.is_tensor(v) and v.numel() == p.numel()})
-            out.append((names[p], p.shape, 0, views, comm.rank(p.grad_group) == 0))
+        for g in self.whole:        # MoE experts: whole, owned by the first of their replicas
+            for p in g.params:
+                param = masters.get(p, p)
+                views = {"param": param.detach().view(-1)}
+                if p.grad is not None:
+                    views["grad"] = p.grad.view(-1)
+                views.update({k: v.view(-1) for k, v in self.optimizer.state.get(param, {}).items()
+                              if torch.is_tensor(v) and v.numel() == p.numel()})
+                out.append((names[p], p.shape, 0, views, comm.rank(g.group) == 0))
         return out
 
+    def _masters(self):
+        """Under mixed precision (``precision.MixedPrecision``) the fp32 master of each tensor
+        the optimizer updates (an OS shard, an expert): what a checkpoint saves and loads, what
+        weight decay scales. Empty in fp32, where the tensors are their own masters."""
+        opt = self.optimizer
+        if not isinstance(opt, MixedPrecision):
+            return WeakIdKeyDictionary()
+        return WeakIdKeyDictionary(zip(opt.params, opt.masters))
+
     def sync_params(self):
-        """After the OS shards of the parameters were set outside ``step()`` (a checkpoint):
-        gather them up into every rank's P shard, as the end of a step does."""
+        """After the OS shards of the parameters were set outside ``step()`` (a checkpoint: the
+        fp32 masters under mixed precision, rounded into the 16-bit shards here): gather them
+        up into every rank's P shard, as the end of a step does."""
+        with torch.no_grad():
+            for p, m in self._masters().items():
+                p.copy_(m)
         for u in self.units:
             all_gather_in_place(u.g_slice, self.mesh.os_group)
             all_gather_in_place(u.p_shard, self.mesh.g_group)

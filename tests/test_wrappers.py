@@ -508,3 +508,47 @@ def test_clipping_the_wrong_tensor_raises():
         assert "None" in out["wrong zero2"] and "opt.clip_grad_norm_" in out["wrong zero2"]
         assert "not the average" in out["wrong zero1"]
         assert "not averaged" in out["wrong no_sync"]
+
+
+# --------------------------------------------------------------------------------------
+# The trainer's engine under fp16: loss scaling, and a step skipped on every rank
+# --------------------------------------------------------------------------------------
+def _engine_fp16_runs():
+    from minipar.precision import DynamicLossScaler, MixedPrecision, PrecisionPolicy
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    out = {}
+    for spec in ((1, 1, d), (d, d, d)):
+        model = make("mlp", SEED + r).to(torch.float16)
+        scaler = DynamicLossScaler(init_scale=1024.0)
+        engine = zero.ShardedEngine(model, None, spec, lambda ps: MixedPrecision(ps, adamw),
+                                    policy=PrecisionPolicy(torch.float16, torch.float32,
+                                                           torch.float32, scaler))
+        for step in range(STEPS + 1):
+            x, y = batch("mlp", step)
+            engine.zero_grad()
+            loss = loss_fn("mlp", model(x.chunk(d)[r].half()).float(), y.chunk(d)[r])
+            if step == STEPS and r == 1:
+                loss = loss * float("inf")          # this rank alone overflows
+            (loss * scaler.scale).backward()
+            if step == STEPS:
+                before = {n: p for n, (p, _) in engine.full_named_parameters().items()}
+                before = {n: p.clone() for n, p in before.items()}
+                out[(spec, "trained")] = before
+            engine.step()
+        after = {n: p.clone() for n, (p, _) in engine.full_named_parameters().items()}
+        out[(spec, "after overflow")] = after
+        out[(spec, "scaler")] = (engine.skipped_steps, scaler.scale)
+    return out
+
+
+@pytest.mark.parametrize("spec", ["zero1", "zero3"])
+def test_engine_fp16_loss_scaling_trains_like_serial_and_skips_overflow_everywhere(spec):
+    ref = serial_mixed("mlp", 1, "fp16")
+    theta0 = params_of(make("mlp", SEED))
+    key = (1, 1, D) if spec == "zero1" else (D, D, D)
+    for rank_out in launched("engine-fp16", _engine_fp16_runs):
+        got = {n: v.float() for n, v in rank_out[(key, "trained")].items()}
+        assert _distance(got, ref) <= 0.05 * _distance(ref, theta0)
+        # rank 1's inf skipped the step on both ranks: nothing moved, the scale backed off
+        assert_close(rank_out[(key, "after overflow")], rank_out[(key, "trained")], tol=0)
+        assert rank_out[(key, "scaler")] == (1, 512.0)
