@@ -9,7 +9,7 @@ of its own 1/d only. The optimizer is any torch optimizer, built afterwards over
 ``model.parameters()``, which are this rank's shards: it updates 1/d of the model.
 
 This is the trainer's ZeRO-3 engine (``zero.ShardedEngine``) without its optimizer: the same
-``shard.Unit`` buffers and ``zero.ShardedUnits`` hooks, at the point (s_p, s_g, s_os) =
+``shard.Unit`` buffers and ``shard.ShardedUnits`` hooks, at the point (s_p, s_g, s_os) =
 (d, d, d), over one group. What it adds is FSDP2's surface::
 
     model = fsdp.fully_shard(Net(), mp_policy=precision.PrecisionPolicy(torch.bfloat16))
@@ -70,8 +70,8 @@ from torch.utils._pytree import tree_map
 
 from . import comm, dp, optim
 from .errors import UsageError
-from .shard import GroupGrid, ShardMesh, Spec, Unit, gather_up, reduce_scatter_down
-from .zero import ShardedUnits
+from .shard import (GroupGrid, ShardedUnits, ShardMesh, Spec, Unit, gather_up,
+                    reduce_scatter_down)
 
 
 def fully_shard(module: nn.Module, group=None, units=None, mp_policy=None,

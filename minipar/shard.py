@@ -10,7 +10,10 @@ four of its points) and runs it; this module holds the pieces it is built from:
 * ``Unit``: one unit's state as flat padded buffers, cut like the mesh, so that every collective
   works on whole chunks in rank order (the OS shard lies inside the G shard, inside the P shard);
 * ``reduce_scatter_down`` / ``gather_up`` / ``all_gather_in_place``: collectives over the mesh's
-  groups in turn.
+  groups in turn;
+* ``ShardedUnits``: the hooks that move the units (P sharding's gather before use and free
+  after, G sharding's reduce once backward is done with a unit), shared by the trainer's
+  engine (``zero.ShardedEngine``) and the FSDP-shaped wrapper (``fsdp.fully_shard``).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 from einops import rearrange
+from torch.utils._pytree import tree_leaves
 
 from . import comm, dist, dp, sharding
 from .errors import UsageError
@@ -323,3 +327,102 @@ def gather_up(x: torch.Tensor, groups) -> torch.Tensor:
             comm.all_gather(out, x, group)
             x = out
     return x
+
+
+# --------------------------------------------------------------------------------------
+# P sharding (ZeRO-3): gather before use, free after, with hooks. Shared by the trainer's
+# engine (``zero.ShardedEngine``) and the FSDP-shaped wrapper (``minipar.fsdp``): the same code, two owners.
+# --------------------------------------------------------------------------------------
+class ShardedUnits:
+    """A module's units (``units_of``) as flat ``Unit`` buffers over ``mesh``, and the hooks that
+    move them: with s_p > 1 each unit is all-gathered before its forward and again before its
+    backward and freed after each (``prefetch``: the next unit's gather starts while this one
+    computes); once backward is done with a unit, ``reduce(u)`` runs (every backward pass when
+    ``reduce_each_backward``, else the owner reduces at its step).
+
+    ``dtype`` the units' compute dtype and ``grad_dtype`` the G shard's (None: the parameters');
+    ``exclude`` parameters stay outside the units (MoE experts, replicated). The owner
+    subclasses ``reduce``: the engine sums into the G shard and divides at its step, the
+    FSDP-shaped wrapper (``minipar.fsdp``) averages into each shard's ``.grad``.
+    """
+
+    def __init__(self, module: nn.Module, mesh: ShardMesh, units=None, prefetch: bool = True,
+                 reduce_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
+                 reduce_each_backward: bool = False, exclude=(), dtype: torch.dtype | None = None):
+        self.module, self.mesh, self.spec, self.prefetch = module, mesh, mesh.spec, prefetch
+        self.reduce_each_backward = reduce_each_backward
+        self.units = [Unit(m, params, mesh, reduce_dtype, grad_dtype, dtype)
+                      for m, params in units_of(module, units, exclude)]
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in self._unit_of]
+        if self.spec.p > 1:
+            for u in self.units:
+                self._hooks.append(u.module.register_forward_pre_hook(
+                    lambda m, args, u=u: self._pre_forward(u)))
+                self._hooks.append(u.module.register_forward_hook(
+                    lambda m, args, out, u=u: self._post_forward(u, out)))
+
+    # -- the unit's full parameters exist only while it computes ------------------------------
+    def _gather(self, u: Unit, wait: bool = True):
+        if u.handle is None and storage_bytes(u.flat) == 0:
+            alloc_storage(u.flat)
+            u.handle = comm.all_gather(u.flat, u.p_shard, self.mesh.p_group, async_op=True)
+        if wait and u.handle is not None:
+            u.handle.wait()
+            u.handle = None
+
+    def _free(self, u: Unit):
+        if u.handle is not None:
+            u.handle.wait()
+            u.handle = None
+        free_storage(u.flat)
+
+    def _neighbour(self, u: Unit, step: int) -> Unit | None:
+        k = self.units.index(u) + step
+        return self.units[k] if 0 <= k < len(self.units) else None
+
+    def _pre_forward(self, u: Unit):
+        self._gather(u)
+        nxt = self._neighbour(u, +1)
+        if self.prefetch and nxt is not None:
+            self._gather(nxt, wait=False)     # overlaps with this unit's forward
+
+    def _post_forward(self, u: Unit, out):
+        self._free(u)
+        if torch.is_grad_enabled():
+            # the gradient of the unit's output arrives just before the unit's backward
+            for t in tree_leaves(out):     # a tensor, or tensors in tuples, lists, dicts
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
+
+    def _pre_backward(self, u: Unit):
+        self._gather(u)
+        prev = self._neighbour(u, -1)
+        if self.prefetch and prev is not None:
+            self._gather(prev, wait=False)    # overlaps with this unit's backward
+
+    # -- the unit's backward is done once every parameter's gradient has accumulated ----------
+    def _on_grad_ready(self, p: nn.Parameter):
+        u = self._unit_of[p]
+        u.ready += 1
+        if u.ready % len(u.params):
+            return
+        if self.spec.p > 1:
+            self._free(u)
+        if self.reduce_each_backward:
+            self.reduce(u)                   # every micro-batch: full grads never pile up
+
+    def reduce(self, u: Unit):
+        raise NotImplementedError
+
+    def settle(self):
+        """End of a backward pass or a step: reduce the units whose backward never finished
+        (a parameter it did not use), and wait on and release every gather still in flight
+        (a prefetch nobody used), so no async work outlives the sync."""
+        for u in self.units:
+            if self.spec.p > 1:
+                self._free(u)
+            if self.reduce_each_backward and any(p.grad is not None for p in u.params):
+                self.reduce(u)
+            u.ready = 0

@@ -94,17 +94,28 @@ gathers the parameters again, 2 m all-gathers per step: that is why Megatron-Dee
 pairs pipelines with ZeRO-1, whose traffic does not grow with m.
 
 MoE experts (``minipar.moe``) differ from one expert-parallel rank to the next, so they stay
-out of the shards (``units_of``'s ``exclude``): kept whole, as in plain DP, summed over their
-own group (the expert's replicas) at the step and divided by d.
+out of the shards: the engine takes the parameter groups (``minipar.groups``: ``dense`` over
+the data-parallel axis is sharded, ``expert`` over ``edp`` is not) and keeps the experts whole,
+as in plain DP, summed over their own group (the expert's replicas) at the step, in
+``reduce_dtype``, and divided by d. Under bf16/fp16 their fp32 masters sit in the optimizer
+beside the OS shards' (``MixedPrecision`` over both), so checkpoints and weight decay see them.
+(The trainer still refuses MoE under ZeRO in bf16: with ``--ep 2 --zero 1`` its loss after the
+first step is 6.7e-3 off the bf16 serial run's, where plain DP's is 5e-5 off; not explained yet.)
+
+fp16 (``policy`` with a ``loss_scaler``): the caller multiplies the loss by
+``loss_scaler.scale``; at the step, once every gradient is averaged (the OS shards in fp32
+when ``reduce_dtype`` is fp32; the experts' rounded into fp16), they are unscaled, one found-inf
+flag is reduced over the whole world, and every rank skips the same step on an overflow
+(``_UnscaledStep``).
 
 The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
 ``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``,
 ``flat_ranges()`` and ``sync_params()`` (for clipping and checkpoints).
 
-What lives where: ``minipar.shard`` holds the mechanics (the spec, the shard mesh, ``units_of``
-and the flat ``Unit`` buffers); this module the collectives of one step (``sharded_optimizer_step``,
-``reduce_scatter_gradient``), ``ShardedUnits`` (the gather/free/reduce hooks of P and G
-sharding) and the engine built on it. Two more owners use the same code outside the trainer:
+What lives where: ``minipar.shard`` holds the mechanics (the spec, the shard mesh, ``units_of``,
+the flat ``Unit`` buffers and ``ShardedUnits``, the gather/free/reduce hooks of P and G
+sharding); this module the collectives of one step (``sharded_optimizer_step``,
+``reduce_scatter_gradient``) and the engine built on ``ShardedUnits``. Two more owners use the same code outside the trainer:
 ``minipar.fsdp.fully_shard`` (ZeRO-3 as an nn.Module with FSDP2's contract: ``ShardedUnits`` at
 (d, d, d), any optimizer built afterwards) and ``minipar.zero_optimizer.ShardedOptimizer``
 (ZeRO-1/2 shaped like a torch optimizer, re-exported here)::
@@ -125,7 +136,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm, dist, dp
@@ -133,9 +143,10 @@ from .dp import optimizer_state_bytes
 from .groups import ParamGroup, param_groups
 from .precision import MixedPrecision, PrecisionPolicy, found_inf_anywhere
 from .errors import UsageError
-from .shard import (GroupGrid, ShardMesh, Spec, Unit, all_gather_in_place, alloc_storage,  # noqa: F401
-                    as_grid, free_storage, gather_up, parse_shard, reduce_scatter_down,
-                    spec_violation, storage_bytes, units_of, zero_spec)
+from .shard import (GroupGrid, ShardedUnits, ShardMesh, Spec, Unit,  # noqa: F401
+                    all_gather_in_place, alloc_storage, as_grid, free_storage, gather_up,
+                    parse_shard, reduce_scatter_down, spec_violation, storage_bytes, units_of,
+                    zero_spec)
 
 
 # --------------------------------------------------------------------------------------
@@ -183,104 +194,8 @@ def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# P sharding (ZeRO-3): gather before use, free after, with hooks. Shared by the trainer's
-# engine (below) and the FSDP-shaped wrapper (``minipar.fsdp``): the same code, two owners.
+# fp16 at the step, and the engine
 # --------------------------------------------------------------------------------------
-class ShardedUnits:
-    """A module's units (``units_of``) as flat ``Unit`` buffers over ``mesh``, and the hooks that
-    move them: with s_p > 1 each unit is all-gathered before its forward and again before its
-    backward and freed after each (``prefetch``: the next unit's gather starts while this one
-    computes); once backward is done with a unit, ``reduce(u)`` runs (every backward pass when
-    ``reduce_each_backward``, else the owner reduces at its step).
-
-    ``dtype`` the units' compute dtype and ``grad_dtype`` the G shard's (None: the parameters');
-    ``exclude`` parameters stay outside the units (MoE experts, replicated). The owner
-    subclasses ``reduce``: the engine sums into the G shard and divides at its step, the
-    FSDP-shaped wrapper (``minipar.fsdp``) averages into each shard's ``.grad``.
-    """
-
-    def __init__(self, module: nn.Module, mesh: ShardMesh, units=None, prefetch: bool = True,
-                 reduce_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
-                 reduce_each_backward: bool = False, exclude=(), dtype: torch.dtype | None = None):
-        self.module, self.mesh, self.spec, self.prefetch = module, mesh, mesh.spec, prefetch
-        self.reduce_each_backward = reduce_each_backward
-        self.units = [Unit(m, params, mesh, reduce_dtype, grad_dtype, dtype)
-                      for m, params in units_of(module, units, exclude)]
-        self._unit_of = {p: u for u in self.units for p in u.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in self._unit_of]
-        if self.spec.p > 1:
-            for u in self.units:
-                self._hooks.append(u.module.register_forward_pre_hook(
-                    lambda m, args, u=u: self._pre_forward(u)))
-                self._hooks.append(u.module.register_forward_hook(
-                    lambda m, args, out, u=u: self._post_forward(u, out)))
-
-    # -- the unit's full parameters exist only while it computes ------------------------------
-    def _gather(self, u: Unit, wait: bool = True):
-        if u.handle is None and storage_bytes(u.flat) == 0:
-            alloc_storage(u.flat)
-            u.handle = comm.all_gather(u.flat, u.p_shard, self.mesh.p_group, async_op=True)
-        if wait and u.handle is not None:
-            u.handle.wait()
-            u.handle = None
-
-    def _free(self, u: Unit):
-        if u.handle is not None:
-            u.handle.wait()
-            u.handle = None
-        free_storage(u.flat)
-
-    def _neighbour(self, u: Unit, step: int) -> Unit | None:
-        k = self.units.index(u) + step
-        return self.units[k] if 0 <= k < len(self.units) else None
-
-    def _pre_forward(self, u: Unit):
-        self._gather(u)
-        nxt = self._neighbour(u, +1)
-        if self.prefetch and nxt is not None:
-            self._gather(nxt, wait=False)     # overlaps with this unit's forward
-
-    def _post_forward(self, u: Unit, out):
-        self._free(u)
-        if torch.is_grad_enabled():
-            # the gradient of the unit's output arrives just before the unit's backward
-            for t in tree_leaves(out):     # a tensor, or tensors in tuples, lists, dicts
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
-
-    def _pre_backward(self, u: Unit):
-        self._gather(u)
-        prev = self._neighbour(u, -1)
-        if self.prefetch and prev is not None:
-            self._gather(prev, wait=False)    # overlaps with this unit's backward
-
-    # -- the unit's backward is done once every parameter's gradient has accumulated ----------
-    def _on_grad_ready(self, p: nn.Parameter):
-        u = self._unit_of[p]
-        u.ready += 1
-        if u.ready % len(u.params):
-            return
-        if self.spec.p > 1:
-            self._free(u)
-        if self.reduce_each_backward:
-            self.reduce(u)                   # every micro-batch: full grads never pile up
-
-    def reduce(self, u: Unit):
-        raise NotImplementedError
-
-    def settle(self):
-        """End of a backward pass or a step: reduce the units whose backward never finished
-        (a parameter it did not use), and wait on and release every gather still in flight
-        (a prefetch nobody used), so no async work outlives the sync."""
-        for u in self.units:
-            if self.spec.p > 1:
-                self._free(u)
-            if self.reduce_each_backward and any(p.grad is not None for p in u.params):
-                self.reduce(u)
-            u.ready = 0
-
-
 class _UnscaledStep:
     """fp16 loss scaling at the engine's step: what ``sharded_optimizer_step`` calls in place of
     ``optimizer.step()``, once every gradient is averaged (the OS shards, fp32 under an fp32
@@ -383,8 +298,10 @@ class ShardedEngine(ShardedUnits):
             for p in g.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                comm.all_reduce(p.grad, g.group)
-                p.grad.div_(g.divisor)
+                # in reduce_dtype (fp32 under bf16/fp16), the average rounded into .grad
+                grad = p.grad if self.reduce_dtype is None else p.grad.to(self.reduce_dtype)
+                comm.all_reduce(grad, g.group)
+                p.grad.copy_(grad.div_(g.divisor))
         optimizer = self.optimizer if self.loss_scaler is None else _UnscaledStep(self)
         if self.reduce_dtype is None:
             sharded_optimizer_step(self.units, optimizer, self.mesh)

@@ -368,7 +368,9 @@ def _fsdp_runs():
             for dtype in DTYPES:
                 model = fsdp.fully_shard(make(kind, SEED + r), mp_policy=policy(dtype))
                 shards = {n: p.shape for n, p in model.named_parameters()}
+                comm.reset()                             # the step's traffic, not the broadcast
                 train_mixed(kind, model, adamw(model.parameters()), micro, r, d, dtype)
+                out[(kind, micro, dtype, "bytes")] = comm.stats.bytes_by_op()
                 out[(kind, micro, dtype, "minipar")] = model.state_dict()
                 out[(kind, micro, dtype, "shards")] = shards
                 twin = make(kind, SEED)         # FSDP2 shards what each rank holds: one seed
@@ -407,6 +409,14 @@ def test_fully_shard_equals_serial_and_torch_fsdp2(kind, micro, dtype):
             moved = _distance(ref, theta0)
             assert _distance(got, ref) <= 0.05 * moved, (_distance(got, ref), moved)
         assert_close(got, {n: twin[n] for n in ref}, tol=1e-6)
+        if dtype == "fp32":     # bytes sent = the planner's ZeRO-3 closed form, per unit
+            from minipar import plan
+            sizes = [sum(p.numel() for p in ps) for _, ps in zero.units_of(make(kind, 0))]
+            want = plan.zero_comm_bytes(sizes, D, zero=3, dtype="fp32", microbatches=micro)
+            sent = rank_out[(kind, micro, dtype, "bytes")]
+            assert {op: sent.get(op, 0) for op in ("all_gather", "reduce_scatter")} == \
+                {op: STEPS * want[op] for op in ("all_gather", "reduce_scatter")}
+            assert sent.get("all_reduce", 0) == want["all_reduce"] == 0
         # parameters() are this rank's shards: about 1/d of every unit
         total = sum(p.numel() for p in make(kind, 0).parameters())
         assert sum(math.prod(s) for s in rank_out[(kind, micro, dtype, "shards")].values()) \
