@@ -8,7 +8,8 @@ holding that rank's part, and a ``.metadata`` file saying which box of which ten
 where. Our keys are what PyTorch's own ``get_state_dict(model, optimizer)`` gives for the
 *serial* GPT and AdamW, flattened as DCP flattens them::
 
-    model.<name>                         parameters, full serial shapes
+    model.<name>                         parameters, full serial shapes (under bf16/fp16: the
+                                         fp32 masters, so any dtype resumes from any other)
     optim.state.<name>.exp_avg / .exp_avg_sq / .step
     optim.param_groups.0.*               lr, betas, eps, ... and the parameter names
     trainer.rng                          rank 0's CPU random state
@@ -151,7 +152,8 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:06d}")
 
 
-def manifest_for(cfg, step: int, tokens: int) -> dict:
+def manifest_for(cfg, step: int, tokens: int, loss_scaler=None) -> dict:
+    """What ``manifest.json`` says; with fp16's loss scaler, its state (the same on every rank)."""
     return {
         "format": FORMAT, "step": step,
         "layout": {"world": cfg.world, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "sp": cfg.sp,
@@ -165,6 +167,7 @@ def manifest_for(cfg, step: int, tokens: int) -> dict:
         "data": {"source": cfg.data or "built-in corpus", "tokens": tokens,
                  "held_out": "the last 10% of the tokens", "next_step": step + 1},
         "versions": {"minipar": __version__, "torch": torch.__version__},
+        **({"loss_scaler": loss_scaler.state_dict()} if loss_scaler is not None else {}),
     }
 
 

@@ -23,10 +23,11 @@ Communication per step, each rank (Ψ = gradient bytes, ring all-reduce over d r
 
 gloo has no AVG for every collective: each all-reduce sums, then divides by d.
 
-Parameters with their own reduction group (``p.grad_group``: MoE experts, ``minipar.moe``)
-are broadcast and summed over that group instead (still divided by d), in buckets of their
-own reduced when the rest is averaged, in the same order on every rank: 2 (r-1)/r * Ψ_experts
-over the r = d/ep replicas of a rank's experts (the rest, Ψ - Ψ_experts, as above).
+Parameters with their own reduction group (``param_groups``: ``minipar.groups.ParamGroup``
+values, e.g. MoE experts over the ``edp`` axis) are broadcast and summed over that group
+instead, divided by the group's ``divisor`` (d), in buckets of their own reduced when the
+rest is averaged, in the same order on every rank: 2 (r-1)/r * Ψ_experts over the r = d/ep
+replicas of a rank's experts (the rest, Ψ - Ψ_experts, as above).
 
 Use it like torch's ``DistributedDataParallel`` (any ``nn.Module``, any optimizer)::
 
@@ -62,7 +63,7 @@ Mixed precision (``--dtype bf16``, ``minipar.precision``): the parameters and th
 bf16. ``reduce_dtype=torch.float32`` (``--reduce-dtype fp32``, the default, as Megatron-LM)
 casts each bf16 bucket to an fp32 copy just before its all-reduce: the sum is taken in fp32,
 the wire carries 4 bytes per gradient (Ψ = 4 Φ), and the copy (4 Φ bytes in all, transient)
-lives until the optimizer step, which reads it as each parameter's ``main_grad``; the bf16
+lives until the optimizer step, which receives it as ``main_grads`` (``MixedPrecision.step``); the bf16
 ``.grad`` gets the averaged values too. ``reduce_dtype=None`` reduces the bf16 buckets in place
 (Ψ = 2 Φ) and the optimizer casts afterwards, tensor by tensor. One process (d = 1) reduces
 nothing but still casts bucket by bucket: one kernel per bucket rather than one per tensor.
@@ -77,8 +78,11 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
+from .groups import ParamGroup
+from .precision import MixedPrecision
 
 MODES = ("naive", "bucketed", "overlapped")
 DEFAULT_BUCKET_MB = 25.0     # bucket_mb=None: DDP's bucket_cap_mb default
@@ -93,7 +97,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     and the fp32 master weights of a mixed-precision one (``minipar.precision``)."""
     if optimizer is None:
         return 0
-    masters = optimizer.master_bytes() if hasattr(optimizer, "master_bytes") else 0
+    masters = optimizer.master_bytes() if isinstance(optimizer, MixedPrecision) else 0
     return masters + sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
                          for state in optimizer.state.values())
 
@@ -129,18 +133,19 @@ class Bucket:
                 view.copy_(p.grad)
             p.grad = view
 
-    def hand_over(self, averaged: bool = True):
+    def hand_over(self, averaged: bool = True) -> dict:
         """After a reduction in a wider dtype: ``.grad`` gets the averaged values (if there
-        was an average to take) and each parameter's ``main_grad`` (what the fp32 master
-        reads) is a view into ``main``."""
+        was an average to take); returns each parameter's view into ``main`` (what its fp32
+        master reads)."""
         if self.main is None:
-            return
+            return {}
         if averaged:
             self.buffer.copy_(self.main)
-        offset = 0
+        out, offset = {}, 0
         for p in self.params:
-            p.main_grad = self.main[offset:offset + p.numel()].view_as(p)
+            out[p] = self.main[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+        return out
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
@@ -205,16 +210,26 @@ def broadcast_from_first(tensors, group) -> None:
                 t.detach().copy_(c)
 
 
-def broadcast_module(module: nn.Module, group) -> None:
+def broadcast_module(module: nn.Module, group, own_groups=()) -> None:
     """Give every rank of ``group`` its first rank's parameters and buffers, as DDP does when it
-    is built: ranks may have built their models from different seeds. A parameter with its own
-    group (``p.grad_group``: an MoE expert, which differs across its EP group) comes from the
-    first rank of that group instead."""
-    own = [p for p in module.parameters() if hasattr(p, "grad_group")]
-    rest = (p for p in module.parameters() if not hasattr(p, "grad_group"))
+    is built: ranks may have built their models from different seeds. A parameter of one of
+    ``own_groups`` (``ParamGroup``: an MoE expert, which differs across its EP group) comes
+    from the first rank of that group instead."""
+    own = {p: g.group for g in own_groups for p in g.params}
+    rest = (p for p in module.parameters() if p not in own)
     broadcast_from_first(itertools.chain(rest, module.buffers()), group)
-    for p in own:
-        broadcast_from_first([p], p.grad_group)
+    for p, g in own.items():
+        broadcast_from_first([p], g)
+
+
+# Parameters some DataParallel averages already (a second wrapper would average them twice).
+# (keyed by identity: a WeakSet would compare tensors with ==, which is elementwise)
+_WRAPPED = WeakIdKeyDictionary()
+
+
+def is_wrapped(p: nn.Parameter) -> bool:
+    """``p`` belongs to a ``DataParallel`` (ZeRO's ``ShardedOptimizer`` refuses such parameters)."""
+    return p in _WRAPPED
 
 
 # DataParallels holding gradients accumulated (no_sync, or begin_step) but not averaged yet.
@@ -255,11 +270,15 @@ class DataParallel(nn.Module):
     ``mode`` is one of ``MODES``; ``bucket_mb`` the bucket size of the bucketed modes, in
     MiB (``None``: DDP's default, ``DEFAULT_BUCKET_MB`` = 25);
     ``optimizer`` (optional) is stepped by ``step()`` when the wrapper is driven as an engine.
+    ``own_groups``: ``minipar.groups.ParamGroup`` values whose parameters reduce over their own
+    group (summed, divided by the group's divisor) instead of ``group`` (MoE experts: the
+    trainer passes them; every other parameter is averaged over ``group``).
     """
 
     def __init__(self, module: nn.Module, group=None, mode: str = "overlapped",
                  bucket_mb: float | None = 4.0, optimizer: torch.optim.Optimizer | None = None,
-                 broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None):
+                 broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
+                 own_groups: tuple[ParamGroup, ...] | list[ParamGroup] = ()):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -273,18 +292,24 @@ class DataParallel(nn.Module):
         self.d = comm.size(self.group)
         self.broadcast_buffers = broadcast_buffers
         self.params = [p for p in module.parameters() if p.requires_grad]
-        if any(getattr(p, "_minipar_data_parallel", False) for p in self.params):
+        if any(is_wrapped(p) for p in self.params):
             raise ValueError("these parameters are already wrapped by a minipar DataParallel; "
                              "wrap each module once")
-        # -- MoE: parameters tagged with their own reduction group (their replicas) are
-        # broadcast and averaged over it, in buckets of their own (see the docstring)
-        self.tagged = [p for p in self.params if hasattr(p, "grad_group")]
-        self.params = [p for p in self.params if not hasattr(p, "grad_group")]
-        self.tagged_buckets = make_buckets(self.tagged, int(bucket_mb * 2**20)) if self.tagged else []
+        # -- parameters with their own reduction group (MoE experts over their replicas) are
+        # broadcast and reduced over it, in buckets of their own (see the docstring)
+        self.own_groups = [g for g in own_groups if g.params]
+        own = {p for g in self.own_groups for p in g.params}
+        self.tagged = [p for p in self.params if p in own]
+        self.params = [p for p in self.params if p not in own]
+        self.own_buckets = [(g, make_buckets(list(g.params), int(bucket_mb * 2**20)))
+                            for g in self.own_groups]
+        self.tagged_buckets = [b for _, bs in self.own_buckets for b in bs]
+        self._own_group_of = {p: g.group for g in self.own_groups for p in g.params}
         for b in self.tagged_buckets:
             b.attach()
+        self.main_grads: dict = {}      # mixed precision: the fp32 reduced gradients (transient)
         # --
-        broadcast_module(module, self.group)
+        broadcast_module(module, self.group, self.own_groups)
         # a wider dtype to reduce in than the gradients' own (None: their own, in place)
         widen = reduce_dtype is not None and any(p.dtype != reduce_dtype for p in self.params)
         self.reduce_dtype = reduce_dtype if widen else None
@@ -300,8 +325,9 @@ class DataParallel(nn.Module):
         self._in_backward = False     # a backward pass has reached us; its end callback is queued
         self._averaging = False       # this backward pass ends with the average
         self._rearm()
+        for p in self.params + self.tagged:
+            _WRAPPED[p] = True
         for p in self.params:
-            p._minipar_data_parallel = True
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         _install_guard()
 
@@ -424,9 +450,9 @@ class DataParallel(nn.Module):
                 if self.reduce_dtype is None:
                     comm.all_reduce(p.grad, self.group, op="avg")
                 else:
-                    p.main_grad = p.grad.to(self.reduce_dtype)
-                    comm.all_reduce(p.main_grad, self.group, op="avg")
-                    p.grad.copy_(p.main_grad)
+                    main = self.main_grads[p] = p.grad.to(self.reduce_dtype)
+                    comm.all_reduce(main, self.group, op="avg")
+                    p.grad.copy_(main)
         elif self.mode == "bucketed":
             for b in self.buckets:
                 for p in b.params:
@@ -446,32 +472,34 @@ class DataParallel(nn.Module):
             for b in self.buckets:
                 b.handle.wait()
         for b in self.buckets:
-            b.hand_over(averaged=self.d > 1)
+            self.main_grads.update(b.hand_over(averaged=self.d > 1))
         self.sync_tagged()
         _UNSYNCED.discard(self)
         self._rearm()
 
     def sync_tagged(self):
-        """MoE experts: sum over their own group (a rank's experts share one), divide by d."""
-        for b in self.tagged_buckets:
-            for p in b.params:
-                b.adopt(p)
-            flat = b.buffer if self.reduce_dtype is None else b.buffer.to(self.reduce_dtype)
-            comm.all_reduce(flat, b.params[0].grad_group, op="sum")
-            flat.div_(self.d)
-            if self.reduce_dtype is not None:      # mixed precision: as the other buckets
-                b.main = flat
-                b.hand_over(averaged=True)
+        """Parameters with their own group (MoE experts): sum over it, divide by its divisor."""
+        for g, buckets in self.own_buckets:
+            for b in buckets:
+                for p in b.params:
+                    b.adopt(p)
+                flat = b.buffer if self.reduce_dtype is None else b.buffer.to(self.reduce_dtype)
+                comm.all_reduce(flat, g.group, op="sum")
+                flat.div_(g.divisor)
+                if self.reduce_dtype is not None:      # mixed precision: as the other buckets
+                    b.main = flat
+                    self.main_grads.update(b.hand_over(averaged=True))
 
     def step(self):
         self.finish_grad_sync()
-        if self.optimizer is not None:
+        if isinstance(self.optimizer, MixedPrecision):
+            self.optimizer.step(main_grads=self.main_grads)
+        elif self.optimizer is not None:
             self.optimizer.step()
-        if self.reduce_dtype is not None:  # the fp32 copies were transient
-            for b in self.buckets + self.tagged_buckets:
-                b.main = None
-            for p in self.params + self.tagged:
-                p.main_grad = None
+        # the fp32 copies were transient
+        for b in self.buckets + self.tagged_buckets:
+            b.main = None
+        self.main_grads = {}
 
     def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """{name: (parameter, gradient)}: every rank holds them whole already."""
@@ -483,21 +511,28 @@ class DataParallel(nn.Module):
         gradient and optimizer states, owner). Every replica holds whole tensors; rank 0 of
         the group owns them."""
         owner = comm.rank(self.group) == 0
+        mixed = isinstance(self.optimizer, MixedPrecision)
         out = []
         for name, p in self.module.named_parameters():
-            views = {"param": p.detach().view(-1)}
-            if p.grad is not None:
-                views["grad"] = p.grad.view(-1)
-            state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
+            # mixed precision: what the optimizer updates is the fp32 master (its gradient
+            # exists during step() only: unscaled, what clipping reads)
+            q = self.optimizer.master_of[p] if mixed else p
+            views = {"param": q.detach().view(-1)}
+            if q.grad is not None:
+                views["grad"] = q.grad.view(-1)
+            state = self.optimizer.state.get(q, {}) if self.optimizer is not None else {}
             views.update({k: v.view(-1) for k, v in state.items()
                           if torch.is_tensor(v) and v.numel() == p.numel()})
             # an MoE expert is owned by the first of its replicas (its own group)
-            mine = comm.rank(p.grad_group) == 0 if hasattr(p, "grad_group") else owner
+            mine = comm.rank(self._own_group_of[p]) == 0 if p in self._own_group_of else owner
             out.append((name, p.shape, 0, views, mine))
         return out
 
     def sync_params(self):
-        """After parameters were set outside ``step()`` (a checkpoint): nothing to gather."""
+        """After parameters were set outside ``step()`` (a checkpoint): nothing to gather;
+        under mixed precision the 16-bit parameters are rounded from the loaded masters."""
+        if isinstance(self.optimizer, MixedPrecision):
+            self.optimizer.params_from_masters()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Average what is still accumulated (``finish_grad_sync``), then clip as

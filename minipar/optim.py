@@ -21,8 +21,9 @@ gradients its optimizer sees by the same ``min(1, max_norm / (norm + 1e-6))``, a
 ``torch.nn.utils.clip_grad_norm_`` does.
 
 **Weight decay** (``--weight-decay``), decoupled as in AdamW (``p *= 1 - lr wd`` before the
-update), on the matrices only: not on biases, LayerNorms and the position table (as nanoGPT
-and Megatron-LM). The choice is made by the serial name, so every layout decays the same
+update), on the matrices only: not on biases, LayerNorms and the position table. Leaving the
+position table out is minipar's own rule (nanoGPT and Megatron-LM decay it: they exclude only
+biases and norms). The choice is made by the serial name, so every layout decays the same
 elements; a ZeRO unit's flat shard mixes kinds, so decay is applied piece by piece rather
 than through Adam's parameter groups (Adam itself runs with weight_decay = 0).
 

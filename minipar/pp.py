@@ -447,7 +447,7 @@ class PipelineRunner:
     """
 
     def __init__(self, model, grid, schedule="1f1b", microbatches: int = 1, chunks: int = 1,
-                 autocast=contextlib.nullcontext):
+                 autocast=contextlib.nullcontext, seq_split: int = 1, loss_scaler=None):
         self.grid, self.m, self.autocast = grid, microbatches, autocast
         self.p, self.r = grid.pp, grid.pp_rank
         self.v = chunks if (schedule == "interleaved" or callable(schedule)) else 1
@@ -460,7 +460,9 @@ class PipelineRunner:
                              + "; ".join(problems[:5]))
         self.instructions = self.lists[self.r]
         self.d_model = model.cfg.d_model
-        self.seq_split = getattr(model, "activation_seq_split", 1)
+        # under sequence parallelism the activations between stages are (b, s/t, h)
+        self.seq_split = seq_split
+        self.loss_scaler = loss_scaler   # fp16: the last stage's backward starts from loss * scale
         first = next(model.parameters())
         self.device, self.act_dtype = first.device, first.dtype
         self.profile = False     # True: on a GPU, synchronise around each instruction
@@ -540,7 +542,7 @@ class PipelineRunner:
     def _backward(self, ins, key, k):
         out = self.outputs.pop(key)
         if k == self.V - 1:
-            out.backward()
+            (out if self.loss_scaler is None else out * self.loss_scaler.scale).backward()
         else:
             torch.autograd.backward(out, self.grad_out.pop(key).to(out.dtype))
         inp = self.inputs.pop(key, None)

@@ -17,8 +17,14 @@ Where the fp32 gradient comes from. The masters' gradients exist only during ``s
 
 * by default each master's gradient is its bf16 parameter's ``.grad``, cast to fp32;
 * an engine that reduced the gradient in fp32 (``--reduce-dtype fp32``, Megatron-LM's default
-  for bf16) hands that fp32 result over as ``param.main_grad`` (Megatron's name), and it is
-  used as is, without a round trip through bf16.
+  for bf16) hands that fp32 result over as ``step(main_grads={param: fp32 gradient})``
+  (Megatron's name), and it is used as is, without a round trip through bf16.
+
+fp16 (``--dtype fp16``): the same, plus dynamic loss scaling (``DynamicLossScaler``). The
+loss is multiplied by the scale before backward (the runners do it), so the 16-bit gradients
+and the reduced ones are scaled; ``step`` unscales the fp32 master gradients, reduces one
+found-inf flag over the world, and skips the update on every rank if any gradient anywhere
+overflowed. Clipping and weight decay (step pre-hooks) see the unscaled fp32 gradients.
 
 Gradients of micro-batches accumulate in the bf16 ``.grad`` (the 2 bytes the formula counts;
 Megatron-LM instead keeps an fp32 gradient buffer, 4 bytes, for bit-better accumulation).
@@ -171,12 +177,17 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 
 class MixedPrecision:
-    """fp32 master weights for low-precision ``params``, updated by ``make_optimizer(masters)``."""
+    """fp32 master weights for low-precision ``params``, updated by ``make_optimizer(masters)``;
+    with a ``loss_scaler`` (fp16), gradients are unscaled and a step that overflowed anywhere
+    is skipped on every rank."""
 
-    def __init__(self, params, make_optimizer):
+    def __init__(self, params, make_optimizer, loss_scaler: DynamicLossScaler | None = None):
         self.params = list(params)
         self.masters = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        self.master_of = {p: m for p, m in zip(self.params, self.masters)}
         self.optimizer = make_optimizer(self.masters)
+        self.loss_scaler = loss_scaler
+        self.skipped = False                    # the last step was skipped (an overflow)
 
     # -- what an optimizer looks like to its callers ----------------------------------------
     @property
@@ -194,30 +205,53 @@ class MixedPrecision:
         self.optimizer.load_state_dict(state)
 
     def register_step_pre_hook(self, hook):
-        """Hooks run on the fp32 optimizer, after the masters have their fp32 gradients (so
-        ``--clip-grad`` scales those)."""
+        """Hooks run on the fp32 optimizer, after the masters have their fp32 (unscaled)
+        gradients (so ``--clip-grad`` scales those and sees the unscaled norm)."""
         return self.optimizer.register_step_pre_hook(hook)
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:
             p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
 
-    def step(self):
-        """Masters' gradients from ``main_grad`` (fp32, as reduced) or ``.grad`` (cast to fp32),
-        one optimizer step on the masters, the result rounded into the bf16 parameters."""
+    def step(self, main_grads: dict | None = None):
+        """Masters' gradients from ``main_grads[p]`` (fp32, as an engine reduced them) or
+        ``p.grad`` (cast to fp32); unscaled and checked for overflow over the whole world
+        under a loss scaler; one optimizer step on the masters, the result rounded into the
+        16-bit parameters."""
         for p, m in zip(self.params, self.masters):
-            main = getattr(p, "main_grad", None)
-            if main is not None:
-                m.grad = main if main.dtype == torch.float32 else main.float()
+            main = main_grads.get(p) if main_grads is not None else _legacy_main_grad(p)
+            if main is not None and main.dtype != torch.float32:
+                m.grad = main.float()
+            elif main is not None:
+                # unscaling works in place: never on an engine's own buffer (a ZeRO shard)
+                m.grad = main if self.loss_scaler is None else main.clone()
             elif p.grad is not None:
                 m.grad = p.grad.float()
             else:
                 m.grad = None
-        self.optimizer.step()
-        _copy(self.params, self.masters)
-        for p, m in zip(self.params, self.masters):
+        self.skipped = False
+        if self.loss_scaler is not None:
+            found = self.loss_scaler.unscale_([m.grad for m in self.masters])
+            self.skipped = found_inf_anywhere(found)
+            self.loss_scaler.update(self.skipped)
+        if not self.skipped:
+            self.optimizer.step()
+            self.params_from_masters()
+        for m in self.masters:
             m.grad = None                       # the fp32 gradients are transient
-            p.main_grad = None
+
+    def params_from_masters(self) -> None:
+        """Round the masters into the 16-bit parameters (after a step, or a checkpoint load)."""
+        _copy(self.params, self.masters)
 
     def master_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self.masters)
+
+
+def _legacy_main_grad(p):
+    """The fp32 gradient an engine left on the parameter itself. ``minipar.zero`` still hands
+    its OS shard's gradient over this way; ``dp`` passes ``main_grads``."""
+    main = p.__dict__.get("main_grad")
+    if main is not None:
+        p.main_grad = None
+    return main

@@ -284,18 +284,16 @@ class Unit:
     def widen(self):
         """Before the step's reductions (mixed precision, fp32 reduction): ``grad_shard`` becomes
         an fp32 copy of the bf16 G shard, so ``sharded_optimizer_step`` reduces in fp32, and its
-        OS slice ``os_grad`` is what the fp32 master reads (``os_param.main_grad``)."""
+        OS slice ``os_grad`` is what the fp32 master reads (``zero._MastersStep``)."""
         self._narrow = self.grad_shard, self.os_grad
         self.grad_shard = self.grad_shard.to(self.reduce_dtype)
         self.os_grad = self.grad_shard[self.os_slice]
-        self.os_param.main_grad = self.os_grad
 
     def narrow(self):
         """After the step: the bf16 G shard again, its OS slice holding the averaged gradient."""
         grad_shard, os_grad = self._narrow
         os_grad.copy_(self.os_grad)
         self.grad_shard, self.os_grad, self._narrow = grad_shard, os_grad, None
-        self.os_param.main_grad = None
 
 
 def reduce_scatter_down(x: torch.Tensor, groups) -> torch.Tensor:

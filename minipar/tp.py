@@ -427,6 +427,10 @@ class VocabParallelEmbedding(nn.Module):
         return g(local, self.group)
 
 
+# The modules whose parameters are split (each says how in ``tp_splits``); the rest replicate.
+SPLIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
 class ParallelEmbedding(nn.Module):
     """The GPT's ``embed`` with a vocab-parallel token table; same parameter names.
 
@@ -558,8 +562,8 @@ def parallelize(model: GPT, grid, sequence_parallel: bool = False) -> GPT:
 
     Every rank built the same full model from the seed; each keeps its slice. The structure
     (``embed``, ``blocks``, ``head``, ``parts()``) and parameter names stay, so a pipeline can
-    cut a TP model into stages. With SP the activations between blocks are (b, s/t, h):
-    ``model.activation_seq_split`` says so (1 without SP).
+    cut a TP model into stages. With SP the activations between blocks are (b, s/t, h): a
+    pipeline over it is told so (``PipelineRunner(seq_split=t)``, ``activation_seq_split``).
     """
     group, t = grid.tp_group, grid.tp
     sp = sequence_parallel and t > 1
@@ -574,9 +578,12 @@ def parallelize(model: GPT, grid, sequence_parallel: bool = False) -> GPT:
         head.ln = SequenceParallelLayerNorm(head.ln, group)
     head.proj = ColumnParallelLinear.from_serial(head.proj, group, sequence_parallel=sp)
     head.loss = VocabParallelCrossEntropy(group, model.cfg.vocab_size)
-    model.tp, model.sequence_parallel = t, sp
-    model.activation_seq_split = t if sp else 1
     return model
+
+
+def activation_seq_split(tp: int, sequence_parallel: bool) -> int:
+    """By how much the activations between blocks are cut along the sequence: t under SP."""
+    return tp if sequence_parallel and tp > 1 else 1
 
 
 def split_of(name: str, module: nn.Module) -> Split | None:
@@ -586,7 +593,9 @@ def split_of(name: str, module: nn.Module) -> Split | None:
         owner = module.get_submodule(owner_name) if owner_name else module
     except AttributeError:
         return None
-    return getattr(owner, "tp_splits", {}).get(leaf)
+    if not isinstance(owner, SPLIT_MODULES):
+        return None
+    return owner.tp_splits.get(leaf)
 
 
 def full_tensor(name: str, tensor: torch.Tensor, module: nn.Module, grid) -> torch.Tensor:

@@ -102,11 +102,9 @@ beside the OS shards' (``MixedPrecision`` over both), so checkpoints and weight 
 (The trainer still refuses MoE under ZeRO in bf16: with ``--ep 2 --zero 1`` its loss after the
 first step is 6.7e-3 off the bf16 serial run's, where plain DP's is 5e-5 off; not explained yet.)
 
-fp16 (``policy`` with a ``loss_scaler``): the caller multiplies the loss by
-``loss_scaler.scale``; at the step, once every gradient is averaged (the OS shards in fp32
-when ``reduce_dtype`` is fp32; the experts' rounded into fp16), they are unscaled, one found-inf
-flag is reduced over the whole world, and every rank skips the same step on an overflow
-(``_UnscaledStep``).
+fp16: the optimizer (``precision.MixedPrecision`` with a loss scaler) unscales the fp32 master
+gradients the engine hands it (``_MastersStep``), reduces one found-inf flag over the whole
+world and skips the same step on every rank; the runner multiplies the loss by the scale.
 
 The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
 ``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``,
@@ -141,7 +139,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import comm, dist, dp
 from .dp import optimizer_state_bytes
 from .groups import ParamGroup, param_groups
-from .precision import MixedPrecision, PrecisionPolicy, found_inf_anywhere
+from .precision import MixedPrecision, PrecisionPolicy
 from .errors import UsageError
 from .shard import (GroupGrid, ShardedUnits, ShardMesh, Spec, Unit,  # noqa: F401
                     all_gather_in_place, alloc_storage, as_grid, free_storage, gather_up,
@@ -196,25 +194,20 @@ def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
 # --------------------------------------------------------------------------------------
 # fp16 at the step, and the engine
 # --------------------------------------------------------------------------------------
-class _UnscaledStep:
-    """fp16 loss scaling at the engine's step: what ``sharded_optimizer_step`` calls in place of
-    ``optimizer.step()``, once every gradient is averaged (the OS shards, fp32 under an fp32
-    ``reduce_dtype``, and the experts). It divides them by the loss scale, reduces one found-inf
-    flag over the whole world (``precision.found_inf_anywhere``: every rank, whatever shard it
-    holds, skips the same step), updates the scale and steps only when every gradient is
-    finite. A skipped step still all-gathers (the unchanged) shards: the collectives stay the
-    same on every rank and every step. The caller multiplies the loss by ``loss_scaler.scale``."""
+class _MastersStep:
+    """What ``sharded_optimizer_step`` calls as ``optimizer.step()`` under mixed precision
+    (``precision.MixedPrecision``): each OS shard's averaged gradient, fp32 when it was reduced
+    in fp32 (``Unit.widen``), goes to its master as a value (``main_grads``); the experts' from
+    their ``.grad``. fp16's loss scaling happens there: unscaled fp32 master gradients, one
+    found-inf flag over the world, the same step skipped on every rank (a skipped step still
+    all-gathers the unchanged shards: every rank runs the same collectives every step)."""
 
     def __init__(self, engine: "ShardedEngine"):
         self.engine = engine
 
     def step(self):
         e = self.engine
-        grads = [u.os_grad for u in e.units] + [p.grad for p in e.tagged]
-        found_inf = found_inf_anywhere(e.loss_scaler.unscale_(grads))
-        e.loss_scaler.update(found_inf)
-        if not found_inf:
-            e.optimizer.step()
+        e.optimizer.step(main_grads={u.os_param: u.os_grad for u in e.units})
 
 
 # --------------------------------------------------------------------------------------
@@ -235,29 +228,29 @@ class ShardedEngine(ShardedUnits):
                  prefetch: bool = True, units=None, reduce_dtype: torch.dtype | None = None,
                  groups: list[ParamGroup] | None = None, policy: PrecisionPolicy | None = None):
         grid = as_grid(grid)
-        self.loss_scaler = None if policy is None else policy.loss_scaler
-        if policy is not None and policy.mixed:
-            reduce_dtype = policy.reduce_dtype
+        if policy is not None:
+            reduce_dtype = policy.reduce_dtype if policy.mixed else None
         spec = Spec(*spec)
         reason = spec_violation(spec, grid.dp)
         if reason:
             raise UsageError(reason)
-        dp.broadcast_module(module, grid.dp_group)
-        mesh = ShardMesh(grid, spec)
-        # a wider dtype to reduce gradients in than the parameters' own (None: their own)
-        # (kept on one rank under loss scaling: the fp32 copy is where the grads are unscaled)
-        if reduce_dtype is not None and ((mesh.d == 1 and self.loss_scaler is None) or all(
-                p.dtype == reduce_dtype for p in module.parameters())):
-            reduce_dtype = None
-        self.reduce_dtype = reduce_dtype
         # -- parameter groups (``minipar.groups``): the one reduced over the data-parallel axis
-        # is sharded; any other (MoE experts, over ``edp``) stays whole, as in plain DP
+        # is sharded; any other with a group of its own (MoE experts over ``edp`` with ep > 1)
+        # stays whole, as in plain DP; with ep = 1 the experts are replicas like the rest
         if groups is None:
             groups = (param_groups(module, grid) if isinstance(grid, dist.Grid) else
                       [ParamGroup("dense", [p for p in module.parameters() if p.requires_grad],
                                   "dp_cp", grid.dp_group, grid.dp)])
-        self.whole = [g for g in groups if g.reduce_axis != "dp_cp"]
+        self.whole = [g for g in groups
+                      if g.reduce_axis != "dp_cp" and g.group is not grid.dp_group]
         self.tagged = [p for g in self.whole for p in g.params]
+        dp.broadcast_module(module, grid.dp_group, self.whole)   # experts: from their group's first
+        mesh = ShardMesh(grid, spec)
+        # a wider dtype to reduce gradients in than the parameters' own (None: their own)
+        if reduce_dtype is not None and (mesh.d == 1 or all(
+                p.dtype == reduce_dtype for p in module.parameters())):
+            reduce_dtype = None
+        self.reduce_dtype = reduce_dtype
         super().__init__(module, mesh, units, prefetch, reduce_dtype,
                          reduce_each_backward=spec.g > 1, exclude=self.tagged)
         self.optimizer = make_optimizer([u.os_param for u in self.units] + self.tagged)
@@ -302,7 +295,7 @@ class ShardedEngine(ShardedUnits):
                 grad = p.grad if self.reduce_dtype is None else p.grad.to(self.reduce_dtype)
                 comm.all_reduce(grad, g.group)
                 p.grad.copy_(grad.div_(g.divisor))
-        optimizer = self.optimizer if self.loss_scaler is None else _UnscaledStep(self)
+        optimizer = _MastersStep(self) if isinstance(self.optimizer, MixedPrecision) else self.optimizer
         if self.reduce_dtype is None:
             sharded_optimizer_step(self.units, optimizer, self.mesh)
             return
@@ -311,10 +304,6 @@ class ShardedEngine(ShardedUnits):
         sharded_optimizer_step(self.units, optimizer, self.mesh)
         for u in self.units:
             u.narrow()
-
-    @property
-    def skipped_steps(self) -> int:
-        return 0 if self.loss_scaler is None else self.loss_scaler.skipped_steps
 
     def model_state_bytes(self) -> dict[str, int]:
         """Storage this rank holds now (between steps: only the shards the spec keeps)."""

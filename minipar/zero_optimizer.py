@@ -85,7 +85,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if len({(p.dtype, p.device) for p in params}) > 1:
                 raise UsageError("ShardedOptimizer: the parameters of one group must share a "
                                  "dtype and a device (make one group per dtype)")
-            if any(getattr(p, "_minipar_data_parallel", False) for p in params):
+            if any(dp.is_wrapped(p) for p in params):
                 raise UsageError("ShardedOptimizer averages the gradients itself (reduce-"
                                  "scatter); give it the bare model's parameters, not those of a "
                                  "dp.DataParallel, which would average them a second time")

@@ -186,3 +186,54 @@ def test_bf16_clipping_scales_the_fp32_master_gradients_as_serial_does():
     for a, b in zip(sharded["history"], serial["history"]):
         assert abs(a["loss"] - b["loss"]) <= 2e-3
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 0.02 * b["grad_norm"]   # bf16 gradients
+
+
+# --------------------------------------------------------------------------------------
+# fp16: dynamic loss scaling (same bounds as bf16: fp16 keeps 10 mantissa bits to bf16's 7,
+# so its rounding differences are smaller; the gradients compared are the 16-bit ones, scaled
+# by the same loss scale in every layout)
+# --------------------------------------------------------------------------------------
+FP16 = [f if f != "bf16" else "fp16" for f in BF16]
+
+
+def test_fp16_model_state_bytes_equal_the_planners_mixed_layout():
+    """fp16 holds what bf16 holds: 2 + 2 + 12 bytes per parameter (plan's `mixed`)."""
+    phi, counters = sum(unit_sizes()), len(list(build("nano").parameters()))
+    expected = plan.model_state_bytes(phi, 2, shard=(1, 1, 1), dtype="mixed",
+                                      step_counters=counters)
+    got = run_state(FP16, nproc=2)
+    for record in got["history"]:
+        assert record["model_state_bytes"] == expected
+        assert record["loss_scale"] == 2.0**16 and record["skipped_steps"] == 0
+    assert all(p.dtype == torch.float16 for p in got["params"].values())
+
+
+def _overflow_run(flags, nproc, at):
+    import os
+    os.environ["MINIPAR_OVERFLOW_AT"] = at
+    try:
+        return run_state(FP16 + flags, nproc=nproc)
+    finally:
+        del os.environ["MINIPAR_OVERFLOW_AT"]
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(flags):
+    """Rank 1 alone gets an inf gradient at step 2 (its TP slice, or the last pipeline stage):
+    the found-inf flag reduced over the world makes every rank skip that step and halve the
+    scale, so the run follows the serial run that skipped the same step, not one that took it."""
+    got = _overflow_run(flags, 2, "1:2")
+    skipped_serial = _overflow_run([], 1, "0:2")
+    plain_serial = run_state(FP16, nproc=1)
+    scales = [h["loss_scale"] for h in got["history"]]
+    assert scales == [2.0**16, 2.0**16, 2.0**15, 2.0**15]          # used at each step
+    assert [h["skipped_steps"] for h in got["history"]] == [0, 1, 1, 1]
+    assert got["history"][1]["grad_norm"] is None                  # nothing measured or clipped
+    assert [h["loss_scale"] for h in skipped_serial["history"]] == scales
+    theta0 = {k: v.detach().to(torch.float16) for k, v in build("nano").named_parameters()}
+    moved = distance(skipped_serial["params"], theta0)
+    assert distance(got["params"], skipped_serial["params"]) <= 0.10 * moved
+    # the skipped step really left its mark: the run that took every step ends elsewhere
+    assert distance(plain_serial["params"], skipped_serial["params"]) > 0.10 * moved
+    for step, (a, b) in enumerate(zip(got["losses"], skipped_serial["losses"]), 1):
+        assert abs(a - b) <= 2e-3, f"step {step}: loss {a} vs serial {b}"

@@ -530,7 +530,8 @@ def _engine_fp16_runs():
     for spec in ((1, 1, d), (d, d, d)):
         model = make("mlp", SEED + r).to(torch.float16)
         scaler = DynamicLossScaler(init_scale=1024.0)
-        engine = zero.ShardedEngine(model, None, spec, lambda ps: MixedPrecision(ps, adamw),
+        engine = zero.ShardedEngine(model, None, spec,
+                                    lambda ps: MixedPrecision(ps, adamw, loss_scaler=scaler),
                                     policy=PrecisionPolicy(torch.float16, torch.float32,
                                                            torch.float32, scaler))
         for step in range(STEPS + 1):
@@ -547,7 +548,7 @@ def _engine_fp16_runs():
             engine.step()
         after = {n: p.clone() for n, (p, _) in engine.full_named_parameters().items()}
         out[(spec, "after overflow")] = after
-        out[(spec, "scaler")] = (engine.skipped_steps, scaler.scale)
+        out[(spec, "scaler")] = (scaler.skipped_steps, scaler.scale)
     return out
 
 

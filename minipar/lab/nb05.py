@@ -1,9 +1,10 @@
 """The code behind notebook 05_3d_parallel_trainer: from the parts to the trainer.
 
-* the process grid: ``grid_groups`` lists the TP, PP and DP groups of a (dp, pp, tp) layout
-  with the same ``torch.arange(world).view(dp, pp, tp)`` as ``minipar.dist.Grid``;
-  ``grid_experiment`` asks a real ``Grid`` on every rank, so the drawing is checked against
-  what the trainer builds; ``draw_grid`` draws it over nodes;
+* the process mesh: ``grid_groups`` lists the groups of every named axis of a (dp, pp, tp)
+  layout, ``ep`` carved inside ``dp`` (``minipar.mesh.axis_lines``: the same
+  ``torch.arange(world).view(dp, pp, cp, tp)`` as ``minipar.mesh.Mesh``); ``mesh_table`` prints
+  them; ``grid_experiment`` asks a real ``Mesh`` on every rank, so the drawing is checked
+  against what the trainer builds; ``draw_grid`` draws it over nodes;
 * the trainer's seams, one at a time, each on real gloo ranks with its measured bytes:
   ``seam_model`` (``train.build_model``: the TP-sliced GPT), ``seam_runner`` (+
   ``train.build_runner``: a pipeline stage around it), ``seam_step`` (+ ``train.build_engine``:
@@ -22,26 +23,36 @@ import statistics
 
 import torch
 
-from .. import comm, data, dist, plan, scaling, train
+from .. import comm, data, dist, mesh, plan, scaling, train
 from ..model import build
 
 
 # --------------------------------------------------------------------------------------
 # 1. The process grid
 # --------------------------------------------------------------------------------------
-def grid_groups(dp: int, pp: int, tp: int) -> dict[str, list[list[int]]]:
-    """Every TP, PP and DP group of the grid, as lists of global ranks (no processes)."""
-    ranks = torch.arange(dp * pp * tp).view(dp, pp, tp)
-    return {"tp": ranks.reshape(-1, tp).tolist(),
-            "pp": ranks.permute(0, 2, 1).reshape(-1, pp).tolist(),
-            "dp": ranks.permute(1, 2, 0).reshape(-1, dp).tolist()}
+def grid_groups(dp: int, pp: int, tp: int, ep: int = 1) -> dict[str, list[list[int]]]:
+    """Every group of every named axis of the mesh (tp, pp, dp, and ep / edp carved inside dp),
+    as lists of global ranks (no processes)."""
+    lines = mesh.axis_lines(dp=dp, pp=pp, tp=tp, ep=ep)
+    return {axis: lines[axis].tolist() for axis in ("tp", "pp", "dp", "ep", "edp")}
 
 
-def grid_experiment(dp: int, pp: int, tp: int) -> dict:
-    """On every rank: this rank's coordinates and groups in a real ``dist.Grid``."""
-    g = dist.Grid(dp=dp, pp=pp, tp=tp)
-    return dict(rank=g.rank, coords=(g.dp_rank, g.pp_rank, g.tp_rank), tp=g.tp_ranks,
-                pp=g.pp_ranks, dp=g.dp_ranks)
+def mesh_table(dp: int, pp: int, tp: int, ep: int = 1) -> str:
+    """One line per named axis: its size, what it is for, and its groups."""
+    what = {"tp": "tensor parallel (innermost: adjacent ranks)", "pp": "pipeline stages",
+            "dp": "data parallel: dense gradients are averaged over it",
+            "ep": "expert parallel: consecutive dp ranks that split the experts",
+            "edp": "expert data parallel: the copies of one expert, its gradient's group"}
+    groups = grid_groups(dp, pp, tp, ep)
+    return "\n".join(f"{axis:>4} size {len(g[0])}  {what[axis]}\n       {g}"
+                     for axis, g in groups.items())
+
+
+def grid_experiment(dp: int, pp: int, tp: int, ep: int = 1) -> dict:
+    """On every rank: this rank's coordinates and groups in a real ``Mesh``."""
+    m = mesh.Mesh(dp=dp, pp=pp, tp=tp, ep=ep)
+    return dict(rank=m.rank, coords=(m.coord("dp"), m.coord("pp"), m.coord("tp")),
+                **{axis: m.ranks(axis) for axis in ("tp", "pp", "dp", "ep", "edp")})
 
 
 def draw_grid(dp: int, pp: int, tp: int, per_node: int, ax=None):
@@ -143,7 +154,7 @@ def seam_model(cfg: train.RunConfig) -> dict:
     loss = model(x, y)
     loss.backward()
     return dict(rank=grid.rank, params=sum(p.numel() for p in model.parameters()),
-                full_params=model.full_params, loss=loss.item(), traffic=_traffic())
+                full_params=train.serial_params(cfg), loss=loss.item(), traffic=_traffic())
 
 
 def seam_runner(cfg: train.RunConfig) -> dict:
