@@ -246,7 +246,7 @@ def parse_config(argv: list[str]) -> RunConfig:
     model_cfg = dataclasses.replace(model_cfg, moe_experts=a.moe_experts, moe_top_k=a.moe_top_k,
                                     moe_every=a.moe_every, capacity_factor=a.capacity_factor,
                                     moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
-    moe.validate(model_cfg, a.ep, d, a.tp, a.pp, a.recompute)
+    moe.validate(model_cfg, a.ep, d, a.tp)
     if model_cfg.moe_experts and a.dtype != "fp32" and (a.zero is not None or a.shard is not None):
         raise UsageError("MoE under ZeRO runs in fp32 only (the experts stay outside the fp32 "
                          "master shards); use --dtype fp32, or plain DP for bf16")

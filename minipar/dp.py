@@ -502,8 +502,12 @@ class DataParallel(nn.Module):
         self.main_grads = {}
 
     def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """{name: (parameter, gradient)}: every rank holds them whole already."""
-        return {n: (p.detach(), p.grad) for n, p in self.module.named_parameters()}
+        """{name: (parameter, gradient)}: every rank holds them whole already. Under a loss
+        scaler the gradient is given unscaled (fp32), as the optimizer saw it."""
+        scale = (self.optimizer.grad_scale if isinstance(self.optimizer, MixedPrecision)
+                 and self.optimizer.loss_scaler is not None else None)
+        return {n: (p.detach(), p.grad if scale is None or p.grad is None else p.grad.float() / scale)
+                for n, p in self.module.named_parameters()}
 
     def flat_ranges(self) -> list[tuple[str, torch.Size, int, dict[str, torch.Tensor], bool]]:
         """What this rank's optimizer updates, for clipping and checkpoints (``minipar.pieces``):

@@ -13,7 +13,9 @@ Block's input for the backward pass and runs the Block's forward again there; ``
 does that for the attention core alone (the softmax(Q K^T) V that holds the s x s scores,
 when the kernel stores them). Both use ``torch.utils.checkpoint`` (non-reentrant), so they
 compose with whatever the parallel versions swap in and with hooks on the Block: the
-recomputed forward runs the same code on the same (gathered) parameters.
+recomputed forward runs the same code on the same (gathered) parameters. An MoE layer's
+recomputation replays the routing and the all-to-alls' results of the first forward
+(``minipar.moe.recompute_contexts``): no routing counted twice, no all-to-all run again.
 
 Every layout builds this full model first with the same seed and then slices it, so the same
 seed gives the same initial weights whatever the layout. The head is untied from the token
@@ -32,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 RECOMPUTE = ("none", "selective", "full")
 
-from .moe import MoE, penalty
+from .moe import MoE, penalty, recompute_contexts
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self.layer, x, use_reentrant=False)
+            # an MoE layer inside replays its routing and received rows (minipar.moe)
+            return checkpoint(self.layer, x, use_reentrant=False, context_fn=recompute_contexts)
         return self.layer(x)
 
     def layer(self, x: torch.Tensor) -> torch.Tensor:

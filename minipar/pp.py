@@ -38,6 +38,10 @@ each m messages of b s d w bytes::
     stage r sends  m b s d w (a_r + g_r)     a_r = v - [r = p-1],  g_r = v - [r = 0]
 
 e.g. GPipe/1F1B with p = 2: each stage sends B_local s d w per step.
+
+Mixture of experts: each stage adds the aux and z losses of its own MoE layers for each
+micro-batch (divided by m) to what it backpropagates, so the objective is the serial one
+with no extra message; the trainer sums the ``aux_loss`` and ``drop_rate`` counts over stages.
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import comm, data
+from . import comm, data, moe
 from .dist import UsageError
 
 COMPUTE = ("forward", "backward")
@@ -475,10 +479,12 @@ class PipelineRunner:
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Run the schedule on the local batch; the sum of loss_i / m (last stage: a 0-d tensor
-        on the device; else 0.0)."""
+        on the device; else 0.0), loss_i the cross-entropy (MoE's losses backpropagated, not
+        reported here)."""
         self.micro = data.microbatches(x, y, self.m)
         self.shape = (x.shape[0] // self.m, x.shape[1] // self.seq_split, self.d_model)
         self.inputs, self.outputs, self.grad_out, self.grad_in = {}, {}, {}, {}
+        self.penalties = {}          # MoE losses of a non-last stage, until their backward
         self.loss, self.held, self.peak_stash, self.events = 0.0, 0, 0, []
         self.sending = {}            # ("act" | "grad", key) -> (handle, tensor) in flight
         sync = self.profile and self.device.type == "cuda"
@@ -530,21 +536,33 @@ class PipelineRunner:
     def _forward(self, ins, key, k):
         x, y = self.micro[ins.mb]
         inp = x if k == 0 else self.inputs[key]
+        chunk = self.module.chunks[ins.chunk]
         with self.autocast():
-            out = self.module.chunks[ins.chunk](inp, y)
+            out = chunk(inp, y)
+        # MoE: this chunk's layers add their aux and z losses of this micro-batch here, on
+        # the stage that owns them (0.0 for a dense chunk)
+        extra = moe.penalty(chunk)
         if k == self.V - 1:
-            out = out / self.m
-            self.loss = self.loss + out.detach()     # stays on the device: no host sync
+            # the loss reported is the cross-entropy (stays on the device: no host sync)
+            self.loss = self.loss + out.detach() / self.m
+            out = (out + extra) / self.m
+        elif torch.is_tensor(extra):
+            self.penalties[key] = extra / self.m
         self.outputs[key] = out      # the activations autograd keeps until the backward
         self.held += 1
         self.peak_stash = max(self.peak_stash, self.held)
 
     def _backward(self, ins, key, k):
         out = self.outputs.pop(key)
+        extra = self.penalties.pop(key, None)
         if k == self.V - 1:
             (out if self.loss_scaler is None else out * self.loss_scaler.scale).backward()
-        else:
+        elif extra is None:
             torch.autograd.backward(out, self.grad_out.pop(key).to(out.dtype))
+        else:    # this stage's MoE losses, scaled as the loss is (fp16)
+            scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+            torch.autograd.backward([out, extra * scale],
+                                    [self.grad_out.pop(key).to(out.dtype), None])
         inp = self.inputs.pop(key, None)
         if k > 0:
             self.grad_in[key] = inp.grad

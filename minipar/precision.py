@@ -188,6 +188,7 @@ class MixedPrecision:
         self.optimizer = make_optimizer(self.masters)
         self.loss_scaler = loss_scaler
         self.skipped = False                    # the last step was skipped (an overflow)
+        self.grad_scale = 1.0                   # what the last step's 16-bit gradients carried
 
     # -- what an optimizer looks like to its callers ----------------------------------------
     @property
@@ -223,14 +224,15 @@ class MixedPrecision:
             if main is not None and main.dtype != torch.float32:
                 m.grad = main.float()
             elif main is not None:
-                # unscaling works in place: never on an engine's own buffer (a ZeRO shard)
-                m.grad = main if self.loss_scaler is None else main.clone()
+                m.grad = main      # an engine's transient fp32 result: unscaled in place
+
             elif p.grad is not None:
                 m.grad = p.grad.float()
             else:
                 m.grad = None
         self.skipped = False
         if self.loss_scaler is not None:
+            self.grad_scale = self.loss_scaler.scale
             found = self.loss_scaler.unscale_([m.grad for m in self.masters])
             self.skipped = found_inf_anywhere(found)
             self.loss_scaler.update(self.skipped)

@@ -71,10 +71,13 @@ def step_line(record: dict, steps: int, progress: Progress) -> str:
     scale = (f" | scale {record['loss_scale']:g}" + (f" ({record['skipped_steps']} skipped)"
                                                     if record["skipped_steps"] else "")
              if "loss_scale" in record else "")
+    moe = (f" | aux {record['aux_loss']:.3f} z {record['z_loss']:.3f} drop "
+           f"{record['drop_rate']:.1%}" if "aux_loss" in record else "")
     sent = sum(record["comm_bytes"].values())
     return (f"step {record['step']:4d}/{steps} | loss {record['loss']:.4f} | "
             f"{record['tokens_per_s']:8.0f} tok/s | {record['step_time_s']*1e3:7.1f} ms"
-            f" | rank 0 sent {sent / 2**20:6.2f} MiB{val}{scale}{util}{progress.eta(record['step'])}")
+            f" | rank 0 sent {sent / 2**20:6.2f} MiB{moe}{val}{scale}{util}"
+            f"{progress.eta(record['step'])}")
 
 
 def engine_name(cfg: RunConfig) -> str:

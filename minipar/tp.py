@@ -42,6 +42,11 @@ s/t tokens (LayerNorm, position embedding, row-parallel bias) has a partial grad
 its computation through f, whose backward sums the gradient over the TP group
 (2(t-1)/t x its bytes per micro-batch), so the DP and ZeRO engines need no TP knowledge.
 
+An MoE layer (``minipar.moe``) is not split by weights: its router and experts stay whole on
+every TP rank and each rank routes its own s/t of every sequence (``parallelize_moe``,
+``TokenSplitLinear``; ``scatter_seq`` and ``gather_seq_replicated`` without SP), so no
+token is routed or sent by all-to-all twice.
+
 ``parallelize(model, grid)`` swaps these parts into the full serial GPT, slicing the full
 weights, so the same seed gives the same model; ``full_tensor`` undoes the slicing.
 Vocabularies that do not divide by t are padded with zero rows that the loss never sees.
@@ -49,15 +54,18 @@ Vocabularies that do not divide by t are padded with zero rows that the loss nev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from . import comm
+from . import comm, moe
 from .dist import UsageError
-from .model import GPT, Block, GPTConfig
+
+if TYPE_CHECKING:     # minipar.model imports minipar.moe, which uses the operators here
+    from .model import GPT, Block, GPTConfig
 
 
 # --------------------------------------------------------------------------------------
@@ -232,6 +240,55 @@ class ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_seq(grad, ctx.group), None
+
+
+class ScatterToSeq(torch.autograd.Function):
+    """Keep this rank's s/t of a sequence that every TP rank holds whole; backward: all-gather.
+
+    Volume: backward, (t-1)/t N bytes. (Megatron-LM's scatter_to_sequence_parallel_region.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t = comm.size(group)
+        return rearrange(x, "b (t s) ... -> t b s ...", t=t)[comm.rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class GatherSeqReplicated(torch.autograd.Function):
+    """All-gather along the sequence into a tensor every TP rank then uses whole and alike;
+    backward: keep this rank's slice (no sum: the copies' gradients are the same).
+
+    Volume: forward, (t-1)/t N bytes. (Megatron-LM's gather_from_sequence_parallel_region
+    with tensor_parallel_output_grad=False.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        t = comm.size(ctx.group)
+        return rearrange(grad, "b (t s) ... -> t b s ...", t=t)[comm.rank(ctx.group)].contiguous(), None
+
+
+def scatter_seq(x, group):
+    return ScatterToSeq.apply(x, group) if comm.size(group) > 1 else x
+
+
+def gather_seq_replicated(x, group):
+    return GatherSeqReplicated.apply(x, group) if comm.size(group) > 1 else x
+
+
+def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s/t, ...) -> (b, s, ...) without gradient (e.g. routing decisions)."""
+    return _gather_seq(x, group) if comm.size(group) > 1 else x
 
 
 def scatter_to_tp(x, group):
@@ -453,6 +510,22 @@ class ParallelEmbedding(nn.Module):
         return self.drop(x + F.embedding(positions, f(self.pos.weight, self.group)))
 
 
+class TokenSplitLinear(nn.Linear):
+    """A Linear replicated over the TP group while each rank feeds it different tokens (an
+    MoE router or expert, ``parallelize_moe``): weight and bias enter through f, so their
+    gradients are summed over the group, 2(t-1)/t x their bytes per micro-batch."""
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+        self.group = group
+        self.load_state_dict(linear.state_dict())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else f(self.bias, self.group)
+        return F.linear(x, f(self.weight, self.group), bias)
+
+
 class SequenceParallelLayerNorm(nn.LayerNorm):
     """A LayerNorm on this rank's s/t tokens: weight and bias enter through f (summed gradients)."""
 
@@ -549,12 +622,31 @@ def parallelize_block(block: Block, group, sequence_parallel: bool = False) -> B
     attn, mlp, sp = block.attn, block.mlp, sequence_parallel
     attn.qkv = ColumnParallelLinear.from_serial(attn.qkv, group, groups=3, sequence_parallel=sp)
     attn.proj = RowParallelLinear.from_serial(attn.proj, group, sequence_parallel=sp)
-    mlp.fc = ColumnParallelLinear.from_serial(mlp.fc, group, sequence_parallel=sp)
-    mlp.proj = RowParallelLinear.from_serial(mlp.proj, group, sequence_parallel=sp)
+    if isinstance(mlp, moe.MoE):
+        parallelize_moe(mlp, group, sequence_parallel=sp)
+    else:
+        mlp.fc = ColumnParallelLinear.from_serial(mlp.fc, group, sequence_parallel=sp)
+        mlp.proj = RowParallelLinear.from_serial(mlp.proj, group, sequence_parallel=sp)
     if sp:
         block.ln1 = SequenceParallelLayerNorm(block.ln1, group)
         block.ln2 = SequenceParallelLayerNorm(block.ln2, group)
     return block
+
+
+def parallelize_moe(layer: "moe.MoE", group, sequence_parallel: bool = False) -> "moe.MoE":
+    """An MoE layer under TP, in place: experts and router replicated, tokens split.
+
+    Each TP rank routes its own s/t of every sequence (``minipar.moe`` explains the choice
+    and its volumes), so the router and every expert Linear become ``TokenSplitLinear``:
+    their gradients are summed over the group, as SP's LayerNorm's are.
+    """
+    layer.router = TokenSplitLinear(layer.router, group)
+    for expert in layer.experts.values():
+        for name, child in list(expert.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(expert, name, TokenSplitLinear(child, group))
+    layer.tp_group, layer.sequence_parallel = group, sequence_parallel
+    return layer
 
 
 def parallelize(model: GPT, grid, sequence_parallel: bool = False) -> GPT:

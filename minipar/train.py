@@ -135,15 +135,17 @@ class LocalRunner:
             with self.autocast():
                 loss = self.module(xb, yb) / self.m
             (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
-            total += loss.detach()      # on the device: no host sync per micro-batch
+            # report the cross-entropy: less what MoE's aux and z losses added (0.0 if dense);
+            # on the device: no host sync per micro-batch
+            total += (loss - moe.penalty(self.module) / self.m).detach()
         return total
 
     @torch.no_grad()
     def evaluate(self, x, y) -> float:
         total = 0.0
         for xb, yb in data.microbatches(x, y, self.m):
-            with self.autocast():
-                total += (self.module(xb, yb) / self.m).item()
+            with self.autocast():    # the held-out loss is the cross-entropy: MoE's losses out
+                total += ((self.module(xb, yb) - moe.penalty(self.module)) / self.m).item()
         return total
 
     def serial_name(self, local_name: str) -> str:
@@ -261,7 +263,6 @@ def worker(cfg: RunConfig, return_state: bool = False):
             engine.begin_step(cfg.microbatches)
             local_loss = runner.forward_backward(x, y)
             routing = moe.step_stats(runner.module)   # MoE: aux loss and drops; 0 when dense
-            local_loss -= routing["penalty"]          # report the cross-entropy as the loss
             faults.crash(step)
             engine.step()
 
@@ -315,9 +316,12 @@ def measure(cfg: RunConfig, mesh: Mesh, engine: Engine, device, step: int, lr: f
     if device.type == "cuda":
         record["peak_memory_bytes"] = int(peaks[5])
     if cfg.model_cfg.moe_experts:
-        aux, dropped, assigned = comm.all_reduce_scalars(
-            [routing["aux_loss"], routing["dropped"], routing["assigned"]], comm.WORLD)
-        record.update(aux_loss=aux / cfg.world, drop_rate=dropped / assigned)
+        # each rank holds its share (its stage's layers, its TP slice of the tokens) of its
+        # data-parallel batch: summed over the world, averaged over dp
+        aux, z, dropped, assigned = comm.all_reduce_scalars(
+            [routing["aux_loss"], routing["z_loss"], routing["dropped"], routing["assigned"]],
+            comm.WORLD)
+        record.update(aux_loss=aux / cfg.dp, z_loss=z / cfg.dp, drop_rate=dropped / assigned)
     return record
 
 

@@ -59,9 +59,11 @@ def _mutant(tmp_path, ex_id, old, new):
     ("ex06", "all_gather_in_place(u.g_slice, mesh.os_group)", "pass", ""),
     ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.copy_(shard)", ""),
     ("ex07", "        p.grad = None\n", "        pass\n", ""),
-    ("ex08", "weights = top_probs / top_probs.sum(dim=-1, keepdim=True)", "weights = top_probs",
-     "renormalised"),
-    ("ex08", 'P = rearrange(probs, "(b s) e -> b s e", s=seq_len).mean(dim=1)',
+    ("ex08", "weights = top_probs if k == 1 else top_probs / top_probs.sum(dim=-1, keepdim=True)",
+     "weights = top_probs", "renormalised"),
+    ("ex08", "weights = top_probs if k == 1 else top_probs / top_probs.sum(dim=-1, keepdim=True)",
+     "weights = top_probs / top_probs.sum(dim=-1, keepdim=True)", "raw probability at k = 1"),
+    ("ex08", 'P = rearrange(probs, "(b s) e -> b s e", b=f.shape[0]).sum(dim=1) / seq_len',
      "P = probs.mean(dim=0)", "per sequence"),
 ])
 def test_checker_catches_wrong_answers(tmp_path, ex_id, old, new, expected):

@@ -6,12 +6,14 @@ INTRO = """
 A mixture-of-experts layer sends each token to k of its E experts. Write the router's two
 pieces. `route(logits, k)`: the softmax of the (t, E) router logits over the experts (in
 fp32), the k most probable experts of each token (`torch.topk`), and their probabilities
-renormalised to sum to 1; return `(probs, weights, experts)` with shapes (t, E), (t, k),
-(t, k). `load_balancing_loss(probs, experts, seq_len)`: Switch Transformer's auxiliary loss
-E * sum_e f_e P_e, computed for each sequence of `seq_len` tokens and averaged over the
-sequences, where f_e is the share of the sequence's s*k choices that went to expert e (a
-count: no gradient flows through it) and P_e the mean of the probabilities of e over the
-sequence's tokens. It is 1 when the routing is balanced and E when every token picks the
+renormalised to sum to 1 when k > 1 (at k = 1 the raw probability, as in Switch: p / p = 1
+would give the router no gradient from the task loss); return `(probs, weights, experts)`
+with shapes (t, E), (t, k), (t, k). `load_balancing_loss(probs, experts, seq_len)`: Switch
+Transformer's auxiliary loss E * sum_e f_e P_e, computed for each sequence of `seq_len`
+tokens and averaged over the sequences, where f_e is the share of the sequence's s*k choices
+that went to expert e (a count: no gradient flows through it) and P_e the sum of the
+probabilities of e over the sequence's tokens divided by `seq_len` (their mean; under tensor
+parallelism `probs` holds a rank's share of the tokens and this gives its share of the loss). It is 1 when the routing is balanced and E when every token picks the
 same expert. The checker compares both with plain loops and trains a step through them.
 """
 
@@ -23,7 +25,7 @@ def _reference_route(logits, k):
     for row in probs:
         best = sorted(range(row.numel()), key=lambda e: -row[e].item())[:k]
         chosen = row[best]
-        weights.append(chosen / chosen.sum())
+        weights.append(chosen if k == 1 else chosen / chosen.sum())
         experts.append(best)
     return probs.float(), torch.stack(weights).float(), torch.tensor(experts)
 
@@ -59,7 +61,7 @@ def check(student) -> list[str]:
             failures.append(f"{where}: experts are not each token's k most probable, best first")
         elif not torch.allclose(weights.float(), ref_w, atol=1e-6):
             failures.append(f"{where}: weights must be the top-k probabilities renormalised "
-                            f"to sum to 1")
+                            f"to sum to 1 (k > 1), the raw probability at k = 1")
         if failures:
             return failures
     for s, b, E, k in [(4, 3, 4, 2), (6, 2, 8, 1)]:

@@ -59,7 +59,8 @@ def train(cfg, steps: int = 60, batch: int = 16, lr: float = 3e-3, seed: int = 0
         hist["seconds"].append(time.perf_counter() - t0)
         st = moe.step_stats(model)
         hist["loss"].append(loss.item() - st["penalty"])
-        hist["aux"].append(st["aux_loss"])
+        # the objective sums the layers' aux losses; plotted per layer (1 = balanced)
+        hist["aux"].append(st["aux_loss"] / max(1, len(moe.moe_layers(model))))
         hist["drop"].append(st["dropped"] / st["assigned"] if st["assigned"] else 0.0)
         hist["load"].append(loads(model) if cfg.moe_experts else [])
     hist["model"] = model

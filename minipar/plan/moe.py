@@ -17,9 +17,10 @@ memory follows the total.
 
 Model states per device, expert parallelism over ep ranks of the data-parallel group: the
 experts are split over ep and kept whole (``minipar.zero`` leaves them out of its shards, so
-they are sharded by ep alone), the rest of the model is sharded by the spec as usual::
+they are sharded by ep alone) and replicated over TP (``minipar.moe``: each TP rank routes
+its own s/t tokens), the rest of the model is sharded by the spec as usual::
 
-    bytes = states(non-expert params, spec) + (w + g + o) * l_moe / pp * (E / ep) * m_p / tp
+    bytes = states(non-expert params, spec) + (w + g + o) * l_moe / pp * (E / ep) * m_p
 
 Traffic per device and step, t tokens per device per micro-batch, m micro-batches, b bytes
 per activation element (``minipar.moe``'s docstring; the trainer measures it):
@@ -28,6 +29,14 @@ per activation element (``minipar.moe``'s docstring; the trainer measures it):
                         2 (a_out + a_in) h b per layer and micro-batch, for measured routing
     all_to_all_counts   (ep-1) E/ep * 8 * l_moe * m
     expert gradients    all-reduce over the d/ep replicas (instead of over d)
+
+Under TP each rank routes t/tp of the tokens (t: the micro-batch's b s), so the all-to-alls
+carry t/tp tokens with or without SP, and the MoE layer's TP traffic replaces the dense
+MLP's (``tp_layer_comm_bytes``, per MoE layer and micro-batch)::
+
+    all_gather   (tp-1)/tp b s k 8                  the choices, forward
+                 + 2 (tp-1)/tp b s h b              without SP: output fwd, input grad bwd
+    all_reduce   2 (tp-1)/tp (h E + E/ep m_p) g     router and experts' gradients (f), bwd
 
 The all-to-alls are on the critical path (each layer waits for its tokens): time = count x
 ((ep-1) alpha + bytes / beta), beta the slowest link the EP group crosses (``network``).
@@ -118,14 +127,17 @@ def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=Non
                 zero: int | None = None, tp: int = 1, pp: int = 1,
                 dtype: str = "mixed") -> dict[str, int]:
     """Model-state bytes per device: non-expert parameters sharded by the spec, experts
-    split by ep (and tp, pp) and kept whole."""
+    split by ep (and pp; replicated over tp) and kept whole."""
     check(moe, ep, dp)
     l_stage = math.ceil(moe.layers(shape) / pp)
     m_p = expert_params(shape)
-    non_expert = (stage_params(shape, tp, pp) - l_stage * math.ceil(m_p / tp)
+    # the dense MLP this replaces holds 1/tp of it here, but its row-parallel bias whole
+    row_bias = shape.hidden if shape.arch != "llama" and shape.bias else 0
+    dense_mlp = math.ceil((m_p - row_bias) / tp) + row_bias
+    non_expert = (stage_params(shape, tp, pp) - l_stage * dense_mlp
                   + l_stage * shape.hidden * moe.experts)
     out = model_state_bytes(non_expert, dp, shard=shard, zero=zero, dtype=dtype)
-    experts = l_stage * (moe.experts // ep) * math.ceil(m_p / tp)
+    experts = l_stage * (moe.experts // ep) * m_p
     for key, per_param in zip(("params", "grads", "optimizer"), BYTES_PER_PARAM[dtype]):
         out[key] += per_param * experts
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
@@ -157,6 +169,20 @@ def step_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, ep: int,
                                                               ep, elem_bytes),
                all_to_all_counts=calls * (ep - 1) * (moe.experts // ep) * COUNT_BYTES)
     return {k: v for k, v in out.items() if v}
+
+
+def tp_layer_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, tp: int, sp: bool,
+                        ep: int = 1, elem_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
+    """One MoE layer and micro-batch of ``tokens`` = b s under TP (experts replicated,
+    tokens split: ``minipar.moe``): the bytes one rank sends, by op (no recomputation)."""
+    from .network import ring_bytes
+    if tp == 1:
+        return {}
+    gather = ring_bytes("all_gather", tokens * moe.top_k * COUNT_BYTES, tp)
+    if not sp:
+        gather += 2 * ring_bytes("all_gather", tokens * shape.hidden * elem_bytes, tp)
+    weights = shape.hidden * moe.experts + moe.experts // ep * expert_params(shape)
+    return dict(all_gather=gather, all_reduce=ring_bytes("all_reduce", weights * grad_bytes, tp))
 
 
 def all_to_all_time(nbytes: float, calls: int, ep: int, stride: int, hw) -> float:
@@ -202,11 +228,28 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     times["bubble"] *= (times["compute"] + times["tp_comm"]) / busy    # the bubble scales with it
 
     strides = lay.strides(order)
-    tokens = lay.micro_batch * shape.seq_len // (lay.tp if lay.sp else 1)
+    tokens = lay.micro_batch * shape.seq_len // lay.tp     # each TP rank routes its share
     elem = ACTIVATION_BYTES[dtype]
     a2a = l_stage * lay.microbatches * all_to_all_bytes_balanced(tokens, moe.top_k, shape.hidden,
                                                                  ep, elem)
     times["ep_comm"] = all_to_all_time(a2a, 4 * l_stage * lay.microbatches, ep, strides["dp"], hw)
+    if lay.tp > 1:     # the MoE layer's TP collectives in place of the dense MLP's
+        t, stride = lay.tp, strides["tp"]
+        act = lay.micro_batch * shape.seq_len * shape.hidden * elem
+        full = lay.recompute == "full"
+        if lay.sp:
+            dense_mlp = (3 if full else 2) * (collective_time("all_gather", act, t, stride, hw)
+                                              + collective_time("reduce_scatter", act, t, stride, hw))
+        else:
+            dense_mlp = (3 if full else 2) * collective_time("all_reduce", act, t, stride, hw)
+        moe_tp = (collective_time("all_gather", lay.micro_batch * shape.seq_len * moe.top_k
+                                  * COUNT_BYTES, t, stride, hw)
+                  + (0 if lay.sp else (3 if full else 2) * collective_time("all_gather", act, t,
+                                                                           stride, hw))
+                  + collective_time("all_reduce", (shape.hidden * moe.experts + moe.experts // ep
+                                                   * expert_params(shape)) * BYTES_PER_PARAM[dtype][1],
+                                    t, stride, hw))
+        times["tp_comm"] += l_stage * lay.microbatches * (moe_tp - dense_mlp)
 
     collectives = zero_collectives(states["non_expert_params"], lay.dp, lay.shard, dtype, lay.microbatches,
                                    recompute=lay.recompute == "full")
