@@ -266,6 +266,7 @@ class Handle:
             _record(self.op, self.group, self.sent, self.received, _elapsed(t),
                     start=host, issued=self.t0)
         self.done = True
+        self.work = self.after = None    # release the backend's work object now, not at exit
 
 
 def _run(op, group, sent, received, call, async_op, after=None):

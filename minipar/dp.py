@@ -7,7 +7,8 @@ replica takes the same step and stays identical.
 1. ``naive``: after backward, one all-reduce per parameter tensor. Many small messages:
    each pays the collective's latency.
 2. ``bucketed``: gradients live in a few flat buffers (``param.grad`` is a view into one),
-   so one all-reduce per bucket of ``bucket_mb`` megabytes replaces dozens of small ones.
+   so one all-reduce per bucket of ``bucket_mb`` MiB replaces dozens of small ones
+   (``bucket_mb=None``: DDP's default bucket, 25 MiB; 0: one bucket per parameter).
 3. ``overlapped``: a hook fires when a parameter's gradient is final; once every gradient
    of a bucket is final, that bucket's all-reduce starts asynchronously while backward goes
    on computing the earlier layers' gradients. Buckets start in order (as DDP's), so every
@@ -42,7 +43,8 @@ Use it like torch's ``DistributedDataParallel`` (any ``nn.Module``, any optimize
 What it shares with DDP: it is an ``nn.Module`` whose forward is the wrapped module's;
 ``group=None`` is the whole world (``comm.SOLO``: a group of one); the first rank's parameters
 and buffers are broadcast when it is built; the synchronisation finishes by the end of each
-backward pass run outside ``no_sync()`` (a callback queued on autograd's engine); a backward
+backward pass run outside ``no_sync()`` (a callback queued on autograd's engine; every
+all-reduce it started is waited on and released by then, so no async work outlives it); a backward
 inside ``no_sync()`` only accumulates, and stepping an optimizer over gradients that were
 accumulated but not averaged raises instead of silently using them. Where it differs:
 ``state_dict()``/``load_state_dict()``/``named_parameters()`` use the wrapped module's names
@@ -76,12 +78,14 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
 from .groups import ParamGroup
 from .precision import MixedPrecision
 
 MODES = ("naive", "bucketed", "overlapped")
+DEFAULT_BUCKET_MB = 25.0     # bucket_mb=None: DDP's bucket_cap_mb default
 
 
 def tensor_bytes(tensors) -> int:
@@ -219,7 +223,8 @@ def broadcast_module(module: nn.Module, group, own_groups=()) -> None:
 
 
 # Parameters some DataParallel averages already (a second wrapper would average them twice).
-_WRAPPED: weakref.WeakSet = weakref.WeakSet()
+# (keyed by identity: a WeakSet would compare tensors with ==, which is elementwise)
+_WRAPPED = WeakIdKeyDictionary()
 
 
 def is_wrapped(p: nn.Parameter) -> bool:
@@ -232,16 +237,23 @@ _UNSYNCED: weakref.WeakSet = weakref.WeakSet()
 _GUARD = []
 
 
-def _refuse_unsynced_step(optimizer, args, kwargs):
-    """Before any optimizer's step: none of its parameters may hold a gradient that a
-    DataParallel has accumulated but not averaged (that gradient would be this rank's alone)."""
+def refuse_unsynced(params, what: str = "optimizer.step()") -> None:
+    """None of ``params`` may hold a gradient that a DataParallel has accumulated but not
+    averaged (that gradient would be this rank's alone): raise before ``what`` uses it."""
+    ids = {id(p) for p in params}
     for ddp in list(_UNSYNCED):
-        if any(id(p) in ddp._param_ids for g in optimizer.param_groups for p in g["params"]):
+        if ids & ddp._param_ids:
             raise RuntimeError(
                 "DataParallel: the gradients were accumulated (under no_sync(), or for "
                 "begin_step(m)) but not averaged over the group yet; run the last backward "
                 "outside no_sync(), or call finish_grad_sync() (or the engine's step()) before "
-                "optimizer.step()")
+                f"{what}")
+
+
+def _refuse_unsynced_step(optimizer, args, kwargs):
+    """Before any optimizer's step (a global torch hook)."""
+    if _UNSYNCED:
+        refuse_unsynced([p for g in optimizer.param_groups for p in g["params"]])
 
 
 def _install_guard() -> None:
@@ -255,7 +267,8 @@ def _install_guard() -> None:
 class DataParallel(nn.Module):
     """Average gradients over ``group`` (None: the whole world, as torch; ``comm.SOLO``: one rank).
 
-    ``mode`` is one of ``MODES``; ``bucket_mb`` the bucket size of the bucketed modes;
+    ``mode`` is one of ``MODES``; ``bucket_mb`` the bucket size of the bucketed modes, in
+    MiB (``None``: DDP's default, ``DEFAULT_BUCKET_MB`` = 25);
     ``optimizer`` (optional) is stepped by ``step()`` when the wrapper is driven as an engine.
     ``own_groups``: ``minipar.groups.ParamGroup`` values whose parameters reduce over their own
     group (summed, divided by the group's divisor) instead of ``group`` (MoE experts: the
@@ -263,12 +276,17 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group=None, mode: str = "overlapped",
-                 bucket_mb: float = 4.0, optimizer: torch.optim.Optimizer | None = None,
+                 bucket_mb: float | None = 4.0, optimizer: torch.optim.Optimizer | None = None,
                  broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
                  own_groups: tuple[ParamGroup, ...] | list[ParamGroup] = ()):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if bucket_mb is None:
+            bucket_mb = DEFAULT_BUCKET_MB
+        if not bucket_mb >= 0:
+            raise ValueError(f"bucket_mb must be a size in MiB >= 0 (or None: "
+                             f"{DEFAULT_BUCKET_MB}), not {bucket_mb!r}")
         self.module, self.mode, self.optimizer = module, mode, optimizer
         self.group = resolve_group(group)
         self.d = comm.size(self.group)
@@ -308,7 +326,7 @@ class DataParallel(nn.Module):
         self._averaging = False       # this backward pass ends with the average
         self._rearm()
         for p in self.params + self.tagged:
-            _WRAPPED.add(p)
+            _WRAPPED[p] = True
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         _install_guard()
@@ -519,6 +537,13 @@ class DataParallel(nn.Module):
         under mixed precision the 16-bit parameters are rounded from the loaded masters."""
         if isinstance(self.optimizer, MixedPrecision):
             self.optimizer.params_from_masters()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Average what is still accumulated (``finish_grad_sync``), then clip as
+        ``torch.nn.utils.clip_grad_norm_`` on one process; returns the norm."""
+        from . import optim
+        self.finish_grad_sync()
+        return optim.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     # -- accounting ----------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
