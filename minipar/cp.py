@@ -404,5 +404,10 @@ def parallelize(model: GPT, group, seq_len: int, balanced: bool = True) -> GPT:
         block.attn = RingSelfAttention.from_attention(block.attn, ring)
     model.embed.positions = local_positions(seq_len, ring.n, ring.index, balanced).to(
         next(model.parameters()).device)
+    from .moe import moe_layers     # MoE: capacity and f_e count whole sequences in true order
+    for layer in moe_layers(model):
+        layer.cp_group = group
+        layer.cp_positions = torch.stack([local_positions(seq_len, ring.n, r, balanced)
+                                          for r in range(ring.n)])
     return model
 
