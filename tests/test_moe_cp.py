@@ -24,7 +24,7 @@ FLAGS = ["--moe-experts", str(E), "--moe-top-k", str(K), "--capacity-factor", "1
          "--moe-z-coef", "1e-3", "--steps", "4"]
 CASES = {  # name -> (flags, cp, dp): on 4 processes
     "cp2 dp2": (["--cp", "2"], 2, 2),
-    "cp2 dp2 ep2": (["--cp", "2", "--ep", "2"], 2, 2),
+    "cp2 dp2 ep2": (["--cp", "2", "--ep", "2", "--save", "{tmp}/ck", "--save-every", "2"], 2, 2),
     "cp4": (["--cp", "4"], 4, 1),
     "cp2 tp2+sp": (["--cp", "2", "--tp", "2", "--sp"], 2, 1),
     "cp2 tp2": (["--cp", "2", "--tp", "2"], 2, 1),
@@ -34,19 +34,25 @@ CASES = {  # name -> (flags, cp, dp): on 4 processes
 }
 
 
-def _train_cases(cases: dict) -> dict:
+def _train_cases(cases: dict, tmp: str) -> dict:
     """On every rank: the trainer once per layout (one launch for them all)."""
     from minipar.train import parse_config, worker
-    return {name: worker(parse_config(NANO + FLAGS + flags + ["--nproc", "4"]),
-                         return_state=True) for name, (flags, _, _) in cases.items()}
+    return {name: worker(parse_config(NANO + FLAGS + [f.format(tmp=tmp) for f in flags] +
+                                      ["--nproc", "4"]), return_state=True)
+            for name, (flags, _, _) in cases.items()}
 
 
 _LAUNCH = []
 
 
-def _composed(name: str) -> dict:
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("moecp"))
+
+
+def _composed(name: str, tmp: str) -> dict:
     if not _LAUNCH:
-        _LAUNCH.append(dist.launch(_train_cases, 4, CASES, timeout=600))
+        _LAUNCH.append(dist.launch(_train_cases, 4, CASES, tmp, timeout=600))
     ranks = [r[name] for r in _LAUNCH[0]]
     params, grads = {}, {}
     for r in ranks:
@@ -57,9 +63,9 @@ def _composed(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_moe_under_cp_equals_serial(name):
+def test_moe_under_cp_equals_serial(name, tmp):
     ref = serial_state(FLAGS)
-    got = _composed(name)
+    got = _composed(name, tmp)
     assert_same_training(got, ref, loss_tol=1e-5, tol=1e-4)
     for n, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][n], g, atol=1e-5, rtol=1e-5, msg=n)
@@ -71,7 +77,7 @@ def test_moe_under_cp_equals_serial(name):
 
 
 @pytest.mark.parametrize("name", ["cp2 dp2", "cp2 dp2 ep2", "cp4", "cp2 dp2 ep2 recompute full"])
-def test_moe_cp_gather_bytes_equal_the_formula(name):
+def test_moe_cp_gather_bytes_equal_the_formula(name, tmp):
     """Without TP or ZeRO the only all-gather is the choices' over cp, once per MoE layer and
     micro-batch (forward only: the recomputed forward replays the first one's choices)."""
     flags, cp, dp = CASES[name]
@@ -79,5 +85,14 @@ def test_moe_cp_gather_bytes_equal_the_formula(name):
     layers = cfg.n_layer                      # --moe-every 1: every block is an MoE layer
     per_layer = plan_moe.cp_layer_comm_bytes(plan_moe.MoE(E, K), tokens=8 // dp * cfg.seq_len,
                                              cp=cp)
-    got = _composed(name)["history"][-1]["comm_bytes"]
+    got = _composed(name, tmp)["history"][-1]["comm_bytes"]
     assert got["all_gather"] == layers * per_layer["all_gather"]
+
+
+def test_moe_cp_checkpoint_resumes_on_one_process(tmp):
+    """Saved at step 2 as cp=2 x dp=2 (ep 2): steps 3 and 4 on one process are the serial run's."""
+    from minipar.train import run_state
+    ref = serial_state(FLAGS)
+    _composed("cp2 dp2 ep2", tmp)
+    got = run_state(NANO + FLAGS + ["--resume", f"{tmp}/ck/step-000002"], nproc=1)
+    assert_same_training(got, dict(ref, losses=ref["losses"][2:]), loss_tol=1e-5, tol=1e-4)
