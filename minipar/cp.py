@@ -392,8 +392,10 @@ class RingSelfAttention(CausalSelfAttention):
 
 def parallelize(model: GPT, group, seq_len: int, balanced: bool = True) -> GPT:
     """In place: every block's attention becomes ring attention over ``group`` (the cp axis),
-    and the embedding adds the global positions of this rank's tokens. Parameter names and
-    shapes stay: the parameters are replicated over cp. Apply after ``tp.parallelize``."""
+    and the embedding adds the global positions of this rank's tokens; MoE layers learn the
+    group and every rank's positions (they gather their routing choices over it, in true
+    order: ``minipar.moe``). Parameter names and shapes stay: the parameters are replicated
+    over cp. Apply after ``tp.parallelize``."""
     ring = Ring.of(group, balanced)
     if ring.n == 1:
         return model
