@@ -262,6 +262,11 @@ def parse_config(argv: list[str]) -> RunConfig:
                                     moe_every=a.moe_every, capacity_factor=a.capacity_factor,
                                     moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
     moe.validate(model_cfg, a.ep, d, a.tp, a.cp)
+    if a.compile and model_cfg.moe_experts and a.recompute == "full":
+        raise UsageError("--compile with MoE and --recompute full: the recomputed MoE layer replays "
+                         "its first forward's routing through a checkpoint context, and torch.compile "
+                         "accepts only TorchDispatchMode contexts there; drop --compile or use "
+                         "--recompute selective")
     if a.cp > 1:
         from . import cp
         cp.validate(model_cfg.seq_len, a.cp, a.tp, a.sp)

@@ -18,8 +18,6 @@ dp_cp); ``Grid`` is its old name, kept with its old attributes (``dp_group``, ``
 """
 from __future__ import annotations
 
-import contextlib
-import datetime
 import math
 import os
 import pickle
@@ -40,40 +38,8 @@ from .cli import ArgumentParser, main_guard, positive_int  # noqa: F401  (re-exp
 from .errors import Stopped, UsageError  # noqa: F401  (re-exported: dist.UsageError)
 
 
-def _timeout_s() -> float:
-    """The collective timeout, MINIPAR_TIMEOUT seconds (60 by default), for every group."""
-    text = os.environ.get("MINIPAR_TIMEOUT", "60")
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise UsageError(f"MINIPAR_TIMEOUT={text!r}: give the collective timeout as a positive "
-                         f"number of seconds (default 60)")
-    return value
-
-
-def collective_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=_timeout_s())
-
-
-# ``--compile``: the first step compiles every Block (inductor: minutes for a large model,
-# and not in step on every rank), while the others already wait in a collective.
-COMPILE_TIMEOUT_S = 600
-
-
-@contextlib.contextmanager
-def timeout_default(seconds: float | None):
-    """Inside: MINIPAR_TIMEOUT defaults to ``seconds`` (None: to 60 as always); a value the
-    user set wins. Set in the environment, so ranks started inside inherit it."""
-    if seconds is None or "MINIPAR_TIMEOUT" in os.environ:
-        yield
-        return
-    os.environ["MINIPAR_TIMEOUT"] = str(seconds)
-    try:
-        yield
-    finally:
-        os.environ.pop("MINIPAR_TIMEOUT", None)
+from .timeouts import (COMPILE_TIMEOUT_S, _timeout_s, collective_timeout,  # noqa: E402,F401
+                       new_group, timeout_default)  # re-exported: every group is made there
 
 
 # --------------------------------------------------------------------------------------
@@ -251,16 +217,10 @@ def init(backend: str = "auto") -> tuple[str, torch.device]:
     return backend, device
 
 
-def new_group(ranks: list[int]):
-    """``torch.distributed.new_group`` with the collective timeout (the library's default is
-    30 minutes, whatever the default group has). Every sub-group goes through here."""
-    return dist.new_group(ranks, timeout=collective_timeout())
-
-
 # --------------------------------------------------------------------------------------
 # The process grid: minipar.mesh.Mesh under its first name
 # --------------------------------------------------------------------------------------
-from .mesh import Mesh as Grid  # noqa: E402  (mesh imports new_group from here, lazily)
+from .mesh import Mesh as Grid  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # The local launcher

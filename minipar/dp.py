@@ -540,10 +540,10 @@ class DataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Average what is still accumulated (``finish_grad_sync``), then clip as
-        ``torch.nn.utils.clip_grad_norm_`` on one process; returns the norm."""
-        from . import optim
+        ``torch.nn.utils.clip_grad_norm_`` on one process (every rank holds the whole averaged
+        gradient, so torch's own function is right here); returns the norm."""
         self.finish_grad_sync()
-        return optim.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     # -- accounting ----------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:

@@ -139,7 +139,7 @@ class Mesh:
 
         Used by the axes and by paradigms that need finer groups (AMSP's shard groups)."""
         from . import comm
-        from .dist import new_group as timed_group   # every group gets the collective timeout
+        from .timeouts import new_group as timed_group   # every group gets the collective timeout
         if not self.distributed:
             return None
         mine = None

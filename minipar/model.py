@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -168,11 +168,13 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, MLP) if moe else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute = cfg.recompute == "full"
+        # an MoE layer inside replays its routing and received rows (minipar.moe); a dense
+        # block needs no context, and torch.compile accepts only its own kind of context
+        self.context_fn = recompute_contexts if moe else noop_context_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            # an MoE layer inside replays its routing and received rows (minipar.moe)
-            return checkpoint(self.layer, x, use_reentrant=False, context_fn=recompute_contexts)
+            return checkpoint(self.layer, x, use_reentrant=False, context_fn=self.context_fn)
         return self.layer(x)
 
     def layer(self, x: torch.Tensor) -> torch.Tensor:

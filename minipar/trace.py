@@ -115,15 +115,15 @@ def span(name: str, cat: str = "compute"):
         yield
 
 
-def instrument(module) -> list:
-    """Record the forward of every transformer block of ``module`` (one span per call).
+def instrument(module, kind) -> list:
+    """Record the forward of every submodule of type ``kind`` (the trainer: the transformer
+    ``Block``) of ``module``, one span per call.
 
     Returns the hook handles (``handle.remove()`` to take them off).
     """
-    from .model import Block
     handles = []
     for name, sub in module.named_modules():
-        if isinstance(sub, Block):
+        if isinstance(sub, kind):
             handles += _time_forward(sub, f"forward {name}")
     return handles
 
@@ -144,25 +144,15 @@ def _time_forward(module, label: str) -> list:
 
 def traced_call(path: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` on this rank with a trace recorded, written to ``path`` by rank 0
-    (the benches' ``--trace``: ``dist.launch(trace.traced_call, n, path, measure, ...)``)."""
+    (the benches' ``--trace``: ``minipar.bench.launch``)."""
     import torch.distributed as dist
-    from . import comm
     tracer = start(dist.get_rank() if dist.is_initialized() else 0)
     try:
         result = fn(*args, **kwargs)
     finally:
         stop()
-    with comm.untracked():
-        gather_and_write(path, tracer)
+    gather_and_write(path, tracer)      # torch's gather_object: not minipar.comm's bytes
     return result
-
-
-def launch(path: str | None, fn, nprocs: int, *args, **kwargs) -> list:
-    """``dist.launch(fn, nprocs, ...)``, traced to ``path`` when it is given (the benches)."""
-    from . import dist
-    if path is None:
-        return dist.launch(fn, nprocs, *args, **kwargs)
-    return dist.launch(traced_call, nprocs, path, fn, *args, **kwargs)
 
 
 def gather_and_write(path: str, tracer: Tracer) -> int:
@@ -221,13 +211,6 @@ def overlap_ms(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> fl
                 merged.append([s, e])
         return merged
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in union(a) for s2, e2 in union(b))
-
-
-def traced_run(argv: list[str], path: str) -> list[dict]:
-    """Train with ``python -m minipar.train`` flags ``argv`` plus ``--trace path``; the events."""
-    from . import train
-    train.run([*argv, "--quiet", "--trace", path])
-    return load(path)
 
 
 def plot(events: list[dict], ax=None, title: str | None = None, ranks=None):

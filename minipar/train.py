@@ -38,7 +38,7 @@ from . import comm, data, dist, dp, mfu, moe, optim, steplog, trace
 from .config import RunConfig, parse_config, parser, world_size_from  # noqa: F401  (re-exported)
 from .groups import ParamGroup, param_groups
 from .mesh import Mesh
-from .model import build
+from .model import Block, build
 from .precision import MixedPrecision, PrecisionPolicy
 from .report import Progress, banner, engine_name, layout_words, note_changed_training, step_line, summary  # noqa: F401,E501
 
@@ -276,7 +276,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
     history = []
     tracer = trace.start(mesh.rank) if cfg.trace else None
     if tracer:
-        trace.instrument(runner.module)
+        trace.instrument(runner.module, Block)
     try:
         for step in range(cfg.start_step + 1, cfg.steps + 1):
             lr = optim.lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule, cfg.min_lr)

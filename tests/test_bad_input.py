@@ -71,6 +71,7 @@ ENTRY = {
 }
 
 TRAIN = [
+    ("--model nano --moe-experts 4 --recompute full --compile", "torch.compile"),
     # zero, negative, NaN, infinity, huge
     ("--nproc 0", "--nproc"),
     ("--nproc -2", "--nproc"),

@@ -32,3 +32,12 @@ def machine() -> str:
 
 def median(xs):
     return statistics.median(xs)
+
+
+def launch(path: str | None, fn, nprocs: int, *args, **kwargs) -> list:
+    """``dist.launch(fn, nprocs, ...)``, every rank traced to ``path`` when it is given
+    (the benches' ``--trace FILE``, ``minipar.trace``)."""
+    from .. import dist, trace
+    if path is None:
+        return dist.launch(fn, nprocs, *args, **kwargs)
+    return dist.launch(trace.traced_call, nprocs, path, fn, *args, **kwargs)

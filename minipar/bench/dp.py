@@ -12,10 +12,10 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import cli, comm, data, dp, dist, trace
+from .. import cli, comm, data, dp, trace
 from ..model import PRESETS, build, config, num_params
 from ..plan.network import ring_bytes
-from . import machine, median
+from . import launch, machine, median
 
 VARIANTS = ("naive", "bucketed", "overlapped", "ddp")
 
@@ -85,7 +85,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.trace:
         cli.check_output_file(args.trace, "--trace")
-    rows = trace.launch(args.trace, measure, args.nproc, model_name=args.model, steps=args.steps,
+    rows = launch(args.trace, measure, args.nproc, model_name=args.model, steps=args.steps,
                        warmup=args.warmup, batch_per_rank=args.batch_per_rank,
                        bucket_mb=args.bucket_mb, timeout=1800)[0]
     print(f"minipar.bench dp: {args.nproc} gloo ranks, model {args.model}, "

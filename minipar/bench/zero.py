@@ -27,7 +27,7 @@ from .. import cli, comm, data, dist, trace, zero
 from ..model import PRESETS, build, config
 from ..plan.memory import model_state_bytes
 from ..plan.network import zero_comm_bytes
-from . import machine, median
+from . import launch, machine, median
 
 TWINS = {"zero0": "ddp", "zero1": "zro", "zero2": "zro", "zero3": "fsdp2",
          "zero3-noprefetch": "fsdp2"}
@@ -269,7 +269,7 @@ def main(argv=None):
         if path:
             cli.check_output_file(path, "--trace")
     for n in args.nproc:
-        rows = trace.launch(paths[n], measure, n, model_name=args.model, steps=args.steps,
+        rows = launch(paths[n], measure, n, model_name=args.model, steps=args.steps,
                            warmup=args.warmup, batch_per_rank=args.batch_per_rank,
                            timeout=3600)[0]
         print(report(rows, args), flush=True)

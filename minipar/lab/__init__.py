@@ -46,7 +46,9 @@ def traced_step(argv: list[str], name: str, op: str | None = None) -> dict:
     import tempfile
     from .. import trace
     path = os.path.join(tempfile.gettempdir(), f"minipar_trace_{name}.json")
-    events = trace.traced_run(argv, path)
+    from .. import train
+    train.run([*argv, "--quiet", "--trace", path])
+    events = trace.load(path)
     steps = [e for e in events if e.get("pid") == 0 and e.get("cat") == "step"]
     last = max(steps, key=lambda e: e["ts"])
     window = (last["ts"] / 1e3, (last["ts"] + last["dur"]) / 1e3)

@@ -22,20 +22,9 @@ never stores the s x s scores (flash attention's arithmetic): activations fall a
 """
 from __future__ import annotations
 
-import dataclasses
 
-from .errors import PlanError
-from .memory import layer_activation_bytes
+from .memory import check_cp, cp_layer_activation_bytes  # noqa: F401  (cp's, kept with the rest of memory)
 from .shapes import ModelShape
-
-
-def check_cp(seq_len: int, cp: int) -> None:
-    """PlanError unless the sequence cuts into 2 cp equal chunks (the causal balance)."""
-    if cp < 1:
-        raise PlanError(f"cp must be >= 1, got {cp}")
-    if cp > 1 and seq_len % (2 * cp):
-        raise PlanError(f"cp={cp} cuts each sequence into {2 * cp} chunks, but seq_len "
-                        f"{seq_len} is not divisible by {2 * cp}")
 
 
 def kv_block_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int = 1,
@@ -65,17 +54,6 @@ def cp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, layers: 
     per_layer = cp_attention_bytes(micro_batch, seq_len, hidden, cp, tp, bytes_per_elem,
                                    recompute)["total"]
     return layers * microbatches * per_layer
-
-
-def cp_layer_activation_bytes(shape: ModelShape, micro_batch: int, cp: int = 1, tp: int = 1,
-                              sp: bool = False, recompute: str = "none", flash: bool = False,
-                              dtype: str = "mixed") -> float:
-    """One layer's activations on one rank of a cp ring: the layer at s/cp tokens, the
-    scores never stored at cp > 1 (ring attention computes them block by block)."""
-    check_cp(shape.seq_len, cp)
-    local = dataclasses.replace(shape, seq_len=shape.seq_len // cp)
-    return layer_activation_bytes(local, micro_batch, tp=tp, sp=sp, recompute=recompute,
-                                  flash=flash or cp > 1, dtype=dtype)
 
 
 def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_batch: int = 1,

@@ -92,6 +92,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from .errors import PlanError
 from .layout import Layout
 from .shapes import ModelShape
 from ..sharding import Shard, resolve_shard
@@ -230,10 +231,29 @@ def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
     return layers_per_stage / v * chunks_in_flight
 
 
+def check_cp(seq_len: int, cp: int) -> None:
+    """PlanError unless the sequence cuts into 2 cp equal chunks (the causal balance)."""
+    if cp < 1:
+        raise PlanError(f"cp must be >= 1, got {cp}")
+    if cp > 1 and seq_len % (2 * cp):
+        raise PlanError(f"cp={cp} cuts each sequence into {2 * cp} chunks, but seq_len "
+                        f"{seq_len} is not divisible by {2 * cp}")
+
+
+def cp_layer_activation_bytes(shape: ModelShape, micro_batch: int, cp: int = 1, tp: int = 1,
+                              sp: bool = False, recompute: str = "none", flash: bool = False,
+                              dtype: str = "mixed") -> float:
+    """One layer's activations on one rank of a cp ring: the layer at s/cp tokens, the
+    scores never stored at cp > 1 (ring attention computes them block by block)."""
+    check_cp(shape.seq_len, cp)
+    local = dataclasses.replace(shape, seq_len=shape.seq_len // cp)
+    return layer_activation_bytes(local, micro_batch, tp=tp, sp=sp, recompute=recompute,
+                                  flash=flash or cp > 1, dtype=dtype)
+
+
 def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
                      dtype: str = "mixed") -> float:
     if layout.cp > 1:      # a layer of s/cp tokens, scores never stored (ring attention)
-        from .cp import cp_layer_activation_bytes
         per_layer = cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
                                               layout.sp, layout.recompute, flash, dtype)
     else:
