@@ -52,6 +52,8 @@ CELLS_4 = {
     "moe-ep2": (MOE + ["--ep", "2"], 4),
     "moe-ep4-zero1": (MOE + ["--ep", "4", "--zero", "1"], 4),
     "moe-ep2-zero3": (MOE + ["--ep", "2", "--zero", "3"], 4),
+    # clipping below the norm: under fp16 the experts' gradients must enter the norm unscaled
+    "moe-ep2-zero1-clip": (MOE + ["--ep", "2", "--zero", "1", "--clip-grad", "0.05"], 4),
     "moe-ep2+tp2": (MOE + ["--ep", "2", "--tp", "2"], 4),
     "moe-ep2+pp2": (MOE + ["--ep", "2", "--pp", "2"], 4),
     "moe-ep2-recompute": (MOE + ["--ep", "2", "--recompute", "full"], 4),
@@ -71,7 +73,7 @@ MATRIX = ([(c, "fp32") for c in CELLS_4]
           + [(c, "fp16") for c in ("dp4", "zero1", "zero3", "shard1,2,4", "pp2-gpipe",
                                    "tp2xpp2", "tp2+sp-recompute", "zero1+tp2", "moe-ep2",
                                    "moe-ep2+pp2", "moe-ep2-recompute", "moe-ep4-zero1",
-                                   "moe-ep2-zero3")])
+                                   "moe-ep2-zero3", "moe-ep2-zero1-clip")])
 
 
 def _flags(cell: str, precision: str, table: dict) -> list[str]:
@@ -133,7 +135,8 @@ def _norm(a):
     return math.sqrt(sum((v.float() ** 2).sum().item() for v in a.values() if v is not None))
 
 
-def assert_like_serial(got: dict, ref: dict, precision: str, tp: bool, where: str) -> None:
+def assert_like_serial(got: dict, ref: dict, precision: str, tp: bool, where: str,
+                       grads: bool = True) -> None:
     if precision == "fp32":
         try:
             assert_same_training(got, ref)
@@ -148,6 +151,8 @@ def assert_like_serial(got: dict, ref: dict, precision: str, tp: bool, where: st
     theta0 = {k: v.detach().to(dtype) for k, v in _initial(tuple(cfg_flags)).items()}
     moved = 0.10 if tp else 0.05
     assert _distance(got["params"], ref["params"]) <= moved * _distance(ref["params"], theta0), where
+    if not grads:
+        return
     grads = {k: v for k, v in ref["grads"].items() if v is not None}
     assert _distance({k: got["grads"][k] for k in grads}, grads) <= 4 * 2**-8 * _norm(grads), where
 
@@ -165,7 +170,15 @@ def check_cells(cells: list[tuple[str, str]], table: dict, world: int) -> None:
         assert len(got["losses"]) == STEPS
         if precision == "fp16":     # the premise of comparing step by step: no step skipped
             assert got["history"][-1]["skipped_steps"] == ref["history"][-1]["skipped_steps"] == 0
-        assert_like_serial(got, ref, precision, "--tp" in argv, f"{cell} {precision}")
+        clipped = "--clip-grad" in argv
+        if clipped and precision != "fp32":
+            # 16-bit engines report different gradients under clipping (ZeRO its fp32 average
+            # after the clip, DP the 16-bit .grad before it): the norm each step measured
+            # (what the clip used) is held to the serial one's instead
+            for a, b in zip(got["history"], ref["history"]):
+                assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-2 * b["grad_norm"], cell
+        assert_like_serial(got, ref, precision, "--tp" in argv, f"{cell} {precision}",
+                           grads=not (clipped and precision != "fp32"))
 
 
 def test_quick_subset_equals_serial_twins():
