@@ -222,6 +222,7 @@ def test_compile_with_tp_pp_zero3_equals_the_eager_serial_run():
 # parameters by 27% of the distance training moves them (measured), far above the 5% the 16-bit
 # comparison allows, so decay skipped (or applied to the 16-bit copies) fails it.
 WD = ["--weight-decay", "10"]
+FP16_SCALER = ["--dtype", "fp16", "--loss-scale-window", "1", "--loss-scale-init", "1024"]
 
 
 def _save_resume_worker(tmp, world):
@@ -255,6 +256,10 @@ def _save_resume_worker(tmp, world):
         ("save-shard1,2,4-bf16", BASE + bf16 + ["--shard", "1,2,4", "--steps", "2",
                                                 "--save", f"{tmp}/f"]),
         ("resume-dp4-bf16", BASE + bf16 + ["--resume", f"{tmp}/f"]),
+        ("save-zero3-fp16", BASE + FP16_SCALER + ["--zero", "3", "--steps", "2",
+                                                  "--save", f"{tmp}/g"]),
+        ("resume-shard1,2,4-fp16", BASE + FP16_SCALER + ["--shard", "1,2,4",
+                                                         "--resume", f"{tmp}/g"]),
     ]
     out = {}
     for name, argv in runs:
@@ -313,3 +318,12 @@ def test_save_in_one_layout_resume_in_another(tmp_path):
     as32 = got["resume-zero1-as-fp32"]
     assert all(p.dtype == torch.float32 for p in as32["params"].values())
     assert_same_training(as32, train.run_state(BASE + WD + ["--resume", f"{tmp_path}/e"], 1))
+    # fp16 under ZeRO-3, resumed as 1,2,4: the scaler's state and the fp32 masters travel
+    resumed = got["resume-shard1,2,4-fp16"]
+    twin = train.run_state(BASE + FP16_SCALER + ["--resume", f"{tmp_path}/g"], 1)
+    assert [h["loss_scale"] for h in resumed["history"]] == \
+        [h["loss_scale"] for h in twin["history"]]
+    saved = got["save-zero3-fp16"]["history"]
+    grew = saved[1]["skipped_steps"] == saved[0]["skipped_steps"]
+    assert resumed["history"][0]["loss_scale"] == saved[1]["loss_scale"] * (2.0 if grew else 0.5)
+    assert_like_serial(resumed, twin, "fp16", False, "resume-shard1,2,4-fp16")
