@@ -261,15 +261,10 @@ def parse_config(argv: list[str]) -> RunConfig:
     model_cfg = dataclasses.replace(model_cfg, moe_experts=a.moe_experts, moe_top_k=a.moe_top_k,
                                     moe_every=a.moe_every, capacity_factor=a.capacity_factor,
                                     moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
-    moe.validate(model_cfg, a.ep, d, a.tp)
+    moe.validate(model_cfg, a.ep, d, a.tp, a.cp)
     if a.cp > 1:
         from . import cp
         cp.validate(model_cfg.seq_len, a.cp, a.tp, a.sp)
-        if model_cfg.moe_experts:
-            raise UsageError("--cp with MoE: the load-balancing loss E sum_e f_e P_e multiplies two "
-                             "means over the whole sequence, which a rank holding 1/cp of it "
-                             "cannot form (a sum of per-chunk products is not the product of "
-                             "sums); use --cp 1 for MoE")
     corpus = _corpus_bytes(a.data)
     if int(corpus * data.HELD_OUT) < model_cfg.seq_len + 2:   # the held-out tenth is the shorter
         raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of "

@@ -19,7 +19,8 @@ The axes:
 ``tp``    tensor parallel (innermost)
 ``ep``    expert parallel, carved inside ``dp`` (DeepSpeed-MoE, Megatron-LM): ``ep``
           consecutive dp indices; ``ep`` divides ``dp``
-``edp``   expert data parallel: the dp indices with the same ep index (size dp/ep), what an
+``edp``   expert data parallel: the dp indices with the same ep index (size dp/ep), and
+          every cp index (the cp ranks hold the same experts), so size dp/ep x cp: what an
           expert's gradient is summed over (torchtitan keeps a separate mesh for it)
 ``dp_cp`` dp x cp flattened: what a dense gradient is averaged over (= ``dp`` when cp = 1)
 ========  =======================================================================
@@ -56,7 +57,7 @@ def axis_lines(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1
         "cp": rearrange(r, "d p c t -> (d p t) c"),
         "tp": rearrange(r, "d p c t -> (d p c) t"),
         "ep": rearrange(r, "(x e) p c t -> (x p c t) e", **e),
-        "edp": rearrange(r, "(x e) p c t -> (e p c t) x", **e),
+        "edp": rearrange(r, "(x e) p c t -> (e p t) (x c)", **e),
         "dp_cp": rearrange(r, "d p c t -> (p t) (d c)"),
     }
 
@@ -90,7 +91,8 @@ class Mesh:
         self.ranks_tensor = torch.arange(world).view(dp, pp, cp, tp)
         self.rank = tdist.get_rank() if self.distributed else 0
         d, p, c, t = (self.ranks_tensor == self.rank).nonzero()[0].tolist()
-        self._coord = dict(dp=d, pp=p, cp=c, tp=t, ep=d % ep, edp=d // ep, dp_cp=d * cp + c)
+        self._coord = dict(dp=d, pp=p, cp=c, tp=t, ep=d % ep, edp=(d // ep) * cp + c,
+                           dp_cp=d * cp + c)
         self._lines = axis_lines(dp, pp, cp, tp, ep)
         self._groups: dict[str, object] = {}
         made: dict[tuple, object] = {}       # an axis with the same lines shares the group

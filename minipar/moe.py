@@ -103,6 +103,18 @@ per micro-batch, dominates TP traffic. Megatron-Core's answer, EP groups that sp
 ranks ("MoE parallel folding"), or one all-reduce per step of the experts' gradients, are
 not built here.
 
+Context parallelism (``minipar.cp``). A cp rank holds chunks i and 2cp-1-i of every
+sequence (``cp.parallelize`` gives each MoE layer the cp group and every rank's positions). It
+routes and dispatches its own tokens (EP groups are inside dp, at one cp index); capacity
+slots and f_e need the whole sequence's choices in true token order, so the layer all-gathers
+them over cp and puts each rank's rows back at the positions it holds. Gradients are averaged
+over dp x cp (each rank's cross-entropy is the mean over its own tokens), so P_e and the z
+mean are taken over the rank's own s/cp tokens: the cp mean of the aux losses is the serial
+one. The experts are replicated over cp, so their gradients are summed over ``edp``, which
+spans cp. Per MoE layer and micro-batch, one rank sends over cp::
+
+    all_gather    (cp-1)/cp b s k 8                the choices, forward (int64)
+
 Recomputation (``--recompute full``). The Block's checkpoint passes ``recompute_contexts``
 as its ``context_fn``: the first forward records, per MoE layer, its routing decision, the
 counts it exchanged, the rows the dispatch received and the rows the combine
@@ -123,7 +135,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from . import comm
-from .seqsplit import gather_seq, gather_seq_replicated, scatter_seq
+from .seqsplit import (all_gather_stacked, gather_seq, gather_seq_replicated, scatter_seq,
+                       slice_seq)
 from .errors import UsageError
 
 
@@ -277,6 +290,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): expert(cfg) for e in range(self.n_experts)})
         self.ep_group = None    # experts split over it (None: all here)
         self.tp_group, self.sequence_parallel = None, False
+        self.cp_group = None    # context parallelism: this rank holds some chunks of each sequence
+        self.cp_positions = None   # (cp, s/cp): the global positions each cp rank holds, in order
         self.aux_loss = self.z_loss = None   # this forward's share, differentiable
         self.routing = None     # this forward's (experts (t k), kept (t k)), for inspection
         self.reset_stats()
@@ -291,7 +306,8 @@ class MoE(nn.Module):
             x = scatter_seq(x, self.tp_group)
         replay, replaying = Replay.current()
         b, s_here, _ = x.shape
-        s = s_here * t                       # the whole sequence
+        c = comm.size(self.cp_group)
+        s = s_here * t * c                   # the whole sequence
         tokens = rearrange(x, "b s d -> (b s) d")
         logits = self.router(tokens)
         record = replay.next() if replaying else {}
@@ -303,7 +319,10 @@ class MoE(nn.Module):
         experts, whole, keep = record["experts"], record["whole"], record["keep"]
         # the recomputation builds the same losses again: the original graph's backward
         # needs what they save; only the first forward keeps them and counts them
-        aux, z = load_balancing_loss(probs, whole, s), z_loss(logits, b * s)
+        # under cp the gradients are averaged over the cp ranks, like each rank's mean
+        # cross-entropy over its own tokens: so P_e and z are means over this cp rank's s/cp
+        # tokens (c times its share), f_e counts the whole sequence; the cp mean is serial
+        aux, z = c * load_balancing_loss(probs, whole, s), z_loss(logits, b * s // c)
         if not replaying:
             self._count(aux, z, experts, keep)
         y = self.dispatch_and_combine(tokens, weights, experts, keep, record, replaying)
@@ -314,18 +333,29 @@ class MoE(nn.Module):
 
     def _decide(self, experts, b: int, s: int):
         """(experts, whole, keep): this rank's choices (t k), the choices of the whole
-        sequences (b s, k), and which of this rank's assignments fit their capacity (t k).
+        sequences (b s, k) in true token order, and which of this rank's assignments fit
+        their capacity (t k).
 
-        Capacity slots and f_e count a whole sequence's choices: under TP, gather them."""
-        t = comm.size(self.tp_group)
-        whole = experts
-        if t > 1:
-            whole = rearrange(gather_seq(rearrange(experts, "(b s) k -> b s k", b=b),
-                                         self.tp_group), "b s k -> (b s) k")
-        keep = capacity_mask(whole, s, self.n_experts, self.capacity_factor)
-        if t > 1:                                            # this rank's s/t of each sequence
-            keep = rearrange(keep, "(b t s) k -> t (b s) k", b=b, t=t)[comm.rank(self.tp_group)]
-        return experts, whole, keep
+        Capacity slots and f_e count a whole sequence's choices, first come first served:
+        under TP gather them over TP (this cp rank's tokens, in its local order), under cp
+        over cp, and put each rank's rows back at the global positions it holds (its two
+        chunks i and 2cp-1-i, ``minipar.cp``)."""
+        whole = gather_seq(rearrange(experts, "(b s) k -> b s k", b=b), self.tp_group)
+        c = comm.size(self.cp_group)
+        if c > 1:
+            where = self.cp_positions.to(whole.device)                  # (c, s/c)
+            parts = all_gather_stacked(whole, self.cp_group)            # (c, b, s/c, k)
+            ordered = torch.empty(b, s, whole.shape[-1], dtype=whole.dtype, device=whole.device)
+            ordered[:, where.flatten()] = rearrange(parts, "c b s k -> b (c s) k")
+            whole = ordered
+        whole = rearrange(whole, "b s k -> (b s) k")
+        keep = rearrange(capacity_mask(whole, s, self.n_experts, self.capacity_factor),
+                         "(b s) k -> b s k", b=b)
+        if c > 1:                                            # this cp rank's positions
+            keep = keep[:, where[comm.rank(self.cp_group)]]
+        if comm.size(self.tp_group) > 1:                     # this TP rank's slice of them
+            keep = slice_seq(keep, self.tp_group)
+        return experts, whole, rearrange(keep, "b s k -> (b s) k")
 
     def _count(self, aux, z, experts, keep):
         """Keep this forward's losses for ``penalty`` and add them to the step's statistics."""
@@ -433,7 +463,7 @@ def penalty(model: nn.Module) -> torch.Tensor | float:
 def step_stats(model: nn.Module) -> dict:
     """This rank's MoE statistics since the last call (then reset): per layer the mean over
     micro-batches of its aux and z loss, summed over the layers (this rank's share: summed
-    over TP and pipeline ranks and averaged over DP ranks they are the serial run's),
+    over TP and pipeline ranks and averaged over dp x cp ranks they are the serial run's),
     assignments dropped and made, and ``penalty``, what was added to the loss (the mean over
     micro-batches, so cross-entropy = loss - penalty)."""
     layers = [m for m in moe_layers(model) if m.stats["forwards"]]
@@ -454,7 +484,7 @@ def step_stats(model: nn.Module) -> dict:
 # --------------------------------------------------------------------------------------
 # What composes (checked before any process starts)
 # --------------------------------------------------------------------------------------
-def validate(cfg, ep: int, dp: int, tp: int = 1) -> None:
+def validate(cfg, ep: int, dp: int, tp: int = 1, cp: int = 1) -> None:
     """Raise UsageError (one line) for an MoE/EP layout minipar cannot run."""
     E = cfg.moe_experts
     if E < 0:
@@ -474,10 +504,12 @@ def validate(cfg, ep: int, dp: int, tp: int = 1) -> None:
                         ("moe-z-coef", cfg.moe_z_coef)):
         if not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{name} must be a finite number >= 0, got {value}")
-    if tp > 1 and cfg.seq_len % tp:
-        raise UsageError(f"an MoE layer under --tp {tp} routes seq_len/{tp} tokens of each "
-                         f"sequence on each TP rank, but the sequence length {cfg.seq_len} is "
-                         f"not divisible by {tp}; use a --seq-len that is a multiple of {tp}")
+    if tp > 1 and (cfg.seq_len // cp) % tp:
+        where = f"the sequence length {cfg.seq_len}" if cp == 1 else \
+            f"a cp rank's share {cfg.seq_len // cp} of the sequence"
+        raise UsageError(f"an MoE layer under --tp {tp} routes 1/{tp} of each sequence's tokens "
+                         f"on each TP rank, but {where} is not divisible by {tp}; use a "
+                         f"--seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
     if dp % ep:
         raise UsageError(f"--ep {ep} must divide the data-parallel degree {dp} (EP groups are "
                          f"consecutive data-parallel ranks); use an --ep that divides {dp}")

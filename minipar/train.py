@@ -315,11 +315,13 @@ def worker(cfg: RunConfig, return_state: bool = False):
             record = records[-1]
             if cfg.model_cfg.moe_experts:
                 # each rank holds its share (its stage's layers, its TP slice of the tokens) of
-                # its data-parallel batch: summed over the world, averaged over dp
+                # its replica's batch: summed over the world, averaged over the dp x cp replicas
                 aux, z, dropped, assigned = comm.all_reduce_scalars(
                     [routing["aux_loss"], routing["z_loss"], routing["dropped"],
                      routing["assigned"]], comm.WORLD)
-                record.update(aux_loss=aux / cfg.dp, z_loss=z / cfg.dp, drop_rate=dropped / assigned)
+                replicas = cfg.dp * cfg.cp
+                record.update(aux_loss=aux / replicas, z_loss=z / replicas,
+                              drop_rate=dropped / assigned)
             if policy.loss_scaler is not None:
                 record.update(loss_scale=scale, skipped_steps=policy.loss_scaler.skipped_steps)
             if evaluating:

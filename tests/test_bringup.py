@@ -113,7 +113,8 @@ def test_norm_only_when_clipping_or_logging(monkeypatch):
     assert [h["step"] for h in sparse] == list(range(1, 7))
     for h in sparse:
         if h["step"] % 3:
-            assert set(h) == {"step", "loss", "lr", "comm_bytes"}, h
+            assert set(h) == {"step", "loss", "lr", "comm_bytes", "step_time_s",
+                              "tokens_per_s", "model_state_bytes"}, h
         else:
             assert h["grad_norm"] == every[h["step"] - 1]["grad_norm"]
             assert h["comm_clock"] == "host" and "step_time_s" in h

@@ -101,7 +101,8 @@ def test_cp4_composes_on_8_ranks(tmp_path):
     (["--cp", "2", "--nproc", "2", "--seq-len", "18"], "not divisible by 4"),
     (["--cp", "2", "--tp", "4", "--sp", "--nproc", "8", "--seq-len", "12"], "over --tp 4"),
     (["--cp", "2", "--nproc", "3"], "multiple of 2"),
-    (["--cp", "2", "--nproc", "2", "--moe-experts", "4"], "load-balancing loss"),
+    (["--cp", "2", "--tp", "4", "--nproc", "8", "--moe-experts", "4", "--seq-len", "20"],
+     "share 10 of the sequence is not divisible by 4"),
     (["--cp", "0"], "--cp"),
 ])
 def test_cp_refuses_what_cannot_compose(flags, message):

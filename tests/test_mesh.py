@@ -38,7 +38,7 @@ def _expected(shape, rank):
     return {"dp": (r[:, p, c, t].tolist(), d), "pp": (r[d, :, c, t].tolist(), p),
             "cp": (r[d, p, :, t].tolist(), c), "tp": (r[d, p, c, :].tolist(), t),
             "ep": (r[x * ep:(x + 1) * ep, p, c, t].tolist(), e),
-            "edp": (r[e::ep, p, c, t].tolist(), x),
+            "edp": (r[e::ep, p, :, t].flatten().tolist(), x * cp + c),   # cp holds them too
             "dp_cp": (r[:, p, :, t].flatten().tolist(), d * cp + c)}
 
 

@@ -38,6 +38,12 @@ MLP's (``tp_layer_comm_bytes``, per MoE layer and micro-batch)::
                  + 2 (tp-1)/tp b s h b              without SP: output fwd, input grad bwd
     all_reduce   2 (tp-1)/tp (h E + E/ep m_p) g     router and experts' gradients (f), bwd
 
+Under context parallelism (cp ranks share each sequence) the layer gathers the choices over
+cp too (``cp_layer_comm_bytes``, per MoE layer and micro-batch; under TP the TP gather above
+then carries b s/cp tokens)::
+
+    all_gather   (cp-1)/cp b s k 8                  the choices, forward
+
 The all-to-alls are on the critical path (each layer waits for its tokens): time = count x
 ((ep-1) alpha + bytes / beta), beta the slowest link the EP group crosses (``network``).
 ``adjust`` turns a dense estimate into the MoE's: compute grows by the extra FLOPs (and the
@@ -183,6 +189,16 @@ def tp_layer_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, tp: int, sp: b
         gather += 2 * ring_bytes("all_gather", tokens * shape.hidden * elem_bytes, tp)
     weights = shape.hidden * moe.experts + moe.experts // ep * expert_params(shape)
     return dict(all_gather=gather, all_reduce=ring_bytes("all_reduce", weights * grad_bytes, tp))
+
+
+def cp_layer_comm_bytes(moe: MoE, tokens: int, cp: int) -> dict[str, float]:
+    """One MoE layer and micro-batch of ``tokens`` = b s (whole sequences) under context
+    parallelism: the bytes one rank sends to gather the choices over cp (forward only; a
+    recomputed forward replays them), so capacity and f_e see whole sequences in order."""
+    from .network import ring_bytes
+    if cp == 1:
+        return {}
+    return dict(all_gather=ring_bytes("all_gather", tokens * moe.top_k * COUNT_BYTES, cp))
 
 
 def all_to_all_time(nbytes: float, calls: int, ep: int, stride: int, hw) -> float:
