@@ -270,9 +270,6 @@ def parse_config(argv: list[str]) -> RunConfig:
     if a.cp > 1:
         from . import cp
         cp.validate(model_cfg.seq_len, a.cp, a.tp, a.sp)
-    if model_cfg.moe_experts and a.dtype != "fp32" and (a.zero is not None or a.shard is not None):
-        raise UsageError("MoE under ZeRO runs in fp32 only (the experts stay outside the fp32 "
-                         "master shards); use --dtype fp32, or plain DP for bf16")
     corpus = _corpus_bytes(a.data)
     if int(corpus * data.HELD_OUT) < model_cfg.seq_len + 2:   # the held-out tenth is the shorter
         raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of "
@@ -345,11 +342,6 @@ def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:
             raise UsageError(f"--save {a.save}: {probe} is a file; give a folder")
         if not os.access(probe, os.W_OK):
             raise UsageError(f"--save {a.save}: {probe} is not writable")
-    if a.dtype != "fp32" and (a.zero is not None or a.shard is not None) and \
-            (a.weight_decay or a.save or a.resume):
-        raise UsageError(f"--weight-decay, --save and --resume under ZeRO/--shard act on the fp32 "
-                         f"parameters and do not yet handle --dtype {a.dtype}'s fp32 master "
-                         f"shards; use --dtype fp32 with them, or plain DP (no --zero/--shard)")
     if a.resume is None:
         return None, 0
     from . import checkpoint

@@ -98,9 +98,8 @@ out of the shards: the engine takes the parameter groups (``minipar.groups``: ``
 the data-parallel axis is sharded, ``expert`` over ``edp`` is not) and keeps the experts whole,
 as in plain DP, summed over their own group (the expert's replicas) at the step, in
 ``reduce_dtype``, and divided by d. Under bf16/fp16 their fp32 masters sit in the optimizer
-beside the OS shards' (``MixedPrecision`` over both), so checkpoints and weight decay see them.
-(The trainer still refuses MoE under ZeRO in bf16: with ``--ep 2 --zero 1`` its loss after the
-first step is 6.7e-3 off the bf16 serial run's, where plain DP's is 5e-5 off; not explained yet.)
+beside the OS shards' (``MixedPrecision`` over both), so checkpoints, weight decay and clipping
+act on them (``flat_ranges``: during the step, each master's own fp32 gradient).
 
 fp16: the optimizer (``precision.MixedPrecision`` with a loss scaler) unscales the fp32 master
 gradients the engine hands it (``_MastersStep``), reduces one found-inf flag over the whole
@@ -336,8 +335,14 @@ class ShardedEngine(ShardedUnits):
                     sl = slice(offset, offset + p.numel())
                     out[names[p]] = (flat[sl].view_as(p), grad[sl].view_as(p))
                     offset += p.numel()
+        # the experts' .grad still carries fp16's loss scale (their masters were unscaled):
+        # given unscaled, as the optimizer saw it, like the OS shards' above
+        opt = self.optimizer
+        scale = (opt.grad_scale if isinstance(opt, MixedPrecision) and opt.loss_scaler is not None
+                 else None)
         for p in self.tagged:
-            out[names[p]] = (p.detach(), p.grad)
+            grad = p.grad if scale is None or p.grad is None else p.grad.float() / scale
+            out[names[p]] = (p.detach(), grad)
         return out
 
 
@@ -357,7 +362,9 @@ class ShardedEngine(ShardedUnits):
                   + self.mesh.os_index * (u.N // s_os))
             hi = lo + u.N // s_os
             param = masters.get(u.os_param, u.os_param)      # mixed precision: the fp32 master
-            flat = {"param": param.detach(), "grad": u.os_grad}
+            # the master's gradient exists during step() only (unscaled): what clipping must scale
+            flat = {"param": param.detach(),
+                    "grad": u.os_grad if param.grad is None else param.grad}
             flat.update({k: v for k, v in self.optimizer.state.get(param, {}).items()
                          if torch.is_tensor(v) and v.numel() == u.os_param.numel()})
             offset = 0
@@ -371,8 +378,9 @@ class ShardedEngine(ShardedUnits):
             for p in g.params:
                 param = masters.get(p, p)
                 views = {"param": param.detach().view(-1)}
-                if p.grad is not None:
-                    views["grad"] = p.grad.view(-1)
+                grad = p.grad if param.grad is None else param.grad   # the master's, in step()
+                if grad is not None:
+                    views["grad"] = grad.view(-1)
                 views.update({k: v.view(-1) for k, v in self.optimizer.state.get(param, {}).items()
                               if torch.is_tensor(v) and v.numel() == p.numel()})
                 out.append((names[p], p.shape, 0, views, comm.rank(g.group) == 0))

@@ -104,7 +104,6 @@ TRAIN = [
     ("--reduce-dtype fp16 --dtype bf16", "needs --dtype fp16"),
     ("--dtype fp16 --loss-scale-init 0", "--loss-scale-init"),
     ("--dtype fp16 --loss-scale-window 0", "--loss-scale-window"),
-    ("--dtype bf16 --zero 1 --nproc 2 --weight-decay 0.1", "master shards"),
     ("--zero 5", "--zero"),
     # shapes that do not divide
     ("--nproc 3 --tp 3", "head"),                                  # 4 heads over tp=3
