@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -168,13 +168,14 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, MLP) if moe else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute = cfg.recompute == "full"
-        # an MoE layer inside replays its routing and received rows (minipar.moe); a dense
-        # block needs no context, and torch.compile accepts only its own kind of context
-        self.context_fn = recompute_contexts if moe else noop_context_fn
+        self.replays_routing = bool(moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self.layer, x, use_reentrant=False, context_fn=self.context_fn)
+            if self.replays_routing:   # an MoE layer replays its routing (minipar.moe)
+                return checkpoint(self.layer, x, use_reentrant=False,
+                                  context_fn=recompute_contexts)
+            return checkpoint(self.layer, x, use_reentrant=False)   # torch.compile traces this
         return self.layer(x)
 
     def layer(self, x: torch.Tensor) -> torch.Tensor:
