@@ -64,8 +64,9 @@ Gradients. Non-expert parameters (the router included) are averaged over the dat
 group as usual. An expert's gradient on its rank already sums the contributions of all n
 ranks of its EP group (the all-to-all brought their tokens), so it is summed over its
 *replicas* only (the same position in the other d/n EP groups: the ``ep_replica`` group) and,
-like every gradient, divided by d. Expert parameters carry that group as ``p.grad_group``;
-the DP and ZeRO engines reduce such parameters over it (``minipar.dp``, ``minipar.zero``).
+like every gradient, divided by d. ``minipar.groups.param_groups`` hands the experts to the DP
+and ZeRO engines as their own parameter group with that reduce group (``minipar.dp``,
+``minipar.zero``): a value passed to the engine, not a tag on the tensors.
 
 Bytes one rank sends per MoE layer and micro-batch (k choices, d_model features of b bytes;
 a_out = its kept assignments whose expert is on another rank, a_in = rows it receives)::
@@ -427,15 +428,16 @@ def expert_parallel(model: nn.Module, grid, ep: int) -> nn.Module:
     (``minipar.mesh``); an expert's gradient is summed over the ``edp`` axis (the same position
     in the other EP groups), see ``minipar.groups``. ``ep`` = 1 changes nothing (every rank keeps
     every expert, reduced over the whole DP group). ``grid`` is a ``minipar.mesh.Mesh``; one
-    built with another ``ep`` gets the EP groups made here.
+    built with another ``ep`` gets the EP groups made here (enough for a forward and backward;
+    to reduce gradients, build the mesh with this ``ep``: the experts' reduce group is its
+    ``edp``, ``minipar.groups``).
     """
     from .mesh import axis_lines
     if grid.ep == ep:
-        ep_group, replicas = grid.group("ep"), grid.group("edp")
+        ep_group = grid.group("ep")
     else:
-        lines = axis_lines(grid.dp, grid.pp, grid.cp, grid.tp, ep)
-        ep_group = grid.new_groups(lines["ep"].tolist(), "ep")
-        replicas = grid.new_groups(lines["edp"].tolist(), "edp")
+        ep_group = grid.new_groups(axis_lines(grid.dp, grid.pp, grid.cp, grid.tp, ep)["ep"].tolist(),
+                                   "ep")
     position = grid.dp_rank % ep
     for layer in moe_layers(model):
         layer.ep_group = ep_group
@@ -444,9 +446,6 @@ def expert_parallel(model: nn.Module, grid, ep: int) -> nn.Module:
         for key in list(layer.experts):
             if int(key) not in mine:
                 del layer.experts[key]
-        if ep > 1:
-            for p in layer.experts.parameters():
-                p.grad_group = replicas
     return model
 
 
