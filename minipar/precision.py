@@ -220,7 +220,7 @@ class MixedPrecision:
         under a loss scaler; one optimizer step on the masters, the result rounded into the
         16-bit parameters."""
         for p, m in zip(self.params, self.masters):
-            main = main_grads.get(p) if main_grads is not None else _legacy_main_grad(p)
+            main = main_grads.get(p) if main_grads is not None else None
             if main is not None and main.dtype != torch.float32:
                 m.grad = main.float()
             elif main is not None:
@@ -248,12 +248,3 @@ class MixedPrecision:
 
     def master_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self.masters)
-
-
-def _legacy_main_grad(p):
-    """The fp32 gradient an engine left on the parameter itself. ``minipar.zero`` still hands
-    its OS shard's gradient over this way; ``dp`` passes ``main_grads``."""
-    main = p.__dict__.get("main_grad")
-    if main is not None:
-        p.main_grad = None
-    return main

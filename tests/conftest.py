@@ -40,6 +40,21 @@ def assert_same_training(got, ref, loss_tol=1e-5, tol=1e-4, check_grads=True):
             torch.testing.assert_close(got["grads"][name], g, atol=tol, rtol=tol, msg=lambda m: f"grad {name}: {m}")
 
 
+def assert_same_moe_training(got, ref):
+    """MoE against its serial twin: losses and last gradients within 1e-5, parameters within
+    1e-4 (Adam's 1/sqrt(v) turns a tiny gradient's reordering noise into up to lr of
+    movement), and the aux and z losses and the drop rate at every step. The serial run must
+    drop some assignments, so that the order capacity slots are taken in is tested too."""
+    assert_same_training(got, ref, loss_tol=1e-5, tol=1e-4)
+    for n, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][n], g, atol=1e-5, rtol=1e-5, msg=n)
+    for a, b in zip(got["history"], ref["history"]):
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=1e-5)
+        assert a["z_loss"] == pytest.approx(b["z_loss"], abs=1e-5)
+        assert a["drop_rate"] == pytest.approx(b["drop_rate"], abs=1e-9)
+    assert any(h["drop_rate"] > 0 for h in ref["history"])
+
+
 def cli(*args, timeout=120):
     """Run `python -m ...` as a user would; returns CompletedProcess (text)."""
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
