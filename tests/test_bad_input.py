@@ -166,8 +166,6 @@ PLAN = [
     ("search --model gpt-175b --gpus 8 --hardware dgx-a100 --overlap nan", "--overlap"),
     ("estimate --model gpt-175b --hardware dgx-a100 --gpus 8 --tp 3", "tp"),
     ("estimate --model gpt-175b --hardware dgx-a100 --gpus 8 --tp 8 --pp 2", "gpus"),
-    ("calibrate --nproc 2", "python -m minipar.bench calibrate"),     # lives with torch now
-    ("validate", "python -m minipar.bench validate"),
     # parameter counts: zero, negative, non-finite, overflowing
     ("memory --params 0 --gpus 8 --zero 1", "--params"),
     ("memory --params 1e400 --gpus 8 --zero 1", "--params"),

@@ -760,3 +760,13 @@ def test_cli_wording_estimate_memory_search():
         assert r.returncode == 0 and "(default: " in r.stdout, sub
         r = run_cli(sub)
         assert r.returncode == 2 and f"python -m minipar.bench {sub}" in r.stderr, sub
+
+
+def test_plan_calibrate_and_validate_run_the_bench_commands():
+    """The planner stays torch-free and hands ``calibrate``/``validate`` to minipar.bench in a
+    child process: the bench's own check answers (exit 2, its one line)."""
+    for sub, bad in (("calibrate", "--nproc"), ("validate", "--steps")):
+        r = subprocess.run([sys.executable, "-m", "minipar.plan", sub, bad, "0"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert f"python -m minipar.bench {sub}" in r.stderr and bad in r.stderr, r.stderr

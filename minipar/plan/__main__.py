@@ -1,7 +1,8 @@
 """The planner's command line: python -m minipar.plan SUB-COMMAND [--json] ...
 
-Sub-commands: memory, params, flops, search, estimate. Measuring this machine for the planner
-(``python -m minipar.bench calibrate|validate``) needs torch and lives in ``minipar.bench``.
+Sub-commands: memory, params, flops, search, estimate. ``calibrate`` and ``validate`` measure
+this machine and need torch: they live in ``minipar.bench`` and ``python -m minipar.plan
+calibrate|validate ...`` runs ``python -m minipar.bench calibrate|validate ...`` in a child process.
 
 Every sub-command prints a readable table, or with ``--json`` one JSON document on stdout.
 Bad input ends with exit status 2 and one line on stderr saying what is wrong and how to fix it.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 from ..cli import ArgumentParser, count, fraction, positive_float
@@ -425,9 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         first = (sys.argv[1:] if argv is None else argv)[:1]
-        if first in (["calibrate"], ["validate"]):   # they need torch: minipar.bench has them
-            raise PlanError(f"'{first[0]}' measures this machine and needs torch: run "
-                            f"'python -m minipar.bench {first[0]}'")
+        if first in (["calibrate"], ["validate"]):
+            # they measure this machine and need torch, so they live in minipar.bench; the
+            # planner (torch-free, importing nothing from bench) hands the command over whole
+            args = sys.argv[1:] if argv is None else list(argv)
+            return subprocess.run([sys.executable, "-m", "minipar.bench", *args]).returncode
         args = build_parser().parse_args(argv)
         args.func(args)
     except UsageError as e:              # PlanError
