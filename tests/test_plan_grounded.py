@@ -181,3 +181,68 @@ def test_docs_table_of_published_points_is_the_codes():
         assert (r["predicted"] is None) == r["layout_source"].startswith("not found") or \
             "unverified" in r["layout_source"]
         assert r["metric"] in ("MFU", "HFU") and r["source"]
+
+
+# --------------------------------------------------------------------------------------
+# Presets from what they stand for: measured collective rows, derived efficiencies
+# --------------------------------------------------------------------------------------
+def test_shipped_collective_tables_are_cited_and_never_extrapolate():
+    from minipar.plan.network import collective_time, coverage
+    for name, widest in (("frontier-mi250x", 256), ("a800-ib", 3)):
+        hw = load_hardware(name)
+        assert hw.collective_table and "not found" in hw.sources["collective_table"]
+        assert max(r["nodes"] for r in hw.collective_table) == widest
+        model = replace(hw, collective_table=None)
+        # a measured row is read off as measured, not modelled
+        r = max(hw.collective_table, key=lambda r: (r["nodes"], r["bytes"]))
+        t = collective_time(r["op"], r["bytes"], r["per_node"] * r["nodes"], 1, hw)
+        assert t == pytest.approx(r["seconds"])
+        assert t != pytest.approx(collective_time(r["op"], r["bytes"],
+                                                  r["per_node"] * r["nodes"], 1, model))
+        # beyond the widest row: the alpha-beta model, and flagged
+        wide = 8 * widest * 2
+        assert (collective_time("all_reduce", 1 << 28, wide, 1, hw)
+                == collective_time("all_reduce", 1 << 28, wide, 1, model))
+        assert coverage("all_reduce", wide, 1, hw).endswith(
+            f"measured only over 8-{8 * widest} ranks")
+        # no reduce-scatter was found: flagged across nodes, the intra-node model inside one
+        assert "no measured table" in coverage("reduce_scatter", 16, 1, hw)
+        assert coverage("reduce_scatter", 8, 1, hw) is None
+
+
+def test_frontier_all_reduce_between_measured_node_counts_is_interpolated():
+    from minipar.plan.network import collective_time
+    hw = load_hardware("frontier-mi250x")
+    n = 1 << 30
+    t64, t256 = (collective_time("all_reduce", n, 8 * k, 1, hw) for k in (64, 256))
+    assert (t64, t256) == (pytest.approx(39.133494e-3), pytest.approx(41.870461e-3))
+    t128 = collective_time("all_reduce", n, 8 * 128, 1, hw)       # halfway in log2(nodes)
+    assert t128 == pytest.approx((t64 + t256) / 2)
+
+
+def test_a800_efficiency_is_derived_from_an_independent_single_node_run():
+    from minipar.plan.published import EFFICIENCY_RUN, derive_efficiency, points
+    eff = derive_efficiency()
+    assert load_hardware("a800-ib").compute_efficiency == pytest.approx(eff, abs=1e-3)
+    assert "derived" in load_hardware("a800-ib").sources["compute_efficiency"]
+    # the run it comes from is none of the published points it is validated against
+    assert EFFICIENCY_RUN["name"] not in {p["case"] for p in points()}
+    # frontier: derived from MosaicML's MI250 ratio on top of it; HPL-MxP only as upper bound
+    fr = load_hardware("frontier-mi250x")
+    assert fr.compute_efficiency == pytest.approx(0.73 * eff * 312 / 362.1, abs=1e-3)
+    assert "UPPER BOUND" in fr.sources["compute_efficiency"] and fr.compute_efficiency < 0.69
+
+
+def test_single_node_sanity_points_are_within_the_band_and_in_the_docs():
+    from pathlib import Path
+    from minipar.plan.published import BAND, sanity_points, sanity_table
+    rows = sanity_points()
+    a800 = next(r for r in rows if r["hardware"] == "a800-ib")
+    assert abs(a800["error"]) <= BAND, a800           # held out from the derivation
+    for r in rows:
+        hw = load_hardware(r["hardware"])
+        assert hw.sources["sanity_point"]
+        assert (r["predicted"] is None) == hw.sources["sanity_point"].startswith(
+            "single-node step: not found")
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
+    assert sanity_table(rows) in doc

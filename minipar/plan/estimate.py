@@ -235,12 +235,13 @@ def unvalidated(shape: ModelShape, hw: Hardware, layout: Layout, order: str,
     the TP group's, and each data-parallel group's as the engine issues it."""
     strides = layout.strides(order)
     ops = ("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)
-    groups = [(op, layout.tp, strides["tp"]) for op in ops]
-    groups += [(c.op, c.size, c.stride * strides["dp"])
+    msg = layout.micro_batch * shape.seq_len * shape.hidden * ACTIVATION_BYTES[dtype]
+    groups = [(op, layout.tp, strides["tp"], msg) for op in ops]
+    groups += [(c.op, c.size, c.stride * strides["dp"], c.nbytes / c.calls)
                for c in dp_collectives(shape, layout, framework, dtype)]
     out = []
-    for op, size, stride in groups:
-        why = coverage(op, size, stride, hw)
+    for op, size, stride, nbytes in groups:     # per call, as collective_time is given them
+        why = coverage(op, size, stride, hw, nbytes)
         if why and why not in out:
             out.append(why)
     return out

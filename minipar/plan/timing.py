@@ -17,10 +17,12 @@ gpus_per_node``; a ring visiting k of its members in a node crosses that node's 
 once, carrying their k shares, so its slowest link runs at k x that (capped by the
 intra-node link). ``bandwidth_by_size`` derates medium messages (RCCL's correction table).
 Where the hardware carries a measured ``collective_table`` with the op and placement, its
-interpolated time replaces all of this (``table_time``): between measured sizes and between
-measured node counts, never beyond the widest measured group. A collective the table does not
-cover, that spans nodes or is wider than the table, is timed by the model above and named by
-``coverage``: the estimate lists it under ``unvalidated``, and so does ``search``'s output.
+interpolated time replaces all of this (``table_time``): between measured sizes (linearly in
+bytes) and between measured node counts (linearly in log2(nodes)), never beyond the widest
+measured group nor below the smallest measured size. A collective the table does not cover,
+that spans nodes, is wider than the table or smaller than its rows, is timed by the model
+above and named by ``coverage``: the estimate lists it under ``unvalidated``, and so does
+``search``'s output.
 
 ``ring_bytes`` is the byte count of ``network``'s table (what one rank sends); ``network``
 re-exports everything here.
@@ -99,20 +101,24 @@ def tree_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
     return latency + 2 * nbytes / (beta * tree["bandwidth_factor"])
 
 
-def _size_time(rows: list[tuple[float, float]], nbytes: float) -> float:
-    """Seconds for ``nbytes`` from (bytes, seconds) rows of one placement: effective bandwidth
-    interpolated linearly in log2(bytes); below the smallest size the smallest's time, above
-    the largest its bandwidth (message size, unlike group width, extrapolates safely: the
-    ring's bandwidth term is linear in it)."""
+def _size_time(rows: list[tuple[float, float]], nbytes: float) -> float | None:
+    """Seconds for ``nbytes`` from (bytes, seconds) rows of one placement: time interpolated
+    linearly in bytes between the two rows around it (the alpha-beta line through the two
+    measurements, so never faster than the smaller nor slower than the larger, however far
+    apart they were measured); above the largest size its bandwidth (message size
+    extrapolates upward safely: the ring's bandwidth term is linear in it); below the
+    smallest None (latency dominates there, and a row measured at 64 MiB says nothing of a
+    64 KiB call: the caller falls back to the alpha-beta model and ``coverage`` flags it)."""
     rows = sorted(rows)
-    if nbytes <= rows[0][0]:
+    if nbytes < rows[0][0]:
+        return None
+    if nbytes == rows[0][0]:
         return rows[0][1]
     if nbytes >= rows[-1][0]:
         return nbytes * rows[-1][1] / rows[-1][0]
     for (b0, t0), (b1, t1) in zip(rows, rows[1:]):
         if b0 <= nbytes <= b1:
-            w = (math.log2(nbytes) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
-            return nbytes / ((1 - w) * (b0 / t0) + w * (b1 / t1))
+            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
     return rows[-1][1]
 
 
@@ -120,8 +126,9 @@ def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> 
     """Seconds from the measured ``collective_table``, or None where it does not cover this
     op and placement. Rows of the same op and members per node are measured at some node
     counts: an exact count is read off (``_size_time``), a count between two measured ones
-    is interpolated linearly in log2(nodes), and a count beyond them is *not* extrapolated
-    (None: the caller falls back to the alpha-beta model and ``coverage`` flags it)."""
+    is interpolated linearly in log2(nodes), and a count beyond them, or a size below the
+    smallest measured at either count, is *not* extrapolated (None: the caller falls back to
+    the alpha-beta model and ``coverage`` flags it)."""
     if not hw.collective_table:
         return None
     per_node, nodes = placement(size, stride, hw.gpus_per_node)
@@ -136,26 +143,48 @@ def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> 
     if not below or not above:
         return None
     n0, n1 = max(below), min(above)
+    t0, t1 = _size_time(by_nodes[n0], nbytes), _size_time(by_nodes[n1], nbytes)
+    if t0 is None or t1 is None:
+        return None
     w = (math.log2(nodes) - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
-    return (1 - w) * _size_time(by_nodes[n0], nbytes) + w * _size_time(by_nodes[n1], nbytes)
+    return (1 - w) * t0 + w * t1
 
 
-def coverage(op: str, size: int, stride: int, hw: Hardware) -> str | None:
+def coverage(op: str, size: int, stride: int, hw: Hardware,
+             nbytes: float | None = None) -> str | None:
     """Why the time of ``op`` over this group is a model, not a measurement: None when the
-    measured table covers it, or when the group stays in one node and no table was given
-    (NCCL's intra-node model); else one phrase for the ``unvalidated`` list."""
+    measured table covers it (at ``nbytes`` per call, or at some measured size when it is
+    None), or when the group stays in one node and no table was given (NCCL's intra-node
+    model); else one phrase for the ``unvalidated`` list."""
     if size <= 1:
         return None
     per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    if table_time(op, 1.0, size, stride, hw) is not None:
+    where = f"over {size} ranks ({nodes} node{'s' if nodes > 1 else ''})"
+    if table_time(op, math.inf if nbytes is None else nbytes, size, stride, hw) is not None:
         return None
     rows = [r for r in hw.collective_table or [] if r["op"] == op]
-    if not rows and nodes == 1:
+    placed = [r for r in rows if r["per_node"] == per_node]
+    if nbytes is not None and table_time(op, math.inf, size, stride, hw) is not None:
+        smallest = min(r["bytes"] for r in placed)
+        return f"{op} of {_size(nbytes)} {where}: measured only from {_size(smallest)}"
+    if not placed and nodes == 1:      # rows measured at another placement say nothing here
         return None
-    widths = sorted({r["per_node"] * r["nodes"] for r in rows})
-    measured = (f"measured only over {widths[0]}-{widths[-1]} ranks" if rows
-                else "no measured table")
-    return f"{op} over {size} ranks ({nodes} node{'s' if nodes > 1 else ''}): {measured}"
+    widths = sorted({r["per_node"] * r["nodes"] for r in placed})
+    if placed:
+        measured = f"measured only over {widths[0]}-{widths[-1]} ranks"
+    elif rows:
+        per = ", ".join(str(n) for n in sorted({r["per_node"] for r in rows}))
+        measured = f"measured only with {per} ranks per node"
+    else:
+        measured = "no measured table"
+    return f"{op} {where}: {measured}"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
