@@ -239,9 +239,8 @@ def frontier():
     ax.set_ylim(0, 100)
     ax.legend(fontsize=7.5, frameon=False, loc="upper left")
     errors = [r["error"] for r in rows if r["error"] is not None]
-    assert all(e > 0 for e in errors)       # the title says every prediction is too high
-    ax.set_title(f"like for like, every prediction too high by {min(errors):.0%}-"
-                 f"{max(errors):.0%}", fontsize=9)
+    low, high = min(errors), max(errors)
+    ax.set_title(f"like for like: predictions off by {low:+.0%} to {high:+.0%}", fontsize=9)
     save(fig, "frontier.png")
     for r in rows:
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.1f}%"
