@@ -164,8 +164,8 @@ BAND = 0.15          # a sanity point's prediction must lie within 15% of the pu
 def derive_efficiency(run: dict | None = None) -> float:
     """The large-GEMM ``compute_efficiency`` at which the planner predicts ``run``'s published
     MFU on ``run``'s own layout and hardware (bisection; MFU rises with the efficiency). The
-    a800-ib preset's 0.625 is this for ``EFFICIENCY_RUN``, a row no published point below
-    is; frontier-mi250x's is derived from it (its ``sources``)."""
+    dgx-a100 and a800-ib presets' 0.625 (A100 silicon) is this for ``EFFICIENCY_RUN``, a row
+    no published point below is; frontier-mi250x's is derived from it (its ``sources``)."""
     run = run or EFFICIENCY_RUN
     hw = load_hardware(run["hardware"])
 
