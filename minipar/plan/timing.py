@@ -171,7 +171,8 @@ def coverage(op: str, size: int, stride: int, hw: Hardware,
         return None
     widths = sorted({r["per_node"] * r["nodes"] for r in placed})
     if placed:
-        measured = f"measured only over {widths[0]}-{widths[-1]} ranks"
+        span = f"{widths[0]}" if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"
+        measured = f"measured only over {span} ranks"
     elif rows:
         per = ", ".join(str(n) for n in sorted({r["per_node"] for r in rows}))
         measured = f"measured only with {per} ranks per node"
