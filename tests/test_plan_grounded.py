@@ -248,3 +248,16 @@ def test_single_node_sanity_points_are_within_the_band_and_in_the_docs():
             "single-node step: not found")
     doc = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
     assert sanity_table(rows) in doc
+
+
+def test_docs_show_each_shipped_row_against_the_model_it_replaces():
+    from pathlib import Path
+    from minipar.plan.published import table_vs_model, table_vs_model_table
+    rows = table_vs_model()
+    shipped = {(n, r["op"], r["per_node"], r["nodes"])
+               for n in ("frontier-mi250x", "a800-ib")
+               for r in load_hardware(n).collective_table}
+    assert {(r["hardware"], r["op"], r["per_node"], r["nodes"]) for r in rows} == shipped
+    assert all(0 < r["ratio"][0] <= r["ratio"][1] for r in rows)
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
+    assert table_vs_model_table(rows) in doc

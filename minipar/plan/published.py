@@ -211,6 +211,44 @@ def sanity_table(rows: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
+def table_vs_model(presets=("frontier-mi250x", "a800-ib")) -> list[dict]:
+    """Each preset's shipped ``collective_table`` against the alpha-beta model it replaces,
+    per (op, ranks per node, nodes): the range of measured / modelled time over the sizes
+    measured. {"hardware", "op", "per_node", "nodes", "sizes" (bytes, smallest and largest),
+    "ratio" (min, max)}."""
+    from .network import collective_time
+    groups: dict = {}
+    for name in presets:
+        hw = load_hardware(name)
+        model = replace(hw, collective_table=None)
+        for r in hw.collective_table or []:
+            t = collective_time(r["op"], r["bytes"], r["per_node"] * r["nodes"], 1, model)
+            groups.setdefault((name, r["op"], r["per_node"], r["nodes"]), []).append(
+                (r["bytes"], r["seconds"] / t))
+    return [dict(hardware=k[0], op=k[1], per_node=k[2], nodes=k[3],
+                 sizes=(min(b for b, _ in v), max(b for b, _ in v)),
+                 ratio=(min(x for _, x in v), max(x for _, x in v)))
+            for k, v in groups.items()]
+
+
+def table_vs_model_table(rows: list[dict] | None = None) -> str:
+    """``table_vs_model()`` as the Markdown table docs/reference.md carries."""
+    def size(b):
+        return f"{b / 2**30:g} GiB" if b >= 2**30 else (
+            f"{b / 2**20:g} MiB" if b >= 2**20 else f"{b / 2**10:g} KiB")
+    rows = table_vs_model() if rows is None else rows
+    lines = ["| preset | op | ranks per node x nodes | sizes | measured / modelled |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lo, hi = r["ratio"]
+        ratio = f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}"
+        sizes = size(r["sizes"][0]) + ("" if r["sizes"][0] == r["sizes"][1]
+                                       else f"-{size(r['sizes'][1])}")
+        lines.append(f"| {r['hardware']} | {r['op']} | {r['per_node']} x {r['nodes']} | "
+                     f"{sizes} | {ratio} |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------
 # Every published point, like for like (docs/reference.md's table)
 # --------------------------------------------------------------------------------------
