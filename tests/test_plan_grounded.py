@@ -211,13 +211,24 @@ def test_shipped_collective_tables_are_cited_and_never_extrapolate():
 
 
 def test_frontier_all_reduce_between_measured_node_counts_is_interpolated():
-    from minipar.plan.network import collective_time
+    from minipar.plan.network import collective_time, coverage
     hw = load_hardware("frontier-mi250x")
     n = 1 << 30
     t64, t256 = (collective_time("all_reduce", n, 8 * k, 1, hw) for k in (64, 256))
     assert (t64, t256) == (pytest.approx(39.133494e-3), pytest.approx(41.870461e-3))
     t128 = collective_time("all_reduce", n, 8 * 128, 1, hw)       # halfway in log2(nodes)
     assert t128 == pytest.approx((t64 + t256) / 2)
+    # below the sizes measured there (64 MiB): the model, and said so
+    model = replace(hw, collective_table=None)
+    assert (collective_time("all_reduce", 1 << 20, 8 * 128, 1, hw)
+            == collective_time("all_reduce", 1 << 20, 8 * 128, 1, model))
+    assert coverage("all_reduce", 8 * 128, 1, hw, 1 << 20) == (
+        "all_reduce of 1 MiB over 1024 ranks (128 nodes): measured only from 64 MiB")
+    assert coverage("all_reduce", 8 * 128, 1, hw, 1 << 30) is None
+    # an estimate names such calls, the loss's small all-reduce over a TP group of 8 too
+    e = estimate(model_preset("gpt-22b"), hw, Layout(tp=8, pp=1, dp=8, micro_batch=1),
+                 framework="megatron-deepspeed", check=False)
+    assert "all_reduce of 8 KiB over 8 ranks (1 node): measured only from 1 MiB" in e.unvalidated
 
 
 def test_a800_efficiency_is_derived_from_an_independent_single_node_run():

@@ -237,6 +237,8 @@ def unvalidated(shape: ModelShape, hw: Hardware, layout: Layout, order: str,
     ops = ("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)
     msg = layout.micro_batch * shape.seq_len * shape.hidden * ACTIVATION_BYTES[dtype]
     groups = [(op, layout.tp, strides["tp"], msg) for op in ops]
+    groups.append(("all_reduce", layout.tp, strides["tp"],            # the loss's b s values
+                   layout.micro_batch * shape.seq_len * 4))
     groups += [(c.op, c.size, c.stride * strides["dp"], c.nbytes / c.calls)
                for c in dp_collectives(shape, layout, framework, dtype)]
     out = []

@@ -129,25 +129,36 @@ def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> 
     is interpolated linearly in log2(nodes), and a count beyond them, or a size below the
     smallest measured at either count, is *not* extrapolated (None: the caller falls back to
     the alpha-beta model and ``coverage`` flags it)."""
-    if not hw.collective_table:
+    rows = _bracket(op, size, stride, hw)
+    if rows is None:
         return None
+    (n0, r0), (n1, r1), nodes = rows
+    t0, t1 = _size_time(r0, nbytes), _size_time(r1, nbytes)
+    if t0 is None or t1 is None:
+        return None
+    if n0 == n1:
+        return t0
+    w = (math.log2(nodes) - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
+    return (1 - w) * t0 + w * t1
+
+
+def _bracket(op: str, size: int, stride: int, hw: Hardware):
+    """The measured (nodes, [(bytes, seconds)]) rows of ``op`` at this group's members per
+    node that its node count is read from: the same count twice, or the two around it;
+    None beyond them (or without any)."""
     per_node, nodes = placement(size, stride, hw.gpus_per_node)
     by_nodes: dict[int, list] = {}
-    for r in hw.collective_table:
+    for r in hw.collective_table or []:
         if r["op"] == op and r["per_node"] == per_node:
             by_nodes.setdefault(r["nodes"], []).append((r["bytes"], r["seconds"]))
     if nodes in by_nodes:
-        return _size_time(by_nodes[nodes], nbytes)
+        return (nodes, by_nodes[nodes]), (nodes, by_nodes[nodes]), nodes
     below = [n for n in by_nodes if n < nodes]
     above = [n for n in by_nodes if n > nodes]
     if not below or not above:
         return None
     n0, n1 = max(below), min(above)
-    t0, t1 = _size_time(by_nodes[n0], nbytes), _size_time(by_nodes[n1], nbytes)
-    if t0 is None or t1 is None:
-        return None
-    w = (math.log2(nodes) - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
-    return (1 - w) * t0 + w * t1
+    return (n0, by_nodes[n0]), (n1, by_nodes[n1]), nodes
 
 
 def coverage(op: str, size: int, stride: int, hw: Hardware,
@@ -164,8 +175,9 @@ def coverage(op: str, size: int, stride: int, hw: Hardware,
         return None
     rows = [r for r in hw.collective_table or [] if r["op"] == op]
     placed = [r for r in rows if r["per_node"] == per_node]
-    if nbytes is not None and table_time(op, math.inf, size, stride, hw) is not None:
-        smallest = min(r["bytes"] for r in placed)
+    bracket = _bracket(op, size, stride, hw)
+    if bracket is not None:             # the node count is measured, this size is not
+        smallest = max(min(b for b, _ in rows_) for _, rows_ in bracket[:2])
         return f"{op} of {_size(nbytes)} {where}: measured only from {_size(smallest)}"
     if not placed and nodes == 1:      # rows measured at another placement say nothing here
         return None
