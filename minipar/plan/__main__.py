@@ -233,8 +233,8 @@ def cmd_search(args) -> None:
               f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
     if cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
         seq_len = model_preset(args.model, args.seq_len).seq_len
-        header += (f"context parallelism: no layout fits with cp = 1 (sequences of {seq_len:,} "
-                   f"tokens), so every cp that cuts them was searched\n")
+        header += (f"context parallelism weighed: without it, sequences of {seq_len:,} tokens "
+                   f"fit only with full recomputation or not at all\n")
     _emit(args, data, header + _results_table(results) + "\n\n" + why)
 
 

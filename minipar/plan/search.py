@@ -25,9 +25,11 @@ fixed to 1 this is AMSP's scale-aware partitioner; ``objective="amsp"`` ranks as
 planner does, by data-parallel communication time with nothing hidden, under the memory
 limit.
 
-Context parallelism is searched as Megatron-LM's guide uses it, to fit sequences whose
-activations fit no other way: the search first tries cp = 1, and only if nothing fits, every
-cp. The cost model alone would sometimes trade tensor for context parallelism at short
+Context parallelism is searched where memory forces it, as Megatron-LM's guide uses it, for
+sequences whose activations do not fit otherwise: the search first tries cp = 1, and if
+nothing fits, or the best layout has to recompute everything (full recomputation being the
+other way to pay for long sequences' activations, when the search was free to recompute less),
+it searches every cp (cp = 1 included) and ranks them all. The cost model alone would sometimes trade tensor for context parallelism at short
 sequences too (gpt-175b at 2048 tokens on 1024 A100s: tp=2 cp=4 ranks 5% ahead of tp=8,
 because the ring's K/V sends hide behind attention where TP's all-reduces block), but it
 leaves out what makes small ring blocks slow (kernel launches and the efficiency of
@@ -159,8 +161,9 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         tries = [[cp]]
     elif max_cp is not None:
         tries = [None]
-    else:                      # cp as a memory tool: only where no layout fits without it
+    else:                      # cp where memory forces it (module docstring)
         tries = [[1], None]
+    results: list[Estimate] = []
     for cps in tries:
         candidates, leanest = _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, tp=tp,
                                     pp=pp, max_cp=max_cp, max_tp=max_tp, shard=shard,
@@ -171,13 +174,15 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                                     objective=objective)
         pool = heapq.nsmallest(keep, candidates, key=lambda x: x[0])
         # the pruned scan ranked candidates; the full model has the last word, same key
-        results = [estimate(shape, hw, layout, order=order, overlap=overlap, flash=flash,
-                            dtype=dtype, reserve=reserve, check=False, framework=fw)
-                   for _, layout in pool]
-        results = [e for e in results if e.fits]
-        if results or leanest[1] is None:     # found, or no layout divides the batch at all
-            break
-    if not pool:
+        found = [estimate(shape, hw, layout, order=order, overlap=overlap, flash=flash,
+                          dtype=dtype, reserve=reserve, check=False, framework=fw)
+                 for _, layout in pool]
+        found = [e for e in found if e.fits]
+        if found:          # the wider scan's ranking includes cp = 1's
+            results = found
+        if leanest[1] is None or (found and not _memory_forced(found, modes, objective)):
+            break              # no layout divides the batch, or cp = 1 fits at ease
+    if not results and not pool:
         need, lean = leanest
         if lean is None:
             raise PlanError(f"no layout of {shape.name} on {gpus} GPUs divides a batch of "
@@ -198,6 +203,14 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
             return e.step_time
     results.sort(key=lambda e: rank_key(seconds(e), e.memory["total"], e.layout))
     return results[:top]
+
+
+def _memory_forced(found: list[Estimate], modes: list[str], objective: str) -> bool:
+    """Whether the best layout without cp pays for its activations with full recomputation
+    where the search allowed less (so cp, the other way to pay, is weighed against it)."""
+    best = min(found, key=lambda e: (e.times["dp_comm"], e.step_time) if objective == "amsp"
+               else e.step_time)
+    return best.layout.recompute == "full" and modes != ["full"]
 
 
 def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, *, tp, pp, max_cp, max_tp, shard,
