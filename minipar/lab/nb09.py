@@ -116,10 +116,12 @@ def at_scale(model: str = "llama-7b", seq_len: int = 131072, cps=(1, 2, 4, 8, 16
 
 
 def search_long_context(model: str = "llama-7b", seq_len: int = 131072, gpus: int = 64,
-                        hardware: str = "dgx-h100", sequences: int = 16, top: int = 5):
-    """``plan.search`` for ``sequences`` sequences of ``seq_len`` tokens per step on ``gpus``:
-    it tries cp > 1 only because nothing fits without it."""
-    return search(model, gpus, hardware, seq_len=seq_len, flash=True, top=top,
+                        hardware: str = "dgx-h100", sequences: int = 32, top: int = 3,
+                        cp: int | None = None):
+    """``plan.search`` (a fused attention kernel) for ``sequences`` sequences of ``seq_len``
+    tokens per step on ``gpus``; ``cp`` fixes the context-parallel degree (None: the search
+    weighs cp > 1 where memory forces it)."""
+    return search(model, gpus, hardware, seq_len=seq_len, flash=True, top=top, cp=cp,
                   global_batch_tokens=sequences * seq_len)
 
 
