@@ -1,5 +1,5 @@
 """The planner learns context parallelism: ``Layout(cp=...)`` in memory, time, search and the
-command line (pure Python, no processes).
+command line (no processes; torch only to read the trainer's mesh).
 
 What the trainer measures is held against the same numbers elsewhere: the ring's bytes
 (tests/test_cp_train.py compares every rank's measured sends with ``estimate(...).cp_bytes``)
@@ -149,3 +149,20 @@ def test_bad_cp_exits_2_with_one_line(capsys, args, words):
     code, out, err = _cli(capsys, *args)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and words in err, err
+
+
+def test_replica_placement_is_the_trainers_mesh():
+    """The planner's dp x cp group (strides, members per node) against ``minipar.mesh``'s
+    ``dp_cp`` and ``cp`` lines, minipar's rank order (tp, cp, pp, dp innermost first)."""
+    import itertools
+    from minipar.mesh import axis_lines
+    from minipar.plan.layout import dp_per_node
+    for tp, cp, pp, dp, per_node in itertools.product((1, 2, 4), (1, 2, 4), (1, 2), (1, 2, 4),
+                                                      (4, 8)):
+        lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp)
+        lines = axis_lines(dp=dp, pp=pp, cp=cp, tp=tp)
+        replicas = lines["dp_cp"][0].tolist()
+        nodes = [r // per_node for r in replicas]
+        assert dp_per_node(lay, per_node) == max(nodes.count(n) for n in set(nodes))
+        ring = lines["cp"][0].tolist()
+        assert all(b - a == lay.strides()["cp"] for a, b in zip(ring, ring[1:]))

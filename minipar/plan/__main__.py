@@ -151,7 +151,7 @@ def cmd_memory(args) -> None:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
     dp = args.gpus // inner
     if args.cp > 1 and moe_plan.from_args(args) is not None:
-        raise PlanError(MOE_CP)
+        raise PlanError(moe_plan.MOE_CP)
     spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
     out = model_state_bytes(n if shape is None else shape, dp * args.cp, shard=spec, tp=args.tp,
                             pp=args.pp, dtype=args.dtype)
@@ -197,14 +197,11 @@ LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); cp: r
           "micro-batches per step per pipeline; shard: s_p,s_g,s_os, the data-parallel (dp x "
           "cp) ranks that share parameters, gradients, optimizer states; memory: per device")
 
-MOE_CP = ("the planner's MoE costs do not model context parallelism yet (the trainer runs MoE "
-          "with --cp); use --cp 1 with --moe-experts")
-
 
 def cmd_search(args) -> None:
     moe = moe_plan.from_args(args)
     if moe is not None and ((args.cp or 1) > 1 or args.max_cp):
-        raise PlanError(MOE_CP)
+        raise PlanError(moe_plan.MOE_CP)
     cp = 1 if moe is not None else args.cp
     results = search(args.model, args.gpus, args.hardware, tp=args.tp, pp=args.pp, cp=cp,
                      max_cp=args.max_cp,
@@ -247,7 +244,7 @@ def cmd_estimate(args) -> None:
     if args.gpus and args.gpus % inner:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
     if args.cp > 1 and moe_plan.from_args(args) is not None:
-        raise PlanError(MOE_CP)
+        raise PlanError(moe_plan.MOE_CP)
     dp = args.dp or args.gpus // inner
     spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
     batch = shape.global_batch_tokens // shape.seq_len if args.global_batch is None \
@@ -431,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=positive, default=1,
                    help="context-parallel degree: each sequence split over cp ranks, ring "
                         "attention (frameworks minipar and megatron-lm)")
-    p.add_argument("--dp", type=positive, help="data-parallel degree (default: gpus / (tp x pp x cp))")
+    p.add_argument("--dp", type=positive,
+                   help="data-parallel degree (default: gpus / (tp x pp x cp))")
     p.add_argument("--chunks", "--v", type=positive, default=1, dest="chunks",
                    help="model chunks per stage, v (needs --schedule interleaved when > 1)")
     p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")

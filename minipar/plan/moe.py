@@ -64,6 +64,8 @@ from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_
 from .shapes import ModelShape
 
 COUNT_BYTES = 8     # int64 routing counts
+MOE_CP = ("the planner's MoE costs do not model context parallelism yet (the trainer runs MoE "
+          "with --cp); use --cp 1 with --moe-experts")
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,8 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     from .network import collective_time, zero_collectives
     lay = e.layout
     dtype = dtype or hw.dtype
+    if lay.cp > 1:
+        raise PlanError(MOE_CP)
     check(moe, ep, lay.dp, lay.tp)
     memory = dict(e.memory)
     states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,

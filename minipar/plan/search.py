@@ -7,16 +7,16 @@ For a model, a number of devices, a global batch (in tokens) and a framework pro
     pp   divides the layers
     cp   context parallelism, where the framework has it: cuts each sequence into 2 cp
          equal chunks (and s/cp over tp with sequence parallelism); by default only where
-         no layout fits with cp = 1 (below), else up to ``max_cp`` or fixed by ``cp``
+         memory forces it (below), else up to ``max_cp``, or fixed by ``cp``
     dp   = devices / (tp pp cp) must divide the batch
     v    model chunks per stage (interleaved 1F1B), dividing layers/pp, at most ``max_v``,
          only where the framework interleaves
     b    micro-batch size, dividing the batch per replica, at most ``max_micro_batch``
     m    = batch / (dp b) micro-batches
-    (s_p, s_g, s_os)   the framework's shardings over the dp x cp replicas (minipar: every AMSP spec,
-                       ``sharding.shard_specs``; Megatron-LM: DP or its distributed
-                       optimizer; ...); a spec fixed with ``shard=`` may be any that
-                       minipar.zero runs (s_p | s_g | s_os | dp), e.g. 1,2,4
+    (s_p, s_g, s_os)   the framework's shardings over the dp x cp replicas (minipar: every
+                       AMSP spec, ``sharding.shard_specs``; Megatron-LM: DP or its
+                       distributed optimizer; ...); a spec fixed with ``shard=`` may be any
+                       that minipar.zero runs (s_p | s_g | s_os | dp cp), e.g. 1,2,4
     recomputation      the framework's modes
 
 with sequence parallelism on whenever tp > 1 and the framework has it (same traffic, less
@@ -28,13 +28,14 @@ limit.
 Context parallelism is searched where memory forces it, as Megatron-LM's guide uses it, for
 sequences whose activations do not fit otherwise: the search first tries cp = 1, and if
 nothing fits, or the best layout has to recompute everything (full recomputation being the
-other way to pay for long sequences' activations, when the search was free to recompute less),
-it searches every cp (cp = 1 included) and ranks them all. The cost model alone would sometimes trade tensor for context parallelism at short
-sequences too (gpt-175b at 2048 tokens on 1024 A100s: tp=2 cp=4 ranks 5% ahead of tp=8,
-because the ring's K/V sends hide behind attention where TP's all-reduces block), but it
-leaves out what makes small ring blocks slow (kernel launches and the efficiency of
-(s/cp)^2 blocks, TP and CP traffic sharing the node's links), so it is not trusted there;
-``max_cp`` opens every cp up to it to that ranking, ``cp`` fixes it.
+other way to pay for long sequences' activations, when the search was free to recompute
+less), it searches every cp (cp = 1 included) and ranks them all. The cost model alone would
+sometimes trade tensor for context parallelism at short sequences too (gpt-175b at 2048
+tokens on 1024 A100s: tp=2 cp=4 ranks 5% ahead of tp=8, because the ring's K/V sends hide
+behind attention where TP's all-reduces block), but it leaves out what makes small ring
+blocks slow (kernel launches and the efficiency of (s/cp)^2 blocks, TP and CP traffic
+sharing the node's links), so it is not trusted there; ``max_cp`` opens every cp up to it to
+that ranking, ``cp`` fixes it.
 
 Ranking and ties: one key for every comparison, before and after the candidate pool is
 cut: (step time to 9 significant digits, bytes per device, the layout's degrees in a fixed
@@ -42,8 +43,8 @@ order); under AMSP's objective (DP communication time, step time, ...). So equal
 predictions go to the leaner layout, then to the smaller degrees, the same way whichever
 pass compares them.
 
-Pruning: model-state bytes depend only on (tp, pp, spec), so each (tp, pp)'s specs are
-sorted by bytes once; for each (v, b, recomputation) only the prefix that fits (found by
+Pruning: model-state bytes depend only on (tp, pp, cp, spec), so each (tp, pp, cp)'s specs
+are sorted by bytes once; for each (v, b, recomputation) only the prefix that fits (found by
 bisection) is timed. The best candidates are then estimated in full
 (``estimate.estimate``), and that is what is returned.
 """
@@ -84,7 +85,8 @@ def rank_key(seconds: float | tuple, memory: float, layout: Layout) -> tuple:
 
 def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
            tp: int | None = None, pp: int | None = None, cp: int | None = None,
-           max_cp: int | None = None, global_batch_tokens: int | None = None, seq_len: int | None = None,
+           max_cp: int | None = None, global_batch_tokens: int | None = None,
+           seq_len: int | None = None,
            micro_batch: int | None = None, shard: Shard | str | None = None,
            zero: int | None = None, recompute: str | None = None, v: int | None = None,
            top: int = 5, max_tp: int | None = None, max_v: int = 8,
@@ -97,11 +99,12 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
 
     Fixing ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v`` (chunks), ``schedule``,
     ``recompute``, ``sp`` or the spec (``shard`` or ``zero``, over the dp x cp replicas)
-    narrows the search; ``max_tp`` lets TP span nodes; ``max_cp`` bounds cp (default: no
-    bound but the devices and the sequence); ``framework`` limits it to what that framework runs (and gives the rank order,
-    unless ``order`` is given). ``specs_per_layout``: how many shard specs to keep per
-    parallel layout (tp, pp, v, b, recomputation); 1 lists different layouts, each with its
-    best spec. ``objective``: "step" (time) or "amsp" (DP communication, nothing hidden).
+    narrows the search; ``max_tp`` lets TP span nodes; ``max_cp`` ranks every cp up to it
+    (default: cp only where memory forces it, module docstring); ``framework`` limits it to
+    what that framework runs (and gives the rank order, unless ``order`` is given).
+    ``specs_per_layout``: how many shard specs to keep per parallel layout (tp, pp, v, b,
+    recomputation); 1 lists different layouts, each with its best spec. ``objective``:
+    "step" (time) or "amsp" (DP communication, nothing hidden).
     """
     shape = model_preset(model) if isinstance(model, str) else model
     if seq_len:
@@ -131,9 +134,9 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                         f"another --framework")
     if schedule is not None and schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(SCHEDULES)}")
-    if (cp or 1) > 1 and not fw.cp:
+    if ((cp or 1) > 1 or (max_cp or 1) > 1) and not fw.cp:
         raise PlanError(f"{fw.name} has no context parallelism in this planner; leave out "
-                        f"--cp or choose --framework minipar or megatron-lm")
+                        f"--cp and --max-cp or choose --framework minipar or megatron-lm")
     if (schedule == "interleaved" or (v or 1) > 1) and not fw.interleaving:
         raise PlanError(f"{fw.name} has no interleaved schedule; leave out --chunks and "
                         f"--schedule interleaved, or choose another --framework")
