@@ -306,12 +306,12 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
 # --------------------------------------------------------------------------------------
 def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
     """``layout`` with ``dp`` replicas: weak scaling keeps each replica's work (the global
-    batch grows), strong scaling keeps the global batch (fewer micro-batches per replica).
-    A shard factor equal to the old dp follows the new one (ZeRO-1 over d stays ZeRO-1 over
-    d'); the others become their gcd with it. From a single replica (dp = 1) every factor is
-    1 and says nothing about the stage, so the spec stays (1, 1, 1), plain data parallelism
-    (scaling ZeRO from one replica needs the spec given at the target width). None when
-    the batch does not divide."""
+    batch grows), strong scaling keeps the global batch (fewer micro-batches per replica). A
+    shard factor equal to the old replica count (dp x cp, what ZeRO shards over) follows the
+    new one (ZeRO-1 over d stays ZeRO-1 over d'); the others become their gcd with it. From
+    a single replica (dp x cp = 1) every factor is 1 and says nothing about the stage, so the
+    spec stays (1, 1, 1), plain data parallelism (scaling ZeRO from one replica needs the
+    spec given at the target width). None when the batch does not divide."""
     from dataclasses import replace
     from math import gcd
     m = layout.microbatches
