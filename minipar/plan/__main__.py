@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(split evenly over tp*pp)")
     p.add_argument("--model", help="take the shape of a preset (split exactly over tp and pp: "
                    "norms, row biases and positions stay whole on every TP rank)")
-    p.add_argument("--gpus", type=positive, required=True, help="devices in all (tp x pp x dp)")
+    p.add_argument("--gpus", type=positive, required=True,
+                   help="devices in all (tp x pp x cp x dp)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree")
     p.add_argument("--cp", type=positive, default=1,
@@ -390,8 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=positive, help="fix the tensor-parallel degree")
     p.add_argument("--pp", type=positive, help="fix the pipeline-parallel degree")
     p.add_argument("--cp", type=positive,
-                   help="fix the context-parallel degree (default: 1, or where no layout fits "
-                        "with cp = 1, every cp that cuts the sequence)")
+                   help="fix the context-parallel degree (default: cp > 1 weighed only where "
+                        "memory forces it: nothing fits with cp = 1, or only with full "
+                        "recomputation)")
     p.add_argument("--max-cp", type=positive,
                    help="search every context-parallel degree up to this, ranked by step time "
                         "like the rest (default: cp only where memory forces it)")
