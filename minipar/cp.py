@@ -55,24 +55,18 @@ from einops import einsum, rearrange
 from . import comm
 from .errors import UsageError
 from .model import GPT, CausalSelfAttention
+from .plan.layout import cp_violation
 
 
 # --------------------------------------------------------------------------------------
 # Which tokens a rank holds
 # --------------------------------------------------------------------------------------
 def validate(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> None:
-    """The sequence must cut into 2 cp equal chunks (and each rank's s/cp over TP with SP)."""
-    if cp < 1:
-        raise UsageError(f"--cp must be >= 1, got {cp}")
-    if cp > 1 and seq_len % (2 * cp):
-        raise UsageError(f"--cp {cp} cuts each sequence into 2 x {cp} = {2 * cp} equal chunks "
-                         f"(rank i holds chunks i and {2 * cp - 1}-i, for causal balance), but "
-                         f"the sequence length {seq_len} is not divisible by {2 * cp}; use a "
-                         f"--seq-len that is a multiple of {2 * cp}")
-    if cp > 1 and sp and (seq_len // cp) % tp:
-        raise UsageError(f"--cp {cp} with --sp: each rank's {seq_len // cp} tokens are split again "
-                         f"over --tp {tp}, which does not divide them; use a --seq-len that is a "
-                         f"multiple of {cp * tp * 2}")
+    """The sequence must cut into 2 cp equal chunks (and each rank's s/cp over TP with SP):
+    the rule the planner checks too (``plan.layout.cp_violation``)."""
+    why = cp_violation(seq_len, cp, tp, sp)
+    if why:
+        raise UsageError(why)
 
 
 def chunks_of(rank: int, n: int, balanced: bool = True) -> tuple[int, ...]:

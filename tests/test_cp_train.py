@@ -1,7 +1,8 @@
 """``--cp N`` in the trainer: every layout it composes with equals the serial run (fp32, within
-1e-5; bf16 and fp16 within test_precision's 2e-3 of the 16-bit serial run), the ring's bytes equal the planner's formula to the byte, a checkpoint saved with cp
-resumes in another layout, and one rank's activation memory falls as 1/cp (measured with
-``saved_tensors_hooks``, against the formula).
+1e-5; bf16 and fp16 within test_precision's 2e-3 of the 16-bit serial run), the ring's bytes
+equal the planner's estimate of the layout to the byte (``Estimate.cp_bytes``), a checkpoint
+saved with cp resumes in another layout, and one rank's activation memory falls as 1/cp
+(measured with ``saved_tensors_hooks``, against the formula).
 
 Cheap by construction: all the cases of one world size run in ONE launch (each rank loops over
 them), against one serial run."""
@@ -11,7 +12,7 @@ import torch
 from conftest import NANO, assert_same_training, serial_state
 from minipar import dist, train
 from minipar.errors import UsageError
-from minipar.plan.cp import cp_comm_bytes
+from minipar import plan
 
 STEPS = ["--steps", "6"]
 
@@ -35,8 +36,12 @@ def _merged(results, i):
 
 
 def _ring_bytes(flags, cp, dp, tp, m=1, recompute="none", e=4):
-    return cp_comm_bytes(8 // (dp * m), 16, 32, cp, layers=4, microbatches=m, tp=tp,
-                         recompute=recompute, bytes_per_elem=e)
+    """What the planner's estimate of this layout says one rank sends round the ring per step
+    (``Estimate.cp_bytes``, ``plan.cp.cp_comm_bytes``)."""
+    layout = plan.Layout(tp=tp, cp=cp, dp=dp, micro_batch=8 // (dp * m), microbatches=m,
+                         recompute=recompute, sp="--sp" in flags)
+    return plan.estimate(plan.model_preset("nano"), "laptop-cpu", layout,
+                         dtype="fp32" if e == 4 else "mixed").cp_bytes
 
 
 FOUR = [  # (flags, cp, dp, tp, ring bytes checked)

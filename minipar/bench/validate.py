@@ -36,7 +36,7 @@ def layout_of(argv: list[str]):
     from minipar.plan.layout import Layout
     args = _trainer_args(argv)
     interleaved = args.schedule == "interleaved"
-    return Layout(tp=args.tp, pp=args.pp, dp=args.dp,
+    return Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
                   micro_batch=args.batch_size // (args.dp * args.microbatches),
                   microbatches=args.microbatches, shard=_spec(args),
                   v=args.chunks if interleaved else 1, sp=args.sp,
@@ -59,7 +59,7 @@ def minipar_overlap(argv: list[str]) -> float | None:
     args = _trainer_args(argv)
     if args.spec is not None:
         return None
-    if args.dp == 1 or args.dp_mode != "overlapped":
+    if args.dp * args.cp == 1 or args.dp_mode != "overlapped":      # reduced over dp x cp
         return 0.0
     from minipar.dp import make_buckets
     from minipar.model import build
@@ -75,7 +75,7 @@ def calibration_point(hw, model: str, batch_size: int, argv: list[str]) -> bool:
     if not step or (step["model"], step["batch_size"]) != (model, batch_size):
         return False
     lay = layout_of(argv)
-    return (lay.tp, lay.pp, lay.dp, lay.microbatches) == (1, 1, 1, 1)
+    return (lay.gpus, lay.microbatches) == (1, 1)
 
 
 def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: int = 6,
@@ -146,7 +146,7 @@ def model_states_vs_plan(flags: list[str], model: str = "tiny", steps: int = 2,
     # Adam's step counters: minipar.zero gives the optimizer one flat tensor per unit
     # (embedding, each block, head); plain DP one per parameter tensor
     tensors = shape.layers + 2 if sharded else _parameter_tensors(model)
-    predicted = model_state_bytes(shape.params, args.dp, shard=spec, dtype="fp32",
+    predicted = model_state_bytes(shape.params, args.dp * args.cp, shard=spec, dtype="fp32",
                                   step_counters=tensors)
     measured = train_history(argv)[-1]["model_state_bytes"]
     return {"measured": measured, "predicted": predicted, "spec": spec, "dp": args.dp}

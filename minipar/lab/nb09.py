@@ -7,8 +7,10 @@
   kernel, s^2 per head, against ring attention's largest block;
 * ``imbalance``: the scores each rank computes, and each rank's measured time step by step,
   with a plain split and with the load-balanced one;
-* ``at_scale``: the planner's view of a long-context run (``plan.cp.cp_search``: memory per
-  GPU, ring bytes, and whether the ring's messages hide behind the block computations);
+* ``at_scale``, ``search_long_context``: the planner's view of a long-context run
+  (``plan.estimate`` per cp: memory per GPU, step time, the ring's exposed time, and whether
+  one ring step's message hides behind its attention block; ``plan.search``, which turns to
+  cp > 1 because nothing fits without it);
 * the ``draw_*`` functions: the notebook's figures.
 """
 from __future__ import annotations
@@ -22,8 +24,9 @@ from .. import comm, cp, data, dist
 from ..memory import saved_tensors_by_layer
 from ..mfu import shape_of
 from ..model import build, config
-from ..plan import load_hardware, model_preset
-from ..plan.cp import cp_layer_activation_bytes, cp_search, kv_block_bytes
+from ..plan import Layout, estimate, model_preset, search
+from ..plan.cp import cp_layer_activation_bytes, kv_block_bytes, ring_step_times
+from ..plan.shapes import with_seq_len
 
 
 def activation_bytes(seq_lens, model: str = "tiny", batch: int = 1, group="world") -> list[dict]:
@@ -92,16 +95,34 @@ def imbalance(seq_len: int, n: int, heads: int = 4, head_dim: int = 32, repeats:
 
 def at_scale(model: str = "llama-7b", seq_len: int = 131072, cps=(1, 2, 4, 8, 16, 32, 64),
              hardware: str = "dgx-h100", tp: int = 8, micro_batch: int = 1) -> list[dict]:
-    """The planner's long-context run (``plan.cp.cp_search``): per cp, one GPU's memory, the
-    ring's K/V message and whether its send hides behind the attention it overlaps."""
-    import dataclasses
-    shape = dataclasses.replace(model_preset(model), seq_len=seq_len)
-    rows = cp_search(shape, hardware, tp=tp, cps=cps, micro_batch=micro_batch)
-    for r in rows:
-        r["kv_block"] = (kv_block_bytes(micro_batch, seq_len, shape.hidden, r["cp"], tp, 2)
-                         if r["cp"] > 1 else 0)
-        r["capacity"] = load_hardware(hardware).usable_bytes()
+    """The planner's long-context run, per cp: ``plan.estimate`` of one data-parallel replica
+    (tp x cp GPUs, SP, selective recomputation, a fused kernel, bf16): one GPU's memory, whether
+    it fits, the step time, what of it the ring leaves exposed, MFU; and one ring step
+    (``plan.cp.ring_step_times``): the K/V message, its send time and the attention it
+    overlaps with."""
+    shape = with_seq_len(model_preset(model), seq_len)
+    rows = []
+    for n in cps:
+        layout = Layout(tp=tp, cp=n, sp=tp > 1, recompute="selective", micro_batch=micro_batch)
+        e = estimate(shape, hardware, layout, flash=True)
+        ring = ring_step_times(shape, hardware, n, tp, micro_batch, flash=True, gpus=layout.gpus)
+        rows.append(dict(cp=n, gpus=layout.gpus, estimate=e, memory=e.memory, fits=e.fits,
+                         step_s=e.step_time, ring_exposed_s=e.times["cp_exposed"], mfu=e.mfu,
+                         kv_block=kv_block_bytes(micro_batch, seq_len, shape.hidden, n, tp, 2)
+                         if n > 1 else 0,
+                         send_s=ring["send"], compute_s=ring["compute"],
+                         hidden=ring["send"] <= ring["compute"]))
     return rows
+
+
+def search_long_context(model: str = "llama-7b", seq_len: int = 131072, gpus: int = 64,
+                        hardware: str = "dgx-h100", sequences: int = 32, top: int = 3,
+                        cp: int | None = None):
+    """``plan.search`` (a fused attention kernel) for ``sequences`` sequences of ``seq_len``
+    tokens per step on ``gpus``; ``cp`` fixes the context-parallel degree (None: the search
+    weighs cp > 1 where memory forces it)."""
+    return search(model, gpus, hardware, seq_len=seq_len, flash=True, top=top, cp=cp,
+                  global_batch_tokens=sequences * seq_len)
 
 
 # --------------------------------------------------------------------------------------

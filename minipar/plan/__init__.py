@@ -11,7 +11,8 @@ Read top to bottom, one module per question:
     timing      time of one collective: NCCL's tuning model or a measured table, and what
                 no measurement covers (``coverage``: "unvalidated")
     compute     a step's compute: GEMMs by shape, attention, memory-bound kernels, optimizer
-    layout      one tp x pp x dp layout and its legality
+    layout      one tp x cp x pp x dp layout and its legality
+    cp          context parallelism: the ring's bytes and time        (Liu et al. 2023)
     estimate    step time, tokens/s, MFU of one layout; overlap per collective; scaling
     search      every layout that fits, ranked; why the best wins
     published   the published results held against the predictions (notebook 07)
@@ -69,15 +70,18 @@ Python API (sizes in bytes, times in seconds)::
     bubble_fraction(p, m, v=1) -> (p-1)/(v m + p - 1)   # idle share of an ideal pipeline
 
     load_hardware(name_or_path) -> Hardware
-    Layout(tp, pp, dp, micro_batch, microbatches, shard, recompute, v, sp, schedule)
+    Layout(tp, pp, dp, micro_batch, microbatches, shard, recompute, v, sp, schedule, cp)
+        # cp: context parallelism; .replicas = dp x cp, what ZeRO shards and gradients span
     load_framework(name) -> Framework   # minipar, megatron-lm, megatron-deepspeed, fsdp,
                                         # deepspeed-zero3, amsp (per-module gathers)
     estimate(shape, hardware, layout, order=None, overlap=None, framework="minipar")
         -> Estimate        # overlap None: each collective's window; a number: that fraction
     scaling(shape, hardware, layout, gpus=[...], weak=True) -> [{"gpus", "efficiency", ...}]
-    search(model, gpus, hardware, tp=None, pp=None, global_batch_tokens=None,
-           framework="minipar", sp=None, v=None, schedule=None, objective="step", ...)
-        -> [Estimate, ...] best first
+    search(model, gpus, hardware, tp=None, pp=None, cp=None, max_cp=None,
+           global_batch_tokens=None, framework="minipar", sp=None, v=None, schedule=None,
+           objective="step", ...)
+        -> [Estimate, ...] best first      # cp weighed where memory forces it (search)
+    plan.cp: cp_attention_bytes, cp_comm_bytes, ring_step_times, ring_times   # the ring
     explain(best, runner_up=None) -> str
 
     # needing torch, in minipar.bench (which imports the planner; never the other way):

@@ -146,11 +146,14 @@ def cmd_memory(args) -> None:
     # a bare count evenly
     shape = model_preset(args.model) if args.params is None else None
     n = args.params if shape is None else shape.params
-    if args.gpus % (args.tp * args.pp):
-        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp = {args.tp * args.pp}")
-    dp = args.gpus // (args.tp * args.pp)
-    spec = _spec(args, dp)
-    out = model_state_bytes(n if shape is None else shape, dp, shard=spec, tp=args.tp,
+    inner = args.tp * args.pp * args.cp
+    if args.gpus % inner:
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
+    dp = args.gpus // inner
+    if args.cp > 1 and moe_plan.from_args(args) is not None:
+        raise PlanError(moe_plan.MOE_CP)
+    spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
+    out = model_state_bytes(n if shape is None else shape, dp * args.cp, shard=spec, tp=args.tp,
                             pp=args.pp, dtype=args.dtype)
     moe = moe_plan.from_args(args)                      # MoE: experts split by --ep
     if moe is not None:
@@ -161,14 +164,16 @@ def cmd_memory(args) -> None:
         n = moe_plan.params(shape, moe)["total"]
     data = {"params_bytes": out["params"], "grads_bytes": out["grads"],
             "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
-            "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
+            "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
+            "dtype": args.dtype,
             "shard": {"p": spec[0], "g": spec[1], "os": spec[2]}}
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep,
                            expert_params_per_device=out["expert_params"])
     rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"]
             for k in ("params", "grads", "optimizer", "total")]
-    text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp} dp={dp}, "
+    cp = f" cp={args.cp}" if args.cp > 1 else ""
+    text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp}{cp} dp={dp}, "
             f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
             + _table(rows, ["part", "bytes", "GiB"]))
     _emit(args, data, text)
@@ -178,24 +183,28 @@ def _results_table(results) -> str:
     rows = []
     for i, e in enumerate(results, 1):
         lay = e.layout
-        rows.append([i, lay.tp, lay.pp, lay.v, lay.dp, lay.micro_batch, lay.microbatches,
+        rows.append([i, lay.tp, lay.pp, lay.v, lay.cp, lay.dp, lay.micro_batch, lay.microbatches,
                      "{},{},{}".format(*lay.shard), lay.recompute,
                      _human(e.memory["total"]), f"{e.step_time:.4g}",
                      f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
-    return (_table(rows, ["#", "tp", "pp", "v", "dp", "b", "m", "shard", "recompute",
+    return (_table(rows, ["#", "tp", "pp", "v", "cp", "dp", "b", "m", "shard", "recompute",
                           "memory", "step s", "tokens/s", "MFU"])
             + "\n" + LEGEND)
 
 
-LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); b: micro-batch size "
-          "in sequences; m: micro-batches per step per pipeline; shard: s_p,s_g,s_os, the "
-          "data-parallel ranks that share parameters, gradients, optimizer states; memory: "
-          "per device")
+LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); cp: ranks each "
+          "sequence is split over (context parallelism); b: micro-batch size in sequences; m: "
+          "micro-batches per step per pipeline; shard: s_p,s_g,s_os, the data-parallel (dp x "
+          "cp) ranks that share parameters, gradients, optimizer states; memory: per device")
 
 
 def cmd_search(args) -> None:
     moe = moe_plan.from_args(args)
-    results = search(args.model, args.gpus, args.hardware, tp=args.tp, pp=args.pp,
+    if moe is not None and ((args.cp or 1) > 1 or args.max_cp):
+        raise PlanError(moe_plan.MOE_CP)
+    cp = 1 if moe is not None else args.cp
+    results = search(args.model, args.gpus, args.hardware, tp=args.tp, pp=args.pp, cp=cp,
+                     max_cp=args.max_cp,
                      global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
                      micro_batch=args.micro_batch, shard=args.shard, zero=args.zero,
                      recompute=args.recompute, top=args.top if moe is None else 10**6,
@@ -219,6 +228,10 @@ def cmd_search(args) -> None:
               if args.objective == "amsp" else "predicted step time")
     header = (f"{args.model} on {args.gpus} x {args.hardware} with {args.framework}, global "
               f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
+    if cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
+        seq_len = model_preset(args.model, args.seq_len).seq_len
+        header += (f"context parallelism weighed: without it, sequences of {seq_len:,} tokens "
+                   f"fit only with full recomputation or not at all\n")
     _emit(args, data, header + _results_table(results) + "\n\n" + why)
 
 
@@ -227,11 +240,13 @@ def cmd_estimate(args) -> None:
     hw = load_hardware(args.hardware)
     if not (args.dp or args.gpus):
         raise PlanError("give --dp or --gpus")
-    if args.gpus and args.gpus % (args.tp * args.pp):
-        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp = "
-                        f"{args.tp * args.pp}")
-    dp = args.dp or args.gpus // (args.tp * args.pp)
-    spec = _spec(args, dp)
+    inner = args.tp * args.pp * args.cp
+    if args.gpus and args.gpus % inner:
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
+    if args.cp > 1 and moe_plan.from_args(args) is not None:
+        raise PlanError(moe_plan.MOE_CP)
+    dp = args.dp or args.gpus // inner
+    spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
     batch = shape.global_batch_tokens // shape.seq_len if args.global_batch is None \
         else args.global_batch
     notes = []
@@ -257,7 +272,7 @@ def cmd_estimate(args) -> None:
         raise PlanError("--chunks > 1 needs --schedule interleaved")
     layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
                     microbatches=microbatches, shard=spec, recompute=args.recompute,
-                    v=v, sp=args.sp, schedule=schedule)
+                    v=v, sp=args.sp, schedule=schedule, cp=args.cp)
     fw = FRAMEWORKS[args.framework]
     order = args.order or fw.order
     check_layout(shape, layout, gpus=args.gpus, order=order,
@@ -341,9 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(split evenly over tp*pp)")
     p.add_argument("--model", help="take the shape of a preset (split exactly over tp and pp: "
                    "norms, row biases and positions stay whole on every TP rank)")
-    p.add_argument("--gpus", type=positive, required=True, help="devices in all (tp x pp x dp)")
+    p.add_argument("--gpus", type=positive, required=True,
+                   help="devices in all (tp x pp x cp x dp)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree")
+    p.add_argument("--cp", type=positive, default=1,
+                   help="context-parallel degree: parameters replicated over it, ZeRO/AMSP "
+                        "shards over the dp x cp ranks")
     _add_spec(p)
     p.add_argument("--dtype", choices=["mixed", "fp32"], default="mixed", help="mixed: bf16 + fp32 Adam (2+2+12 bytes); fp32: 4+4+8")
     moe_plan.add_arguments(p)
@@ -371,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", required=True, help="a preset name or a JSON file")
     p.add_argument("--tp", type=positive, help="fix the tensor-parallel degree")
     p.add_argument("--pp", type=positive, help="fix the pipeline-parallel degree")
+    p.add_argument("--cp", type=positive,
+                   help="fix the context-parallel degree (default: cp > 1 weighed only where "
+                        "memory forces it: nothing fits with cp = 1, or only with full "
+                        "recomputation)")
+    p.add_argument("--max-cp", type=positive,
+                   help="search every context-parallel degree up to this, ranked by step time "
+                        "like the rest (default: cp only where memory forces it)")
     p.add_argument("--global-batch-tokens", type=count,
                    help="default: the preset's (GPT-3's 3.1M tokens, LLaMA's 4.2M)")
     p.add_argument("--seq-len", type=positive, help="default: the preset's")
@@ -401,7 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=positive, help="devices in all (or give --dp)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree")
-    p.add_argument("--dp", type=positive, help="data-parallel degree (default: gpus / (tp x pp))")
+    p.add_argument("--cp", type=positive, default=1,
+                   help="context-parallel degree: each sequence split over cp ranks, ring "
+                        "attention (frameworks minipar and megatron-lm)")
+    p.add_argument("--dp", type=positive,
+                   help="data-parallel degree (default: gpus / (tp x pp x cp))")
     p.add_argument("--chunks", "--v", type=positive, default=1, dest="chunks",
                    help="model chunks per stage, v (needs --schedule interleaved when > 1)")
     p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")

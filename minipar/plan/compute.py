@@ -13,7 +13,14 @@ memory-bound kernels and the optimizer step.
 * **Attention core**: with a fused kernel (``flash``) its 4 b s^2 h / t forward FLOPs run
   at ``attention_efficiency`` of peak (the large-GEMM rate if that is 0), backward twice;
   unfused it is b a / t batched GEMMs of s x d -> s and s x s -> d, each timed as above,
-  plus the softmax as a memory-bound kernel.
+  plus the softmax as a memory-bound kernel. Like the FLOP formulas it counts the whole
+  s x s square, the causally masked half too.
+* **Context parallelism** (cp > 1): every rank holds s/cp tokens of each sequence, so every
+  per-token part above (GEMMs, memory-bound kernels, logits) runs at M = b s / cp; the
+  attention core of its s/cp queries against all s keys is cp blocks of (s/cp) x (s/cp)
+  (``attention_core``, one ring step each: ``plan.cp``), 1/cp of the square. With
+  selective recomputation the ring's core is recomputed, as ``minipar.cp`` does it (its
+  forward runs inside the recomputed region).
 * **Memory-bound kernels**, as bytes over ``hbm_bandwidth``. The tensors are those of
   Korthikanti et al. 2022 (section 4), each read and written once by the kernel that
   makes it, in the activations' precision. Per layer and micro-batch, forward, in units
@@ -92,13 +99,31 @@ def _fwd_bwd(gemms, hw, e) -> tuple[float, float]:
     return fwd, bwd
 
 
+def attention_core(shape: ModelShape, hw: Hardware, micro_batch: int, tp: int = 1, cp: int = 1,
+                   dtype: str = "mixed", flash: bool = False) -> tuple[float, float]:
+    """Seconds of one layer's attention core for one micro-batch on one rank, (forward,
+    backward): its s/cp queries against all s keys as cp blocks of (s/cp)^2 (one block at
+    cp = 1; module docstring). A ring step computes one block: 1/cp of each."""
+    b, h, a, e = micro_batch, shape.hidden, shape.heads, ACTIVATION_BYTES[dtype]
+    s = shape.seq_len // cp
+    if flash:
+        rate = hw.peak_flops * (hw.attention_efficiency or hw.compute_efficiency)
+        fwd = cp * 4.0 * b * s * s * h / tp / rate
+    else:
+        heads = a // tp if a % tp == 0 else a / tp
+        d = h // a
+        fwd = cp * b * heads * (matmul_time(s, s, d, hw, e) + matmul_time(s, d, s, hw, e))
+    return fwd, 2 * fwd
+
+
 def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = "mixed",
                   flash: bool = False, grad_bytes: int | None = None) -> dict:
     """Seconds per step on the heaviest (last) stage's device, by part:
     {"matmul", "attention", "memory_bound", "optimizer", "total", "forward_mb",
     "backward_mb"} (the last two: one micro-batch's forward and backward, for overlap)."""
-    t, p = layout.tp, layout.pp
-    b, m, s, h, a = layout.micro_batch, layout.microbatches, shape.seq_len, shape.hidden, shape.heads
+    t, p, cp = layout.tp, layout.pp, layout.cp
+    b, m, h, a = layout.micro_batch, layout.microbatches, shape.hidden, shape.heads
+    s = shape.seq_len // cp                      # this rank's tokens of each sequence
     e = ACTIVATION_BYTES[dtype]
     layers = -(-shape.layers // p)
     tokens = b * s
@@ -110,17 +135,8 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
     matmul = layers * (fwd + bwd + (fwd if recompute == "full" else 0)) + head_f + head_b
 
     # the attention core
-    heads = a // t if a % t == 0 else a / t
-    d = h // a
-    if flash:
-        rate = hw.peak_flops * (hw.attention_efficiency or hw.compute_efficiency)
-        att_f = 4.0 * b * s * s * h / t / rate
-        att_b = 2 * att_f
-    else:
-        batch = b * heads
-        att_f = batch * (matmul_time(s, s, d, hw, e) + matmul_time(s, d, s, hw, e))
-        att_b = 2 * att_f
-    again = recompute in ("full", "selective") and not flash
+    att_f, att_b = attention_core(shape, hw, b, t, cp, dtype, flash)
+    again = recompute in ("full", "selective") and (not flash or cp > 1)
     attention = layers * (att_f + att_b + (att_f if again or recompute == "full" else 0))
 
     # memory-bound kernels (module docstring), bytes of one micro-batch's forward
@@ -129,7 +145,8 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
         sbh = s * b * h * e
         replicated = 10.0 if shape.arch == "llama" else 14.0
         split = (3.0 if shape.arch == "llama" else 2.0) * shape.ffn / h
-        scores = 0.0 if flash else (2.0 if shape.arch == "llama" else 4.0) * a * s / h
+        # scores per rank: b a (s/cp) s, i.e. a s / h per (s/cp) b h
+        scores = 0.0 if flash else (2.0 if shape.arch == "llama" else 4.0) * a * shape.seq_len / h
         per_layer = sbh * (replicated / (t if layout.sp else 1) + (split + scores) / t)
         again_bytes = per_layer if recompute == "full" else (
             sbh * scores / t if recompute == "selective" else 0.0)

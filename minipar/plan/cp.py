@@ -19,18 +19,20 @@ trainer's ``"dp_cp"`` group): the data-parallel formulas hold with dp -> dp cp.
 Activations: every tensor a layer keeps is per token, so one rank keeps a layer of s/N tokens
 (``layer_activation_bytes`` of the same shape at sequence length s/N), and ring attention
 never stores the s x s scores (flash attention's arithmetic): activations fall as 1/cp.
+
+Time (``ring_step_times``, ``ring_times``; ``estimate`` adds the rest at s/N tokens): each
+K/V message is posted before a block of attention and waited for after it, so it hides
+behind the block while it is sent faster; the K/V gradients' hops are sent after their block
+and waited for (minipar's ring), so they are exposed. The ring stays inside a node while
+tp x N ranks fit one (cp sits next to tp in the rank order), else each message shares the
+node's network links.
 """
 from __future__ import annotations
 
 
-from .memory import check_cp, cp_layer_activation_bytes  # noqa: F401  (cp's, kept with the rest of memory)
+from .memory import check_cp, cp_layer_activation_bytes, kv_block_bytes  # noqa: F401  (cp's,
+#   kept with the rest of memory, which needs them)
 from .shapes import ModelShape
-
-
-def kv_block_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int = 1,
-                   bytes_per_elem: int = 4) -> int:
-    """B = 2 b (s/cp) (h/tp) e: one rank's K and V for one layer, the ring's message."""
-    return 2 * micro_batch * (seq_len // cp) * (hidden // tp) * bytes_per_elem
 
 
 def cp_attention_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int = 1,
@@ -57,55 +59,53 @@ def cp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, layers: 
 
 
 def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_batch: int = 1,
-                    dtype: str = "mixed") -> dict[str, float]:
-    """One ring step of one layer's forward: the K/V message's send time (``p2p_time``: on
-    NVLink while tp x cp ranks fit in a node, else on the node's share of the network) and the
-    half block of attention it overlaps with (4 (h/t) FLOPs a score, (s/cp)^2 / 2 scores: the
-    causal balance). The ring hides its traffic while send <= compute."""
+                    dtype: str = "mixed", flash: bool = False, stride: int | None = None,
+                    gpus: int | None = None) -> dict[str, float]:
+    """One ring step of one layer: the K/V message's send time (``p2p_time``: inside a node
+    while the ring does, else on the node's share of the network; its ranks are ``stride``
+    devices apart, tp by default, as both rank orders place cp next to tp) and the attention
+    it overlaps with, forward and backward: half a block. The compute model prices the whole
+    s x s square (``compute.attention_core``, the FLOP formulas' convention), cp blocks of
+    (s/cp)^2 per rank; causally half of it is masked, and the balanced split gives every rank
+    exactly that half block at every step (``minipar.cp.visible_block``), so the time a
+    step's message can hide behind is half of 1/cp of the modelled core. A step hides its
+    message while send <= compute."""
+    from .compute import attention_core
     from .hardware import load_hardware
     from .memory import ACTIVATION_BYTES
-    from .network import p2p_time
+    from .network import p2p_time, placement
     hw = load_hardware(hardware)
     if cp == 1:
-        return dict(send=0.0, compute=0.0, across_nodes=False)
-    across = tp * cp > hw.gpus_per_node
+        return dict(send=0.0, compute=0.0, compute_backward=0.0, across_nodes=False)
+    across = placement(cp, stride or tp, hw.gpus_per_node)[1] > 1
     block = kv_block_bytes(micro_batch, shape.seq_len, shape.hidden, cp, tp,
                            ACTIVATION_BYTES[dtype])
-    local = shape.seq_len // cp
-    flops = 4 * (shape.hidden // tp) * local * local / 2 * micro_batch
-    return dict(send=p2p_time(block, across, hw),
-                compute=flops / (hw.peak_flops * hw.compute_efficiency), across_nodes=across)
+    fwd, bwd = attention_core(shape, hw, micro_batch, tp, cp, dtype, flash)
+    c = hw.step_calibration * hw.oversubscription(gpus or cp * tp)    # as compute_parts
+    return dict(send=p2p_time(block, across, hw), compute=c * fwd / cp / 2,
+                compute_backward=c * bwd / cp / 2, across_nodes=across)
 
 
-def cp_search(shape: ModelShape, hardware, tp: int = 8, cps=(1, 2, 4, 8, 16, 32, 64),
-              micro_batch: int = 1, recompute: str = "selective", shard=(1, 1, 1),
-              dtype: str = "mixed") -> list[dict]:
-    """For a long-context run of one data-parallel replica (tp x cp GPUs, SP on): per cp that
-    cuts the sequence, the memory of one GPU (``device_memory`` with ``Layout(cp=...)``),
-    whether it fits, the ring's bytes per layer and whether its messages hide behind the
-    attention they overlap. ``best`` marks the smallest cp that fits and hides its ring."""
-    from .hardware import load_hardware
-    from .layout import Layout
-    from .memory import ACTIVATION_BYTES, device_memory
-    hw = load_hardware(hardware)
-    rows = []
-    for n in cps:
-        if shape.seq_len % (2 * n) and n > 1:
-            continue
-        layout = Layout(tp=tp, cp=n, sp=tp > 1, micro_batch=micro_batch, recompute=recompute,
-                        shard=shard)
-        memory = device_memory(shape, layout, flash=True, dtype=dtype)
-        times = ring_step_times(shape, hw, n, tp, micro_batch, dtype)
-        rows.append(dict(cp=n, gpus=layout.gpus, memory=memory,
-                         fits=memory["total"] <= hw.usable_bytes(),
-                         ring_bytes_per_layer=cp_attention_bytes(
-                             micro_batch, shape.seq_len, shape.hidden, n, tp,
-                             ACTIVATION_BYTES[dtype], recompute)["total"],
-                         send_s=times["send"], compute_s=times["compute"],
-                         across_nodes=times["across_nodes"],
-                         hidden=times["send"] <= times["compute"], best=False))
-    for r in rows:
-        if r["fits"] and (r["hidden"] or r["cp"] == 1):
-            r["best"] = True
-            break
-    return rows
+def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp",
+               dtype: str = "mixed", flash: bool = False) -> dict[str, float]:
+    """Seconds per step of the ring on the heaviest stage, as ``minipar.cp`` runs it, per
+    layer and micro-batch (x2 forward when recomputed, as ``cp_attention_bytes`` counts):
+
+        forward    cp-1 K/V sends, each posted before a block and waited for after it:
+                   exposed max(0, send - block)
+        backward   cp-1 K/V sends, likewise behind the backward blocks, and cp hops of the
+                   K/V gradients, each sent after its block and waited for: exposed whole
+
+    ``{"cp_comm": all the ring's send time, "cp_exposed": what no block hides}``."""
+    cp = layout.cp
+    if cp == 1:
+        return dict(cp_comm=0.0, cp_exposed=0.0)
+    step = ring_step_times(shape, hardware, cp, layout.tp, layout.micro_batch, dtype, flash,
+                           layout.strides(order)["cp"], layout.gpus)
+    send = step["send"]
+    forwards = 1 if layout.recompute == "none" else 2
+    per_layer_comm = (forwards * (cp - 1) + 2 * cp - 1) * send
+    per_layer_exposed = (forwards * (cp - 1) * max(0.0, send - step["compute"])
+                         + (cp - 1) * max(0.0, send - step["compute_backward"]) + cp * send)
+    times = layout.microbatches * -(-shape.layers // layout.pp)
+    return dict(cp_comm=times * per_layer_comm, cp_exposed=times * per_layer_exposed)

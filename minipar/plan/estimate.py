@@ -1,6 +1,6 @@
 """Step time of one layout: compute, communication, bubble; tokens/s and MFU.
 
-    step = compute + TP comm + bubble + PP comm + exposed DP comm
+    step = compute + TP comm + CP comm + bubble + PP comm + exposed DP comm
 
 * compute (``compute.compute_parts``): the heaviest (last) pipeline stage's matmuls, timed
   shape by shape, its attention core, its memory-bound kernels as bytes over HBM bandwidth
@@ -10,11 +10,16 @@
   them on the critical path), each a call with its base and ring-step latencies, plus
   those of the embedding, head and loss on the stage that holds them (both ends when
   pp = 1, the head's when pp > 1: the last stage also computes the loss).
+* CP comm (context parallelism, ``plan.cp.ring_times``): every rank holds s/cp tokens of
+  each sequence, so compute, TP and PP messages are those of s/cp tokens; the ring's K/V
+  sends (``cp_attention_bytes``) overlap the attention blocks they travel beside, and what
+  they do not hide, with the K/V gradients' hops (minipar waits for each), is exposed.
 * bubble: a pipeline of p stages idles (p-1)/m of the time it computes m micro-batches,
   and interleaving v chunks per stage divides that by v (Narayanan et al. 2021, section
-  2.2): (p-1)/(m v) x (compute + TP comm, without the optimizer step).
+  2.2): (p-1)/(m v) x (compute + TP comm + CP comm, without the optimizer step).
 * PP comm: each micro-batch's send and receive, on the critical path.
-* DP comm: the ZeRO/AMSP collectives as the framework's engine issues them
+* DP comm: the ZeRO/AMSP collectives over the dp x cp replicas (the parameters are
+  replicated over cp too) as the framework's engine issues them
   (``network.engine_collectives``: buckets, one gather per unit), each hidden behind the
   compute it can overlap, never more: gradient reductions started during backward hide
   behind the backward of their micro-batch except the last call; prefetched parameter
@@ -41,9 +46,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .compute import compute_parts
-from .frameworks import Framework, gather_calls, load_framework
+from .cp import cp_comm_bytes, ring_times
+from .frameworks import Framework, check_framework, gather_calls, load_framework
 from .hardware import Hardware, load_hardware
-from .layout import Layout, check_layout
+from .layout import Layout, check_layout, dp_per_node
 from .memory import ACTIVATION_BYTES, device_memory, stage_params
 from .network import collective_time, coverage, engine_collectives, p2p_time, placement
 from .shapes import ModelShape, training_flops
@@ -59,8 +65,8 @@ class Estimate:
     memory: dict            # bytes per device: params, grads, optimizer, activations,
                             # temporary, total
     capacity: float         # usable bytes per device
-    times: dict             # seconds per step: compute, tp_comm, bubble, pp_comm,
-                            # dp_comm, dp_exposed, step
+    times: dict             # seconds per step: compute, tp_comm, cp_comm, cp_exposed,
+                            # bubble, pp_comm, dp_comm, dp_exposed, step
     flops: dict             # per step, whole job: model, hardware
     tokens_per_s: float
     mfu: float
@@ -68,6 +74,7 @@ class Estimate:
     framework: str = DEFAULT_FRAMEWORK
     notes: list = field(default_factory=list)
     unvalidated: list = field(default_factory=list)   # collectives timed beyond measurement
+    cp_bytes: int = 0       # bytes one rank sends round the cp ring per step (heaviest stage)
 
     @property
     def fits(self) -> bool:
@@ -81,14 +88,15 @@ class Estimate:
         """Fraction of the step spent in each part (they sum to 1)."""
         t = self.times
         parts = {"compute": t["compute"], "bubble": t["bubble"], "tp_comm": t["tp_comm"],
-                 "pp_comm": t["pp_comm"], "dp_comm": t["dp_exposed"]}
+                 "cp_comm": t["cp_exposed"], "pp_comm": t["pp_comm"], "dp_comm": t["dp_exposed"]}
         return {k: v / t["step"] for k, v in parts.items()}
 
     def to_json(self) -> dict:
         lay = self.layout
         s_p, s_g, s_os = lay.shard
         return {
-            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch": lay.micro_batch,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp,
+            "micro_batch": lay.micro_batch,
             "microbatches": lay.microbatches, "shard": {"p": s_p, "g": s_g, "os": s_os},
             "recompute": lay.recompute != "none", "memory_bytes": int(self.memory["total"]),
             "step_time_s": self.step_time, "mfu": self.mfu,
@@ -99,7 +107,7 @@ class Estimate:
             "memory": {k: int(v) for k, v in self.memory.items()},
             "times": dict(self.times), "shares": self.shares(),
             "model": self.model, "hardware": self.hardware, "framework": self.framework,
-            "unvalidated": list(self.unvalidated),
+            "unvalidated": list(self.unvalidated), "cp_bytes": self.cp_bytes,
         }
 
 
@@ -119,10 +127,11 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
                dtype: str = "mixed", flash: bool = False,
                framework: Framework | str = DEFAULT_FRAMEWORK) -> dict:
     """Seconds per step of everything but data-parallel traffic: compute (and its parts),
-    tp_comm, bubble, pp_comm."""
+    tp_comm, cp_comm and cp_exposed, bubble, pp_comm."""
     fw = load_framework(framework)
     t, p, v = layout.tp, layout.pp, layout.v
-    b, m, s, h = layout.micro_batch, layout.microbatches, shape.seq_len, shape.hidden
+    b, m, h = layout.micro_batch, layout.microbatches, shape.hidden
+    s = shape.seq_len // layout.cp                     # this rank's tokens of a sequence
     strides = layout.strides(order)
     parts = compute_parts(shape, hw, layout, dtype, flash, fw.grad_bytes)
 
@@ -137,15 +146,18 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     tp_comm = (tp_calls * per_call
                + 3 * m * collective_time("all_reduce", b * s * 4, t, strides["tp"], hw))  # loss
 
+    ring = ring_times(shape, hw, layout, order, dtype, flash)
+
     pipelined = parts["total"] - parts["optimizer"]
     idle = bubble_fraction(p, m, v)                    # of the step: (p-1)/(m v) of the work
-    bubble = idle / (1 - idle) * (pipelined + tp_comm)
+    bubble = idle / (1 - idle) * (pipelined + tp_comm + ring["cp_exposed"])
 
     pp_comm = 0.0
     if p > 1:
         _, nodes = placement(p, strides["pp"], hw.gpus_per_node)
         pp_comm = 2 * m * v * p2p_time(activation_msg / t, nodes > 1, hw)
-    out = {"compute": parts["total"], "tp_comm": tp_comm, "bubble": bubble, "pp_comm": pp_comm}
+    out = {"compute": parts["total"], "tp_comm": tp_comm, "bubble": bubble, "pp_comm": pp_comm,
+           **ring}
     out.update({f"compute_{k}": parts[k] for k in ("matmul", "attention", "memory_bound",
                                                     "optimizer", "forward_mb", "backward_mb")})
     return out
@@ -156,7 +168,7 @@ def dp_collectives(shape: ModelShape, layout: Layout, framework: Framework | str
     fw = load_framework(framework)
     units = units_of_stage(shape, layout.pp)
     layers = -(-shape.layers // layout.pp)
-    return engine_collectives(stage_params(shape, layout.tp, layout.pp), layout.dp,
+    return engine_collectives(stage_params(shape, layout.tp, layout.pp), layout.replicas,
                               layout.shard, fw, units, dtype,
                               layout.microbatches, recompute=layout.recompute == "full",
                               reduce_bytes=fw.reduce_bytes,
@@ -169,7 +181,7 @@ def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     [(count, per micro-batch?, calls, seconds per call, window)]. Independent of the
     micro-batch count and size, so the search computes it once per spec."""
     from dataclasses import replace
-    stride = layout.strides(order)["dp"]
+    stride = layout.replica_stride(order, hw.gpus_per_node)
     one = replace(layout, microbatches=1)
     return [(c.count, c.kind in ("gather", "grad"), c.calls,
              collective_time(c.op, c.nbytes / c.calls, c.size, c.stride * stride, hw), c.window)
@@ -223,7 +235,7 @@ def dp_times(shape: ModelShape, hw: Hardware, layout: Layout, parts: dict,
 def dp_comm_time(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
                  dtype: str = "mixed", framework: Framework | str = DEFAULT_FRAMEWORK) -> float:
     """Seconds per step of the data-parallel (ZeRO/AMSP) collectives, before overlap."""
-    stride = layout.strides(order)["dp"]
+    stride = layout.replica_stride(order, hw.gpus_per_node)
     return sum(c.count * c.calls * collective_time(c.op, c.nbytes / c.calls, c.size,
                                                    c.stride * stride, hw)
                for c in dp_collectives(shape, layout, framework, dtype))
@@ -235,11 +247,13 @@ def unvalidated(shape: ModelShape, hw: Hardware, layout: Layout, order: str,
     the TP group's, and each data-parallel group's as the engine issues it."""
     strides = layout.strides(order)
     ops = ("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)
-    msg = layout.micro_batch * shape.seq_len * shape.hidden * ACTIVATION_BYTES[dtype]
+    tokens = shape.seq_len // layout.cp                                # per rank under cp
+    msg = layout.micro_batch * tokens * shape.hidden * ACTIVATION_BYTES[dtype]
     groups = [(op, layout.tp, strides["tp"], msg) for op in ops]
     groups.append(("all_reduce", layout.tp, strides["tp"],            # the loss's b s values
-                   layout.micro_batch * shape.seq_len * 4))
-    groups += [(c.op, c.size, c.stride * strides["dp"], c.nbytes / c.calls)
+                   layout.micro_batch * tokens * 4))
+    replica = layout.replica_stride(order, hw.gpus_per_node)
+    groups += [(c.op, c.size, c.stride * replica, c.nbytes / c.calls)
                for c in dp_collectives(shape, layout, framework, dtype)]
     out = []
     for op, size, stride, nbytes in groups:     # per call, as collective_time is given them
@@ -261,11 +275,13 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     dtype = dtype or hw.dtype
     if check:
         check_layout(shape, layout, order=order, gpus_per_node=hw.gpus_per_node)
+        if layout.cp > 1:
+            check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order))
     times = time_parts(shape, hw, layout, order, dtype, flash, fw)
     times.update(dp_times(shape, hw, layout, times, order, dtype, fw, overlap))
     times["compute"] += times.pop("interference")
-    times["step"] = sum(times[k] for k in ("compute", "tp_comm", "bubble", "pp_comm",
-                                           "dp_exposed"))
+    times["step"] = sum(times[k] for k in ("compute", "tp_comm", "cp_exposed", "bubble",
+                                           "pp_comm", "dp_exposed"))
     notes = []
     slower = hw.oversubscription(layout.gpus)
     if slower > 1:
@@ -283,7 +299,10 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
         flops={"model": flops_model, "hardware": flops_hw},
         tokens_per_s=layout.global_batch * shape.seq_len / times["step"],
         mfu=flops_model / peak, hfu=flops_hw / peak, framework=fw.name, notes=notes,
-        unvalidated=unvalidated(shape, hw, layout, order, fw, dtype))
+        unvalidated=unvalidated(shape, hw, layout, order, fw, dtype),
+        cp_bytes=cp_comm_bytes(layout.micro_batch, shape.seq_len, shape.hidden, layout.cp,
+                               -(-shape.layers // layout.pp), layout.microbatches, layout.tp,
+                               ACTIVATION_BYTES[dtype], layout.recompute))
 
 
 # --------------------------------------------------------------------------------------
@@ -291,12 +310,12 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
 # --------------------------------------------------------------------------------------
 def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
     """``layout`` with ``dp`` replicas: weak scaling keeps each replica's work (the global
-    batch grows), strong scaling keeps the global batch (fewer micro-batches per replica).
-    A shard factor equal to the old dp follows the new one (ZeRO-1 over d stays ZeRO-1 over
-    d'); the others become their gcd with it. From a single replica (dp = 1) every factor is
-    1 and says nothing about the stage, so the spec stays (1, 1, 1), plain data parallelism
-    (scaling ZeRO from one replica needs the spec given at the target width). None when
-    the batch does not divide."""
+    batch grows), strong scaling keeps the global batch (fewer micro-batches per replica). A
+    shard factor equal to the old replica count (dp x cp, what ZeRO shards over) follows the
+    new one (ZeRO-1 over d stays ZeRO-1 over d'); the others become their gcd with it. From
+    a single replica (dp x cp = 1) every factor is 1 and says nothing about the stage, so the
+    spec stays (1, 1, 1), plain data parallelism (scaling ZeRO from one replica needs the
+    spec given at the target width). None when the batch does not divide."""
     from dataclasses import replace
     from math import gcd
     m = layout.microbatches
@@ -307,10 +326,12 @@ def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
         m = per_replica
     if layout.v > 1 and m % layout.pp:
         return None
-    if layout.dp == 1:
+    replicas = dp * layout.cp                  # ZeRO shards over dp x cp
+    if layout.replicas == 1:
         shard = (1, 1, 1)
     else:
-        shard = tuple(dp if s == layout.dp else gcd(s, dp) for s in layout.shard)
+        shard = tuple(replicas if s == layout.replicas else gcd(s, replicas)
+                      for s in layout.shard)
     return replace(layout, dp=dp, microbatches=m, shard=shard)
 
 
@@ -324,7 +345,7 @@ def scaling(shape: ModelShape, hardware: Hardware | str, layout: Layout, gpus: l
     hw = load_hardware(hardware)
     rows = []
     for n in sorted(gpus):
-        dp, rest = divmod(n, layout.tp * layout.pp)
+        dp, rest = divmod(n, layout.tp * layout.pp * layout.cp)
         new = scaled_layout(layout, dp, weak) if dp and not rest else None
         if new is None:
             continue

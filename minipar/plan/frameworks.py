@@ -4,8 +4,9 @@ A search should only return layouts the target framework runs, and an estimate s
 charge collectives the way that framework's engine issues them. A profile says:
 
 * ``order``: how its process grid is laid over device numbers, innermost axis first;
-* ``interleaving``, ``sp``: whether it has the interleaved 1F1B schedule and Megatron's
-  sequence parallelism; ``recompute``: its activation-recomputation modes;
+* ``interleaving``, ``sp``, ``cp``: whether it has the interleaved 1F1B schedule, Megatron's
+  sequence parallelism and context parallelism (ring attention over a cp axis next to tp);
+  ``recompute``: its activation-recomputation modes;
 * ``specs``: which (s_p, s_g, s_os) data-parallel shardings it has, given dp and pp;
 * how its data-parallel engine issues collectives (``network.engine_collectives``):
   gradient reductions in buckets of ``grad_bucket`` parameters (None: one call per model
@@ -62,6 +63,7 @@ class Framework:
                                           # (DeepSpeed ZeRO-3, AMSP), not one per layer
     memory_reserve: float | None = None   # (reserved - allocated) / reserved of its allocator at
                                           # the peak, measured; None: the hardware's fragmentation
+    cp: bool = False                      # context parallelism (ring attention)
     sources: tuple = ()
 
     def bucket_params(self, dp: int) -> float | None:
@@ -101,8 +103,9 @@ FRAMEWORKS: dict[str, Framework] = {
         order="tp,pp,dp", interleaving=True, sp=True, recompute=("none", "selective", "full"),
         spec_family="amsp", grad_bucket=None, grad_overlap=False,
         param_prefetch=True, gather_overlaps_forward=False,
-        dp_bucket_bytes=4 * 2**20, dp_overlap=True,
-        sources=("minipar/zero.py: per-unit flat buffers, gathers prefetched one unit "
+        dp_bucket_bytes=4 * 2**20, dp_overlap=True, cp=True,
+        sources=("minipar/cp.py: --cp N, ring attention with the causal load balance",
+                 "minipar/zero.py: per-unit flat buffers, gathers prefetched one unit "
                  "ahead, each unit's gradient reduce-scattered when its backward ends "
                  "(a blocking call), the step's collectives unit by unit after backward",
                  "minipar/dp.py: plain DP all-reduces 4 MiB buckets (--bucket-mb) as "
@@ -114,8 +117,10 @@ FRAMEWORKS: dict[str, Framework] = {
         spec_family="dist-opt", grad_bucket=40e6, grad_overlap=True, 
         param_prefetch=True, gather_overlaps_forward=True, grad_bytes=4,
         reduce_bytes=4, bucket_per_rank=1e6,
-        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        memory_reserve=CACHING_ALLOCATOR_RESERVE, cp=True,
         sources=(CACHING_ALLOCATOR_SOURCE, "rank order tp-cp-ep-dp-pp (megatron/core/parallel_state.py)",
+                 "--context-parallel-size: ring attention (TransformerEngine) with the causal "
+                 "load balance; the planner prices its ring as minipar's",
                  "buckets of max(40M, 1M x dp) parameters, fp32 main_grad buffers "
                  "(megatron/core/distributed/distributed_data_parallel.py); with bf16 they are "
                  "accumulated and reduced in fp32 (accumulate_allreduce_grads_in_fp32)",
@@ -211,8 +216,12 @@ def check_framework(fw: Framework, layout, dp_per_node: int | None = None) -> No
     if layout.recompute not in fw.recompute:
         raise PlanError(f"{fw.name} has no {layout.recompute!r} recomputation; it has "
                         f"{', '.join(fw.recompute)}")
-    specs = fw.specs(layout.dp, layout.pp, dp_per_node)
+    if layout.cp > 1 and not fw.cp:
+        frameworks = ", ".join(f.name for f in FRAMEWORKS.values() if f.cp)
+        raise PlanError(f"{fw.name} has no context parallelism in this planner; use --cp 1 or "
+                        f"--framework {frameworks.replace(', ', ' or ')}")
+    specs = fw.specs(layout.replicas, layout.pp, dp_per_node)
     if fw.spec_family != "amsp" and tuple(layout.shard) not in specs:
         raise PlanError(f"{fw.name} does not run shard spec {tuple(layout.shard)} with "
-                        f"dp={layout.dp}, pp={layout.pp}; it runs "
+                        f"dp x cp = {layout.replicas}, pp={layout.pp}; it runs "
                         f"{', '.join(str(s) for s in specs)}")

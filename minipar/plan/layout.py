@@ -1,14 +1,20 @@
 """One training layout: how a model is cut over devices, and whether the cut is legal.
 
-The world is a grid of tp x pp x dp devices. ``order`` says how the grid is laid over
+The world is a grid of tp x cp x pp x dp devices. ``order`` says how the grid is laid over
 consecutive device numbers (and so over nodes), innermost axis first:
 
-* ``tp,pp,dp``: minipar's ``Grid`` (``torch.arange(world).view(dp, pp, tp)``);
+* ``tp,pp,dp``: minipar's ``Mesh`` (``torch.arange(world).view(dp, pp, cp, tp)``);
 * ``tp,dp,pp``: Megatron-LM's and DeepSpeed's default, which puts data-parallel neighbours
   in one node when tp is less than a node.
 
 Either way tensor parallelism is innermost: its all-reduces run every layer and want the
-fastest links (the Frontier study's first rule).
+fastest links (the Frontier study's first rule). Context parallelism (``cp``), whose ring
+passes K/V blocks every layer, sits next to it in both: minipar's mesh and Megatron-LM's
+order (tp-cp-ep-dp-pp) alike, so neither order string names it.
+
+The parameters are replicated over cp as over dp, so the data-parallel side of a layout (the
+gradient reduction, the ZeRO/AMSP shards) spans the dp x cp ``replicas``, as the trainer's
+``dp_cp`` mesh axis does (``minipar.groups``).
 """
 from __future__ import annotations
 
@@ -40,18 +46,42 @@ class Layout:
         return self.tp * self.pp * self.cp * self.dp
 
     @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters: dp x cp (what gradients reduce and ZeRO shards
+        over)."""
+        return self.dp * self.cp
+
+    @property
     def global_batch(self) -> int:
         """Sequences per optimizer step."""
         return self.dp * self.micro_batch * self.microbatches
 
     def strides(self, order: str = "tp,pp,dp") -> dict[str, int]:
-        """Distance, in device numbers, between neighbours along each axis."""
-        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        """Distance, in device numbers, between neighbours along each axis (cp right after
+        tp, module docstring)."""
+        sizes = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}
         out, stride = {}, 1
-        for axis in order.split(","):
+        for axis in order.replace("tp", "tp,cp").split(","):
             out[axis] = stride
             stride *= sizes[axis]
         return out
+
+    def replica_stride(self, order: str = "tp,pp,dp", gpus_per_node: int | None = None) -> int:
+        """The distance between neighbours of the dp x cp replicas, as one evenly spaced
+        group (what ``network.collective_time`` prices). Exact where the line is even: cp = 1,
+        dp = 1, Megatron-LM's order, or pp = 1. In minipar's order with pp > 1 the line is
+        blocks of cp ranks (tp apart) pp x cp x tp apart: the stride that puts as many of
+        them in a node as really share one."""
+        s = self.strides(order)
+        if self.cp == 1:
+            return s["dp"]
+        if self.dp == 1 or s["dp"] == s["cp"] * self.cp or not gpus_per_node:
+            return s["cp"]
+        if s["cp"] >= gpus_per_node:
+            return s["cp"]
+        blocks = max(1, gpus_per_node // s["dp"])            # replica blocks per node
+        per_node = min(self.replicas, blocks * min(self.cp, gpus_per_node // s["cp"]))
+        return max(1, gpus_per_node // per_node)
 
     def describe(self, shard: bool = True) -> str:
         v = f" v={self.v}" if self.v > 1 else ""
@@ -62,9 +92,28 @@ class Layout:
 
 
 def dp_per_node(layout: Layout, gpus_per_node: int, order: str = "tp,pp,dp") -> int:
-    """How many ranks of one data-parallel group share a node."""
-    stride = layout.strides(order)["dp"]
-    return max(1, min(layout.dp, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    """How many ranks of one data-parallel group (the dp x cp replicas) share a node."""
+    stride = layout.replica_stride(order, gpus_per_node)
+    return max(1, min(layout.replicas, gpus_per_node // stride)) if stride < gpus_per_node else 1
+
+
+def cp_violation(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> str | None:
+    """Why a sequence of ``seq_len`` tokens cannot be split over ``cp`` ranks (None if it
+    can): it must cut into 2 cp equal chunks (rank i holds chunks i and 2cp-1-i, the causal
+    balance), and with sequence parallelism each rank's s/cp tokens split again over tp.
+    The trainer (``minipar.cp.validate``) and the planner (``check_layout``) share it."""
+    if cp < 1:
+        return f"--cp must be >= 1, got {cp}"
+    if cp > 1 and seq_len % (2 * cp):
+        return (f"--cp {cp} cuts each sequence into 2 x {cp} = {2 * cp} equal chunks (rank i "
+                f"holds chunks i and {2 * cp - 1}-i, for causal balance), but the sequence "
+                f"length {seq_len} is not divisible by {2 * cp}; use a --seq-len that is a "
+                f"multiple of {2 * cp}")
+    if cp > 1 and sp and (seq_len // cp) % tp:
+        return (f"--cp {cp} with --sp: each rank's {seq_len // cp} tokens are split again over "
+                f"--tp {tp}, which does not divide them; use a --seq-len that is a multiple "
+                f"of {cp * tp * 2}")
+    return None
 
 
 def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
@@ -73,11 +122,11 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
     t, p, v = layout.tp, layout.pp, layout.v
     if order not in ORDERS:
         raise PlanError(f"unknown order {order!r}; use {' or '.join(ORDERS)}")
-    if min(t, p, layout.dp, v, layout.micro_batch, layout.microbatches) < 1:
+    if min(t, p, layout.cp, layout.dp, v, layout.micro_batch, layout.microbatches) < 1:
         raise PlanError(f"every degree and batch count must be >= 1: {layout.describe()}")
     if gpus is not None and layout.gpus != gpus:
-        raise PlanError(f"tp*pp*dp = {t}*{p}*{layout.dp} = {layout.gpus} but there are "
-                        f"{gpus} GPUs; choose degrees whose product is {gpus}")
+        raise PlanError(f"tp*pp*cp*dp = {t}*{p}*{layout.cp}*{layout.dp} = {layout.gpus} but "
+                        f"there are {gpus} GPUs; choose degrees whose product is {gpus}")
     if shape.heads % t:
         raise PlanError(f"tp={t} does not divide {shape.heads} attention heads; "
                         f"use a divisor of {shape.heads}")
@@ -93,9 +142,9 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
     if v > 1 and (p == 1 or layout.microbatches % p or layout.schedule != "1f1b"):
         raise PlanError(f"interleaving (v={v}) needs pp > 1, the 1f1b schedule and a "
                         f"micro-batch count divisible by pp={p} (Megatron-LM's rule)")
+    why = cp_violation(shape.seq_len, layout.cp, t, layout.sp)
+    if why:
+        raise PlanError(why)
     per_node = dp_per_node(layout, gpus_per_node, order) if gpus_per_node else None
-    if layout.cp < 1 or (layout.cp > 1 and shape.seq_len % (2 * layout.cp)):
-        raise PlanError(f"cp={layout.cp} cuts each sequence into {2 * layout.cp} chunks (the "
-                        f"causal balance); seq_len {shape.seq_len} is not divisible by them")
-    check_shard(layout.shard, layout.dp * layout.cp, per_node)   # ZeRO shards over dp x cp
+    check_shard(layout.shard, layout.replicas, per_node)   # ZeRO shards over dp x cp
     return layout

@@ -71,6 +71,9 @@ Temporary buffers and what the engine allocates (our assumptions, said here once
 * with full recomputation, one layer's complete activations while it is being recomputed;
 * with sharded parameters (s_p > 1), two gathered layers (the one computing and the next,
   prefetched) and one layer's full gradient before its reduce-scatter;
+* under context parallelism, the ring's blocks in flight (``minipar.cp``): the layer's K/V
+  stacked into one message, the next block arriving, and in backward the travelling K/V
+  gradient and its arriving copy: 4 B, B = 2 b (s/cp) (h/t) e (``kv_block_bytes``);
 * gradient buckets in flight: two of the framework's buckets (Megatron-LM's 40M
   parameters, DeepSpeed's 5e8 elements; minipar and FSDP reduce one unit at a time, and
   PyTorch DDP's default 25 MiB stands in for them), or of the whole gradient, if smaller;
@@ -93,7 +96,7 @@ import math
 from collections.abc import Sequence
 
 from .errors import PlanError
-from .layout import Layout
+from .layout import Layout, cp_violation
 from .shapes import ModelShape
 from ..sharding import Shard, resolve_shard
 
@@ -231,13 +234,19 @@ def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
     return layers_per_stage / v * chunks_in_flight
 
 
-def check_cp(seq_len: int, cp: int) -> None:
-    """PlanError unless the sequence cuts into 2 cp equal chunks (the causal balance)."""
-    if cp < 1:
-        raise PlanError(f"cp must be >= 1, got {cp}")
-    if cp > 1 and seq_len % (2 * cp):
-        raise PlanError(f"cp={cp} cuts each sequence into {2 * cp} chunks, but seq_len "
-                        f"{seq_len} is not divisible by {2 * cp}")
+def check_cp(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> None:
+    """PlanError unless the sequence cuts into 2 cp equal chunks (the causal balance), and
+    with sequence parallelism each rank's s/cp tokens over tp (``layout.cp_violation``)."""
+    why = cp_violation(seq_len, cp, tp, sp)
+    if why:
+        raise PlanError(why)
+
+
+def kv_block_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int = 1,
+                   bytes_per_elem: int = 4) -> int:
+    """B = 2 b (s/cp) (h/tp) e: one rank's K and V for one layer, the ring's message
+    (``plan.cp``)."""
+    return 2 * micro_batch * (seq_len // cp) * (hidden // tp) * bytes_per_elem
 
 
 def cp_layer_activation_bytes(shape: ModelShape, micro_batch: int, cp: int = 1, tp: int = 1,
@@ -274,12 +283,14 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
         local = dataclasses.replace(shape, seq_len=s) if layout.cp > 1 else shape
         total += layer_activation_bytes(local, b, t, layout.sp, "none", flash or layout.cp > 1,
                                         dtype)
+    if layout.cp > 1:
+        total += 4 * kv_block_bytes(b, shape.seq_len, shape.hidden, layout.cp, t, act)
     total += gather_bytes(shape, t, layout.shard, dtype)
-    if layout.dp > 1:
+    if layout.replicas > 1:        # gradients reduce over dp x cp
         g = (framework.grad_bytes if framework and framework.grad_bytes
              else BYTES_PER_PARAM[dtype][1])
         gradient = stage_params(shape, t, layout.pp) * g
-        bucket = framework.bucket_params(layout.dp) if framework else None
+        bucket = framework.bucket_params(layout.replicas) if framework else None
         total += 2 * min(bucket * g if bucket else BUCKET_BYTES, gradient)
     return total
 
@@ -304,7 +315,7 @@ def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
     """Everything one device holds at its peak: params, grads, optimizer, activations,
     temporary, total (bytes). ``framework`` (a ``frameworks.Framework``) sets the gradient
     buffer's precision and the bucket size."""
-    states = model_state_bytes(shape, layout.dp * layout.cp, shard=layout.shard, tp=layout.tp,
+    states = model_state_bytes(shape, layout.replicas, shard=layout.shard, tp=layout.tp,
                                pp=layout.pp, dtype=dtype)
     out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
     if framework is not None and framework.grad_bytes:

@@ -64,6 +64,8 @@ from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_
 from .shapes import ModelShape
 
 COUNT_BYTES = 8     # int64 routing counts
+MOE_CP = ("the planner's MoE costs do not model context parallelism yet (the trainer runs MoE "
+          "with --cp); use --cp 1 with --moe-experts")
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,8 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     from .network import collective_time, zero_collectives
     lay = e.layout
     dtype = dtype or hw.dtype
+    if lay.cp > 1:
+        raise PlanError(MOE_CP)
     check(moe, ep, lay.dp, lay.tp)
     memory = dict(e.memory)
     states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,
@@ -329,10 +333,11 @@ def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
     """The dense search's candidates as MoE layouts: adjusted, those that fit, fastest first.
 
     The search itself ranks dense layouts; ``cmd_search`` asks it for many candidates and
-    this keeps the MoE's best ``top``. Layouts whose dp is not a multiple of ep are skipped.
+    this keeps the MoE's best ``top`` (``cmd_search`` searches them with cp = 1). Layouts
+    whose dp is not a multiple of ep are skipped, and so are those with cp > 1 (``MOE_CP``).
     """
     out = [adjust(e, shape, moe, ep, hw, order, overlap, dtype) for e in results
-           if e.layout.dp % ep == 0]
+           if e.layout.dp % ep == 0 and e.layout.cp == 1]
     out = sorted((e for e in out if e.fits), key=lambda e: e.step_time)
     if not out:
         raise PlanError(f"no layout of the {len(results)} candidates fits the MoE model with "

@@ -4,15 +4,19 @@ For a model, a number of devices, a global batch (in tokens) and a framework pro
 (``frameworks``: what it can run) we enumerate
 
     tp   divides the heads, at most one node (unless a larger one is asked for)
-    pp   divides the layers;  dp = devices / (tp pp) must divide the batch
+    pp   divides the layers
+    cp   context parallelism, where the framework has it: cuts each sequence into 2 cp
+         equal chunks (and s/cp over tp with sequence parallelism); by default only where
+         memory forces it (below), else up to ``max_cp``, or fixed by ``cp``
+    dp   = devices / (tp pp cp) must divide the batch
     v    model chunks per stage (interleaved 1F1B), dividing layers/pp, at most ``max_v``,
          only where the framework interleaves
     b    micro-batch size, dividing the batch per replica, at most ``max_micro_batch``
     m    = batch / (dp b) micro-batches
-    (s_p, s_g, s_os)   the framework's shardings over dp (minipar: every AMSP spec,
-                       ``sharding.shard_specs``; Megatron-LM: DP or its distributed
-                       optimizer; ...); a spec fixed with ``shard=`` may be any that
-                       minipar.zero runs (s_p | s_g | s_os | dp), e.g. 1,2,4
+    (s_p, s_g, s_os)   the framework's shardings over the dp x cp replicas (minipar: every
+                       AMSP spec, ``sharding.shard_specs``; Megatron-LM: DP or its
+                       distributed optimizer; ...); a spec fixed with ``shard=`` may be any
+                       that minipar.zero runs (s_p | s_g | s_os | dp cp), e.g. 1,2,4
     recomputation      the framework's modes
 
 with sequence parallelism on whenever tp > 1 and the framework has it (same traffic, less
@@ -21,14 +25,26 @@ fixed to 1 this is AMSP's scale-aware partitioner; ``objective="amsp"`` ranks as
 planner does, by data-parallel communication time with nothing hidden, under the memory
 limit.
 
+Context parallelism is searched where memory forces it, as Megatron-LM's guide uses it, for
+sequences whose activations do not fit otherwise: the search first tries cp = 1, and if
+nothing fits, or the best layout has to recompute everything (full recomputation being the
+other way to pay for long sequences' activations, when the search was free to recompute
+less), it searches every cp (cp = 1 included) and ranks them all. The cost model alone would
+sometimes trade tensor for context parallelism at short sequences too (gpt-175b at 2048
+tokens on 1024 A100s: tp=2 cp=4 ranks 5% ahead of tp=8, because the ring's K/V sends hide
+behind attention where TP's all-reduces block), but it leaves out what makes small ring
+blocks slow (kernel launches and the efficiency of (s/cp)^2 blocks, TP and CP traffic
+sharing the node's links), so it is not trusted there; ``max_cp`` opens every cp up to it to
+that ranking, ``cp`` fixes it.
+
 Ranking and ties: one key for every comparison, before and after the candidate pool is
 cut: (step time to 9 significant digits, bytes per device, the layout's degrees in a fixed
 order); under AMSP's objective (DP communication time, step time, ...). So equal
 predictions go to the leaner layout, then to the smaller degrees, the same way whichever
 pass compares them.
 
-Pruning: model-state bytes depend only on (tp, pp, spec), so each (tp, pp)'s specs are
-sorted by bytes once; for each (v, b, recomputation) only the prefix that fits (found by
+Pruning: model-state bytes depend only on (tp, pp, cp, spec), so each (tp, pp, cp)'s specs
+are sorted by bytes once; for each (v, b, recomputation) only the prefix that fits (found by
 bisection) is timed. The best candidates are then estimated in full
 (``estimate.estimate``), and that is what is returned.
 """
@@ -43,7 +59,7 @@ from .errors import PlanError
 from .estimate import Estimate, dp_exposure, dp_profile, estimate, time_parts
 from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
-from .layout import ORDERS, Layout, dp_per_node
+from .layout import ORDERS, Layout, cp_violation, dp_per_node
 from .memory import (activation_bytes, gather_bytes, grad_buffer_bytes, model_state_bytes,
                      stage_params, temporary_bytes)
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
@@ -62,14 +78,15 @@ def rank_key(seconds: float | tuple, memory: float, layout: Layout) -> tuple:
     """The one ordering of candidates (module docstring); ``seconds`` may be a tuple
     (AMSP's objective: DP communication, then step time)."""
     seconds = seconds if isinstance(seconds, tuple) else (seconds,)
-    return (*(float(f"{x:.9g}") for x in seconds), round(memory), layout.tp, layout.pp, layout.v,
-            layout.micro_batch, layout.shard, RECOMPUTE_MODES.index(layout.recompute),
-            layout.schedule)
+    return (*(float(f"{x:.9g}") for x in seconds), round(memory), layout.tp, layout.pp,
+            layout.cp, layout.v, layout.micro_batch, layout.shard,
+            RECOMPUTE_MODES.index(layout.recompute), layout.schedule)
 
 
 def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
-           tp: int | None = None, pp: int | None = None,
-           global_batch_tokens: int | None = None, seq_len: int | None = None,
+           tp: int | None = None, pp: int | None = None, cp: int | None = None,
+           max_cp: int | None = None, global_batch_tokens: int | None = None,
+           seq_len: int | None = None,
            micro_batch: int | None = None, shard: Shard | str | None = None,
            zero: int | None = None, recompute: str | None = None, v: int | None = None,
            top: int = 5, max_tp: int | None = None, max_v: int = 8,
@@ -80,12 +97,14 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
            schedule: str | None = None, objective: str = "step") -> list[Estimate]:
     """Ranked layouts (best first) of ``model`` on ``gpus`` devices of ``hardware``.
 
-    Fixing ``tp``, ``pp``, ``micro_batch``, ``v`` (chunks), ``schedule``, ``recompute``,
-    ``sp`` or the spec (``shard`` or ``zero``) narrows the search; ``max_tp`` lets TP span
-    nodes; ``framework`` limits it to what that framework runs (and gives the rank order,
-    unless ``order`` is given). ``specs_per_layout``: how many shard specs to keep per
-    parallel layout (tp, pp, v, b, recomputation); 1 lists different layouts, each with its
-    best spec. ``objective``: "step" (time) or "amsp" (DP communication, nothing hidden).
+    Fixing ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v`` (chunks), ``schedule``,
+    ``recompute``, ``sp`` or the spec (``shard`` or ``zero``, over the dp x cp replicas)
+    narrows the search; ``max_tp`` lets TP span nodes; ``max_cp`` ranks every cp up to it
+    (default: cp only where memory forces it, module docstring); ``framework`` limits it to
+    what that framework runs (and gives the rank order, unless ``order`` is given).
+    ``specs_per_layout``: how many shard specs to keep per parallel layout (tp, pp, v, b,
+    recomputation); 1 lists different layouts, each with its best spec. ``objective``:
+    "step" (time) or "amsp" (DP communication, nothing hidden).
     """
     shape = model_preset(model) if isinstance(model, str) else model
     if seq_len:
@@ -115,6 +134,9 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                         f"another --framework")
     if schedule is not None and schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(SCHEDULES)}")
+    if ((cp or 1) > 1 or (max_cp or 1) > 1) and not fw.cp:
+        raise PlanError(f"{fw.name} has no context parallelism in this planner; leave out "
+                        f"--cp and --max-cp or choose --framework minipar or megatron-lm")
     if (schedule == "interleaved" or (v or 1) > 1) and not fw.interleaving:
         raise PlanError(f"{fw.name} has no interleaved schedule; leave out --chunks and "
                         f"--schedule interleaved, or choose another --framework")
@@ -135,66 +157,44 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         max_v, v = 1, 1
     use_sp = fw.sp if sp is None else sp
 
-    candidates: list[tuple] = []           # (key, layout), each layout's best specs
     keep = max(4 * top, 20)
-    leanest = (math.inf, None)             # for the "nothing fits" message
-    for t, p, d in _degrees(shape, gpus, batch, tp, pp, max_tp or hw.gpus_per_node):
-        per_node = dp_per_node(Layout(tp=t, pp=p, dp=d), hw.gpus_per_node, order)
-        if shard is not None:
-            if shard_violation(shard, d, per_node):
-                continue
-            specs = [tuple(shard)]
-        elif zero is not None:
-            specs = [zero_shard(zero, d)]
-        else:
-            specs = fw.specs(d, p, per_node)
-        table = sorted((_state_bytes(shape, t, p, d, spec, dtype, fw), spec) for spec in specs)
-        table_bytes = [row[0] for row in table]
-        profiles: dict = {}                # (spec, full recomputation) -> dp_profile
-        for b, m, chunks in _schedules(shape, p, batch // d, micro_batch, v, max_v,
-                                       max_micro_batch):
-            if schedule == "interleaved" and chunks < 2:
-                continue
-            for mode in modes:
-                base = Layout(tp=t, pp=p, dp=d, micro_batch=b, microbatches=m,
-                              recompute=mode, v=chunks, sp=use_sp and t > 1,
-                              schedule="gpipe" if schedule == "gpipe" else "1f1b")
-                held = (activation_bytes(shape, base, flash, dtype)
-                        + temporary_bytes(shape, base, flash, dtype, fw))
-                leanest = min(leanest, (held + table_bytes[0], base), key=lambda x: x[0])
-                fitting = bisect.bisect_right(table_bytes, capacity - held)
-                if not fitting:
-                    continue
-                parts = time_parts(shape, hw, base, order, dtype, flash, fw)
-                fixed = sum(parts[k] for k in ("compute", "tp_comm", "bubble", "pp_comm"))
-                keys = []
-                for state, spec in table[:fitting]:
-                    layout = replace(base, shard=spec)
-                    key = (spec, mode == "full")
-                    if key not in profiles:
-                        profiles[key] = dp_profile(shape, hw, layout, order, dtype, fw)
-                    dp = dp_exposure(profiles[key], m, parts, overlap, hw.overlap_slowdown)
-                    seconds = fixed + dp["dp_exposed"] + dp["interference"]
-                    if objective == "amsp":
-                        seconds = (dp["dp_comm"], seconds)
-                    keys.append((rank_key(seconds, held + state, layout), layout))
-                candidates += heapq.nsmallest(specs_per_layout, keys, key=lambda x: x[0])
-    pool = heapq.nsmallest(keep, candidates, key=lambda x: x[0])
-    if not pool:
+    if not fw.cp:
+        tries = [[1]]
+    elif cp is not None:
+        tries = [[cp]]
+    elif max_cp is not None:
+        tries = [None]
+    else:                      # cp where memory forces it (module docstring)
+        tries = [[1], None]
+    results: list[Estimate] = []
+    for cps in tries:
+        candidates, leanest = _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, tp=tp,
+                                    pp=pp, max_cp=max_cp, max_tp=max_tp, shard=shard,
+                                    zero=zero, micro_batch=micro_batch, v=v, max_v=max_v,
+                                    max_micro_batch=max_micro_batch, schedule=schedule,
+                                    use_sp=use_sp, order=order, overlap=overlap, flash=flash,
+                                    dtype=dtype, specs_per_layout=specs_per_layout,
+                                    objective=objective)
+        pool = heapq.nsmallest(keep, candidates, key=lambda x: x[0])
+        # the pruned scan ranked candidates; the full model has the last word, same key
+        found = [estimate(shape, hw, layout, order=order, overlap=overlap, flash=flash,
+                          dtype=dtype, reserve=reserve, check=False, framework=fw)
+                 for _, layout in pool]
+        found = [e for e in found if e.fits]
+        if found:          # the wider scan's ranking includes cp = 1's
+            results = found
+        if leanest[1] is None or (found and not _memory_forced(found, modes, objective)):
+            break              # no layout divides the batch, or cp = 1 fits at ease
+    if not results and not pool:
         need, lean = leanest
         if lean is None:
             raise PlanError(f"no layout of {shape.name} on {gpus} GPUs divides a batch of "
-                            f"{batch} sequences; change --gpus, --global-batch-tokens, "
-                            f"--tp, --pp or --micro-batch")
+                            f"{batch} sequences of {shape.seq_len} tokens; change --gpus, "
+                            f"--global-batch-tokens, --tp, --pp, --cp or --micro-batch")
         raise PlanError(f"nothing fits: the leanest layout of {shape.name} on {gpus} GPUs "
                         f"({lean.describe(shard=False)}, model states fully sharded) needs "
                         f"{_gib(need)} per device of {_gib(capacity)} usable; use more GPUs "
                         f"or a smaller micro-batch or batch")
-    # the pruned scan ranked candidates; the full model has the last word, same key
-    results = [estimate(shape, hw, layout, order=order, overlap=overlap, flash=flash,
-                        dtype=dtype, reserve=reserve, check=False, framework=fw)
-               for _, layout in pool]
-    results = [e for e in results if e.fits]
     if not results:
         raise PlanError(f"nothing fits {shape.name} on {gpus} GPUs within {_gib(capacity)} "
                         f"usable per device; use more GPUs or a smaller micro-batch or batch")
@@ -208,6 +208,70 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     return results[:top]
 
 
+def _memory_forced(found: list[Estimate], modes: list[str], objective: str) -> bool:
+    """Whether the best layout without cp pays for its activations with full recomputation
+    where the search allowed less (so cp, the other way to pay, is weighed against it)."""
+    best = min(found, key=lambda e: (e.times["dp_comm"], e.step_time) if objective == "amsp"
+               else e.step_time)
+    return best.layout.recompute == "full" and modes != ["full"]
+
+
+def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, *, tp, pp, max_cp, max_tp, shard,
+          zero, micro_batch, v, max_v, max_micro_batch, schedule, use_sp, order, overlap,
+          flash, dtype, specs_per_layout, objective):
+    """The pruned scan (module docstring) over ``cps`` (None: every cp that cuts the
+    sequence, at most ``max_cp``): ([(key, layout)], the leanest (bytes, layout) seen)."""
+    candidates: list[tuple] = []           # (key, layout), each layout's best specs
+    leanest = (math.inf, None)             # for the "nothing fits" message
+    for t, p, c, d in _degrees(shape, gpus, batch, tp, pp, max_tp or hw.gpus_per_node, cps,
+                               max_cp, use_sp):
+        grid = Layout(tp=t, pp=p, cp=c, dp=d)
+        per_node = dp_per_node(grid, hw.gpus_per_node, order)
+        replicas = grid.replicas                   # ZeRO shards over dp x cp
+        if shard is not None:
+            if shard_violation(shard, replicas, per_node):
+                continue
+            specs = [tuple(shard)]
+        elif zero is not None:
+            specs = [zero_shard(zero, replicas)]
+        else:
+            specs = fw.specs(replicas, p, per_node)
+        table = sorted((_state_bytes(shape, t, p, replicas, spec, dtype, fw), spec)
+                       for spec in specs)
+        table_bytes = [row[0] for row in table]
+        profiles: dict = {}                # (spec, full recomputation) -> dp_profile
+        for b, m, chunks in _schedules(shape, p, batch // d, micro_batch, v, max_v,
+                                       max_micro_batch):
+            if schedule == "interleaved" and chunks < 2:
+                continue
+            for mode in modes:
+                base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
+                              recompute=mode, v=chunks, sp=use_sp and t > 1,
+                              schedule="gpipe" if schedule == "gpipe" else "1f1b")
+                held = (activation_bytes(shape, base, flash, dtype)
+                        + temporary_bytes(shape, base, flash, dtype, fw))
+                leanest = min(leanest, (held + table_bytes[0], base), key=lambda x: x[0])
+                fitting = bisect.bisect_right(table_bytes, capacity - held)
+                if not fitting:
+                    continue
+                parts = time_parts(shape, hw, base, order, dtype, flash, fw)
+                fixed = sum(parts[k] for k in ("compute", "tp_comm", "cp_exposed", "bubble",
+                                               "pp_comm"))
+                keys = []
+                for state, spec in table[:fitting]:
+                    layout = replace(base, shard=spec)
+                    key = (spec, mode == "full")
+                    if key not in profiles:
+                        profiles[key] = dp_profile(shape, hw, layout, order, dtype, fw)
+                    dp = dp_exposure(profiles[key], m, parts, overlap, hw.overlap_slowdown)
+                    seconds = fixed + dp["dp_exposed"] + dp["interference"]
+                    if objective == "amsp":
+                        seconds = (dp["dp_comm"], seconds)
+                    keys.append((rank_key(seconds, held + state, layout), layout))
+                candidates += heapq.nsmallest(specs_per_layout, keys, key=lambda x: x[0])
+    return candidates, leanest
+
+
 def _state_bytes(shape, t, p, d, spec, dtype, fw) -> float:
     """Model states, the framework's gradient buffer and the gather buffers of one spec."""
     states = model_state_bytes(stage_params(shape, t, p), d, shard=spec, dtype=dtype)
@@ -219,18 +283,32 @@ def _state_bytes(shape, t, p, d, spec, dtype, fw) -> float:
 
 
 def _degrees(shape: ModelShape, gpus: int, batch: int, tp: int | None, pp: int | None,
-             max_tp: int):
-    """(tp, pp, dp): tp divides the heads (at most ``max_tp``), pp the layers, dp the batch."""
+             max_tp: int, cps: list[int] | None = None, max_cp: int | None = None,
+             sp: bool = True):
+    """(tp, pp, cp, dp): tp divides the heads (at most ``max_tp``), pp the layers, cp cuts the
+    sequence (``layout.cp_violation``; ``cps`` None: every such cp, at most ``max_cp``), dp
+    the batch."""
     if tp is not None and (shape.heads % tp or gpus % tp):
         raise PlanError(f"tp={tp} must divide the {shape.heads} heads and the {gpus} GPUs")
     if pp is not None and (shape.layers % pp or gpus % pp):
         raise PlanError(f"pp={pp} must divide the {shape.layers} layers and the {gpus} GPUs")
+    if cps is not None and len(cps) == 1 and cps[0] > 1:
+        c = cps[0]
+        why = cp_violation(shape.seq_len, c, tp or 1, bool(sp and (tp or 1) > 1))
+        if gpus % c or why:
+            raise PlanError(why or f"cp={c} must divide the {gpus} GPUs")
     tps = [tp] if tp else [t for t in divisors(shape.heads) if t <= max_tp]
     pps = [pp] if pp else divisors(shape.layers)
     for t in tps:
         for p in pps:
-            if gpus % (t * p) == 0 and batch % (gpus // (t * p)) == 0:
-                yield t, p, gpus // (t * p)
+            if gpus % (t * p):
+                continue
+            for c in cps or divisors(gpus // (t * p)):
+                if (max_cp and c > max_cp) or cp_violation(shape.seq_len, c, t, sp and t > 1):
+                    continue
+                d, rest = divmod(gpus, t * p * c)
+                if not rest and batch % d == 0:
+                    yield t, p, c, d
 
 
 def _schedules(shape: ModelShape, pp: int, per_replica: int, micro_batch: int | None,
@@ -252,7 +330,8 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, micro_batch: int | 
 # Explaining the result
 # --------------------------------------------------------------------------------------
 _PARTS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "TP communication",
-          "pp_comm": "PP communication", "dp_exposed": "exposed DP communication"}
+          "cp_exposed": "exposed CP ring", "pp_comm": "PP communication",
+          "dp_exposed": "exposed DP communication"}
 _COMPUTE = {"compute_matmul": "matmuls", "compute_attention": "attention core",
             "compute_memory_bound": "memory-bound kernels", "compute_optimizer": "optimizer"}
 
@@ -262,10 +341,16 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
     t, mem = best.times, best.memory
     lines = [f"{label}: {best.layout.describe()}: step {t['step']:.3g} s, "
              f"{best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})",
-             "  time: " + ", ".join(f"{_PARTS[k]} {t[k] / t['step']:.1%}" for k in _PARTS)]
+             "  time: " + ", ".join(f"{_PARTS[k]} {t[k] / t['step']:.1%}" for k in _PARTS
+                                    if k != "cp_exposed" or t[k])]
     if t.get("compute"):
         lines.append("  compute: " + ", ".join(f"{v} {t[k] / t['compute']:.0%}"
                                                for k, v in _COMPUTE.items() if k in t))
+    if t.get("cp_comm"):
+        lines.append(f"  CP ring: {t['cp_comm']:.3g} s of K/V sends, {best.cp_bytes / 2**30:.3g} "
+                     f"GiB per rank, {t['cp_comm'] - t['cp_exposed']:.3g} s hidden behind the "
+                     f"attention blocks, {t['cp_exposed']:.3g} s exposed (with the K/V "
+                     f"gradients' hops)")
     if t.get("dp_comm"):
         lines.append(f"  DP traffic: {t['dp_comm']:.3g} s in {t['dp_calls']:,} calls, "
                      f"{t['dp_hidden']:.3g} s hidden behind compute, "
