@@ -9,8 +9,9 @@ figure:
   same layout beside the measurement.
 * ``pipeline_sweep``: one fixed pipeline (pp = 2) trained with m = 1, 2, 4, ... micro-batches
   of a fixed size, so the global batch grows with m: throughput against the bubble
-  (p-1)/(m+p-1); ``frontier_pipeline`` asks the planner the same question for GPT-175B on
-  Frontier.
+  (p-1)/(m+p-1), and the bubble measured from the pipeline's own timeline
+  (``minipar.bench.pp.measure_pipeline``); ``frontier_pipeline`` asks the planner the same
+  question for GPT-175B on Frontier.
 * ``frontier_scaling``: the planner's weak and strong scaling of GPT 22B, 175B and 1T on
   ``frontier-mi250x``, beside the study's measured 100% weak and 89% / 87% strong scaling
   (Dash et al. 2023).
