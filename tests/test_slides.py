@@ -166,7 +166,7 @@ def test_the_slides_readme_counts_the_slides():
 
 
 # --------------------------------------------------------------------------------------
-# Measured numbers: written by slides/make_figures.py, never by hand
+# Measured numbers: written by slides/make_figures.py (measured_runs.py), never by hand
 # --------------------------------------------------------------------------------------
 SPAN = re.compile(r"<!-- measured:(\w+) -->(.*?)<!-- /measured -->", re.S)
 # what says "this number came from a run"
@@ -239,15 +239,15 @@ def test_the_check_finds_a_measured_number_written_by_hand():
 
 def test_the_measured_spans_are_the_ones_make_figures_writes():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("make_figures",
-                                                  os.path.join(ROOT, "slides", "make_figures.py"))
-    make_figures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_figures)
+    spec = importlib.util.spec_from_file_location(
+        "measured_runs", os.path.join(ROOT, "slides", "measured_runs.py"))
+    runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runs)
     names = [m.group(1) for m in SPAN.finditer(open(DECK).read())]
-    assert sorted(names) == sorted(make_figures.MEASURED)
+    assert sorted(names) == sorted(runs.MEASURED)
     assert all(m.group(2).strip() for m in SPAN.finditer(open(DECK).read()))
     # both read the same markers
-    assert make_figures.SPAN.pattern.replace("(", "").replace(")", "") == \
+    assert runs.SPAN.pattern.replace("(", "").replace(")", "") == \
         SPAN.pattern.replace("(", "").replace(")", "")
 
 
