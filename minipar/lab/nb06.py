@@ -193,17 +193,15 @@ def pipeline_sweep(ms=(1, 2, 4, 8, 16), pp: int = 2, micro_batch: int = 2, steps
     neighbour only add to it.
     """
     from .. import dist
-    from ..bench import pp as bench_pp
+    bubbles = dist.launch(measured_bubbles, pp, list(ms), micro_batch, bubble_steps,
+                          timeout=300)[0]                      # one launch for every m
     rows = []
-    for m in (progress(ms, desc="micro-batch counts") if progress else ms):
+    for m, timed in zip(progress(ms, desc="micro-batch counts") if progress else ms, bubbles):
         records = scaling.sweep(
             "weak", [pp], MODEL + ["--pp", str(pp), "--microbatches", str(m), "--batch-size",
                                    str(micro_batch * m), "--steps", str(steps)],
             hardware=hardware, launcher="inprocess", warmup=warmup, timeout=300)
         r = records[0]
-        timed = dist.launch(bench_pp.measure_pipeline, pp, model_name=MODEL[1],
-                            microbatches=m, micro_batch=micro_batch, steps=bubble_steps,
-                            warmup=1, timeout=300)[0]
         rows.append(dict(m=m, global_batch=micro_batch * m, step_time_s=r["step_time_s"],
                          tokens_per_s=r["tokens_per_s"], bubble=plan.bubble_fraction(pp, m),
                          predicted_tokens_per_s=r["predicted"]["tokens_per_s"],
@@ -212,6 +210,15 @@ def pipeline_sweep(ms=(1, 2, 4, 8, 16), pp: int = 2, micro_batch: int = 2, steps
                          measured_bubble=timed["bubble"],
                          measured_bubble_steps=[tl.bubble for tl in timed["timelines"]]))
     return rows
+
+
+def measured_bubbles(ms: list[int], micro_batch: int, steps: int) -> list[dict] | None:
+    """On every rank of a pipeline (one stage each): ``bench.pp.measure_pipeline`` of the
+    notebook's model for each m; rank 0 gets the results."""
+    from ..bench import pp as bench_pp
+    return [bench_pp.measure_pipeline(model_name=MODEL[1], microbatches=m,
+                                      micro_batch=micro_batch, steps=steps, warmup=1)
+            for m in ms]
 
 
 def draw_pipeline(rows: list[dict], pp: int = 2, title: str = "this machine"):
