@@ -1,6 +1,6 @@
 """Draw the workshop deck's figures, and rerun the numbers it quotes, from the package itself.
 
-    python slides/make_figures.py              # every figure, every measured number (~1-2 min)
+    python slides/make_figures.py              # every figure, every measured number (1-2 min)
     python slides/make_figures.py --drawn-only # only the figures that nothing is run for
 
 Two kinds of output:
