@@ -21,7 +21,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 
 # The spans of the deck these runs write (``<!-- measured:NAME -->...<!-- /measured -->``)
 MEASURED = ("scaling", "moe_setup", "moe_table", "moe_balance", "moe_a2a", "cp_scores",
@@ -79,6 +78,7 @@ ROUTED_TEXT = "To be, or not to be, that is th"       # notebook 08's
 
 
 def moe(save) -> dict[str, str]:
+    import matplotlib.pyplot as plt
     from minipar import dist
     from minipar.lab import nb08
     runs = nb08.three_runs(progress=False)              # notebook 08's three runs, its defaults
@@ -146,6 +146,7 @@ def writers(path: str) -> dict[str, list[tuple[tuple, tuple, int]]]:
 
 
 def checkpoint_layouts(save) -> None:
+    import matplotlib.pyplot as plt
     from minipar import dist, scaling, train
     common = ["--model", "nano", "--quiet"]
     with tempfile.TemporaryDirectory(prefix="minipar-slides-") as root:
