@@ -83,6 +83,9 @@ def moe(save) -> dict[str, str]:
     from minipar.lab import nb08
     runs = nb08.three_runs(progress=False)              # notebook 08's three runs, its defaults
     summary = nb08.summary(runs)
+    # what the slide says: on CPU the MoE step is slower than its dense twin's
+    assert all(summary[k]["ms_per_step"] > summary["dense twin"]["ms_per_step"]
+               for k in ("MoE + aux", "MoE, no aux")), summary
     rows = []
     for ep in (2, 4):                                   # notebook 08's section 4
         rows += dist.launch(nb08.ep_traffic, 4, ep, "nano", 8, 2, 4, timeout=300)
