@@ -1,6 +1,7 @@
 """The workshop deck in step with the code: every command on a slide passes the real parsers,
-every figure it shows exists, and no slide is taller than a 16:9 page (an estimate from the
-deck's own font sizes, so a slide that overflows is caught without rendering it)."""
+every figure it shows exists, no slide is taller than a 16:9 page (an estimate from the
+deck's own font sizes, so a slide that overflows is caught without rendering it), and every
+number from a run sits in a span that slides/make_figures.py rewrites."""
 import math
 import os
 import re
