@@ -1,14 +1,30 @@
-"""Draw the workshop deck's figures from the package itself: ``python slides/make_figures.py``.
+"""Draw the workshop deck's figures, and rerun the numbers it quotes, from the package itself.
 
-Every number in a figure comes from ``minipar`` (the planner's closed forms, the pipeline
-schedules and their ideal timelines, the process grid's ``torch.arange(world).view(dp, pp, tp)``)
-or, where marked, from a published source. Nothing is trained and no process group is
-started: the script takes a few seconds of one CPU core. Output: ``slides/figures/*.png``.
+    python slides/make_figures.py              # every figure, every measured number (1-2 min)
+    python slides/make_figures.py --drawn-only # only the figures that nothing is run for
+
+Two kinds of output:
+
+* **drawn** figures: every number comes from ``minipar`` (the planner's closed forms, the
+  pipeline schedules and their ideal timelines, the process mesh's ``minipar.mesh.axis_lines``,
+  the planner's scaling at Frontier scale) or, where marked, from a published source;
+* **measured** figures and numbers: short real runs with the functions the notebooks use
+  (``minipar.scaling.sweep`` as notebook 06 and ``python -m minipar.scaling``; notebook 08's
+  ``lab.nb08.three_runs`` and ``ep_traffic``; a checkpoint saved by one layout and resumed by
+  another, read back from DCP's own metadata; notebook 09's counts). Each number a slide
+  quotes from them sits in the deck between ``<!-- measured:NAME -->`` and
+  ``<!-- /measured -->``, and this script rewrites those spans (``measured_runs.py``: the
+  runs, ``MEASURED`` the spans; ``tests/test_slides.py`` checks that no measured number on a
+  slide lies outside one).
+
+Output: ``slides/figures/*.png`` and the spans of ``slides/minipar_workshop.md``.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import matplotlib
@@ -18,12 +34,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))      # run from a checkout without installing
+sys.path.insert(0, str(HERE))             # measured_runs.py, beside this file
 
 import torch  # noqa: E402
 
-from minipar import plan, plots, pp  # noqa: E402
+from minipar import mesh, plan, plots, pp  # noqa: E402
+import measured_runs  # noqa: E402
 
 OUT = HERE / "figures"
+DECK = HERE / "minipar_workshop.md"
 DPI = 90
 RANKS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]     # one colour per TP rank
 
@@ -175,40 +194,45 @@ def tp_block():
 
 
 # --------------------------------------------------------------------------------------
-# 4. The process grid on two 8-GCD nodes: torch.arange(16).view(dp=2, pp=2, tp=4)
+# 4. The process mesh on two 8-GCD nodes: minipar.mesh.axis_lines(dp=2, pp=2, tp=4)
 # --------------------------------------------------------------------------------------
 def grid():
     dp_, pp_, tp_, per_node = 2, 2, 4, 8
-    ranks = torch.arange(dp_ * pp_ * tp_).view(dp_, pp_, tp_)     # minipar.dist.Grid's layout
+    lines = mesh.axis_lines(dp=dp_, pp=pp_, tp=tp_)    # what minipar.mesh.Mesh makes groups of
+    world = dp_ * pp_ * tp_
+    # a rank's coordinate on an axis is its index in its line of that axis
+    coord = {axis: {r: line.index(r) for line in lines[axis].tolist() for r in line}
+             for axis in ("dp", "pp", "tp")}
     fig, ax = plt.subplots(figsize=(10, 2.8))
     w, gap = 1.0, 0.12
     stage_colors = ["#c6dbef", "#fdd0a2"]
-    for rank in range(dp_ * pp_ * tp_):
-        d, p, t = (ranks == rank).nonzero()[0].tolist()
+    for rank in range(world):
+        d, p, t = coord["dp"][rank], coord["pp"][rank], coord["tp"][rank]
         node, slot = divmod(rank, per_node)
         x = node * (per_node * (w + gap) + 0.6) + slot * (w + gap)
         ax.add_patch(plt.Rectangle((x, 0.5), w, 1.0, fc=stage_colors[p], ec="k", lw=0.7))
         ax.text(x + w / 2, 1.18, f"r{rank}", ha="center", fontsize=8, fontweight="bold")
         ax.text(x + w / 2, 0.8, f"d{d} p{p}\nt{t}", ha="center", va="center", fontsize=7.5)
-    for node in range(2):
+    tp_groups = lines["tp"].tolist()
+    for node in range(world // per_node):
         x0 = node * (per_node * (w + gap) + 0.6) - 0.08
         ax.add_patch(plt.Rectangle((x0, 0.35), per_node * (w + gap) + 0.04, 1.5, fill=False,
                                    ls="--", ec="#777777"))
         ax.text(x0 + 0.05, 1.7, f"node {node} (8 GCDs, Infinity Fabric)", fontsize=8, color="#555555")
-        for k in range(2):    # the two TP groups of this node
+        for k, group in enumerate(g for g in tp_groups if g[0] // per_node == node):
             xs = x0 + 0.08 + k * tp_ * (w + gap)
             ax.plot([xs, xs + tp_ * (w + gap) - gap], [0.38, 0.38], color="k", lw=2)
-            ax.text(xs + (tp_ * (w + gap) - gap) / 2, 0.2, f"TP group {ranks.reshape(-1, tp_)[node * 2 + k].tolist()}",
-                    ha="center", fontsize=7.5)
-    pp_groups = ranks.permute(0, 2, 1).reshape(-1, pp_).tolist()
-    dp_groups = ranks.permute(1, 2, 0).reshape(-1, dp_).tolist()
-    ax.text(0, -0.15, f"PP groups (send/recv, inside a node here): {pp_groups}", fontsize=7.5)
-    ax.text(0, -0.42, f"DP groups (gradient all-reduce, across the nodes): {dp_groups}", fontsize=7.5)
+            ax.text(xs + (tp_ * (w + gap) - gap) / 2, 0.2, f"TP group {group}", ha="center",
+                    fontsize=7.5)
+    ax.text(0, -0.15, f"PP groups (send/recv, inside a node here): {lines['pp'].tolist()}",
+            fontsize=7.5)
+    ax.text(0, -0.42, f"DP groups (gradient all-reduce, across the nodes): {lines['dp'].tolist()}",
+            fontsize=7.5)
     ax.set_xlim(-0.2, 2 * per_node * (w + gap) + 0.8)
     ax.set_ylim(-0.55, 1.95)
     ax.axis("off")
-    ax.set_title("torch.arange(16).view(dp=2, pp=2, tp=4) on two Frontier nodes: rank r at (d, p, t); "
-                 "colour = pipeline stage", fontsize=9)
+    ax.set_title("minipar.mesh.axis_lines(dp=2, pp=2, tp=4), the groups of mesh.Mesh, on two "
+                 "Frontier nodes: rank r at (d, p, t); colour = pipeline stage", fontsize=9)
     save(fig, "grid.png")
 
 
@@ -245,13 +269,49 @@ def frontier():
     for r in rows:
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.1f}%"
         print(f"  {r['case']}: published {r['published']:.2f}%, predicted {pred}")
+    return {"frontier_errors": f"{100 * low:+.0f} to {100 * high:+.0f} %"}
 
 
-if __name__ == "__main__":
+# --------------------------------------------------------------------------------------
+# 6. Weak and strong scaling at Frontier scale, predicted (notebook 06)
+# --------------------------------------------------------------------------------------
+def scaling_frontier():
+    """The planner's weak and strong scaling of GPT 22B/175B/1T on Frontier (notebook 06)."""
+    from minipar.lab import nb06
+    weak, strong = nb06.frontier_scaling(weak=True), nb06.frontier_scaling(weak=False)
+    # what the slide says: weak scaling flat, strong scaling ~10% lost at the largest count
+    assert all(rows[-1]["efficiency"] > 0.95 for rows in weak.values()), weak
+    assert all(0.8 < rows[-1]["efficiency"] < 0.95 for rows in strong.values()), strong
+    fig = nb06.draw_frontier_scaling(weak, strong)
+    fig.suptitle("predicted by the planner (lab.nb06.frontier_scaling, frontier-mi250x); "
+                 "stars: the study's measurements", fontsize=9, y=1.02)
+    save(fig, "scaling_frontier.png")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python slides/make_figures.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--drawn-only", action="store_true",
+                    help="only the figures nothing is run for (a few seconds); leaves the measured "
+                         "figures and the deck's measured numbers as they are")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    t0 = time.monotonic()
+    values = {}
     memory_zero()
     pipeline_schedules()
     bubble()
     tp_block()
     grid()
-    frontier()
+    values.update(frontier())
+    scaling_frontier()
+    values.update(measured_runs.cp_numbers())
+    if not args.drawn_only:
+        values.update(measured_runs.scaling_measured(save, OUT))
+        values.update(measured_runs.moe(save))
+        measured_runs.checkpoint_layouts(save)
+    measured_runs.write_measured(values, DECK)
+    print(f"done in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

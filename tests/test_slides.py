@@ -1,6 +1,7 @@
 """The workshop deck in step with the code: every command on a slide passes the real parsers,
-every figure it shows exists, and no slide is taller than a 16:9 page (an estimate from the
-deck's own font sizes, so a slide that overflows is caught without rendering it)."""
+every figure it shows exists, no slide is taller than a 16:9 page (an estimate from the
+deck's own font sizes, so a slide that overflows is caught without rendering it), and every
+number from a run sits in a span that slides/make_figures.py rewrites."""
 import math
 import os
 import re
@@ -163,3 +164,107 @@ def test_no_slide_overflows_its_page(index):
 def test_the_slides_readme_counts_the_slides():
     text = open(os.path.join(ROOT, "slides", "README.md")).read()
     assert f"({len(slides())} slides)" in text
+
+
+# --------------------------------------------------------------------------------------
+# Measured numbers: written by slides/make_figures.py (measured_runs.py), never by hand
+# --------------------------------------------------------------------------------------
+SPAN = re.compile(r"<!-- measured:(\w+) -->(.*?)<!-- /measured -->", re.S)
+# what says "this number came from a run"
+RUN_WORDS = re.compile(r"\bmeasured\b|ms/step|load average|tokens/s", re.I)
+# digits that are names, not quantities: notebook 08, ex03, 1F1B, ZeRO-1, 3D, top-2
+NAMES = re.compile(r"notebooks? \d+|\bex\d+\b|\b1F1B\b|ZeRO-\d|\b\dD\b|top-\d")
+
+
+def _visible_items(slide: str) -> list[tuple[str, str]]:
+    """(item, its table's header) for each bullet, paragraph or table row of a slide, as it
+    reads with the measured spans, comments, code and math taken out."""
+    text = SPAN.sub(" ", slide)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"\$\$.*?\$\$", "", text, flags=re.S)
+    text = re.sub(r"\$[^$\n]*\$|`[^`\n]*`", "", text)
+    items, header = [], ""
+    for line in text.splitlines():
+        starts = re.match(r"\s*$|#|- |\* |\d+\. |\||\*\*|!\[|>", line)
+        if line.startswith("|"):
+            if not items or not items[-1][0].startswith("|"):
+                header = line                     # a new table: its first row is the header
+            if not re.fullmatch(r"[|\s:-]+", line):
+                items.append((line, header))
+        elif starts or not items:
+            if line.strip():
+                items.append((line.strip(), ""))
+            else:
+                items.append(("", ""))
+        else:
+            items[-1] = (items[-1][0] + " " + line.strip(), items[-1][1])
+    return [(i, h) for i, h in items if i]
+
+
+def measured_numbers_outside_spans(deck: list[str] | None = None) -> list[str]:
+    """Every item on a slide that quotes a number from a run outside a measured span: an item
+    that says measured (ms/step, tokens/s, load average), a row of a table whose header does,
+    or any item with a number on a slide titled "... measured ..." that is not a prediction."""
+    found = []
+    for slide in slides() if deck is None else deck:
+        measured_slide = "measured" in _title(slide).lower()
+        for item, header in _visible_items(slide):
+            if item.startswith(("#", "![")) or not re.search(r"\d", NAMES.sub("", item)):
+                continue
+            says_run = RUN_WORDS.search(item) or RUN_WORDS.search(header)
+            if says_run or (measured_slide and not re.search(r"predict", item, re.I)):
+                found.append(f"{_title(slide)!r}: {item[:120]}")
+    return found
+
+
+def test_every_measured_number_on_a_slide_is_written_by_make_figures():
+    assert not measured_numbers_outside_spans(), (
+        "numbers from a run outside a <!-- measured:NAME --> span (slides/make_figures.py "
+        "writes those):\n" + "\n".join(measured_numbers_outside_spans()))
+
+
+def test_the_check_finds_a_measured_number_written_by_hand():
+    by_hand = ["# Loss, measured\n\n- the MoE ends at 2.513 after 150 steps",
+               "# Timing\n\n| run | ms/step |\n| --- | ---: |\n| dense | 33 |",
+               "# Scaling\n\n- measured here: weak 37 % at 2 processes"]
+    assert len(measured_numbers_outside_spans(by_hand)) == 3
+    written = ["# Loss, measured\n\n- the MoE ends at <!-- measured:x -->2.513 after 150 "
+               "steps<!-- /measured -->",
+               "# Timing\n\n<!-- measured:y -->\n\n| run | ms/step |\n| --- | ---: |\n"
+               "| dense | 33 |\n\n<!-- /measured -->",
+               "# Scaling\n\n- measured here: <!-- measured:z -->weak 37 % at 2 processes"
+               "<!-- /measured -->"]
+    assert measured_numbers_outside_spans(written) == []
+
+
+def test_the_measured_spans_are_the_ones_make_figures_writes():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "measured_runs", os.path.join(ROOT, "slides", "measured_runs.py"))
+    runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runs)
+    names = [m.group(1) for m in SPAN.finditer(open(DECK).read())]
+    assert sorted(names) == sorted(runs.MEASURED)
+    assert all(m.group(2).strip() for m in SPAN.finditer(open(DECK).read()))
+    # both read the same markers
+    assert runs.SPAN.pattern.replace("(", "").replace(")", "") == \
+        SPAN.pattern.replace("(", "").replace(")", "")
+
+
+def test_the_moe_slide_quotes_the_losses_notebook_08_prints():
+    """The losses are deterministic (same seed, one thread): the deck's table, written by
+    make_figures.py with lab.nb08.three_runs, and notebook 08's stored output agree."""
+    import json
+    nb = json.load(open(os.path.join(ROOT, "notebooks", "08_mixture_of_experts.ipynb")))
+    printed = "".join("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code"
+                      for o in c.get("outputs", []))
+    notebook = {name.strip(): loss for name, loss in
+                re.findall(r"^(.+?)\s+final loss \(mean of last 10 steps\) ([\d.]+)", printed, re.M)}
+    table = dict(SPAN.findall(open(DECK).read()))["moe_table"]
+    deck = {row.split("|")[1].strip(): row.split("|")[3].strip()
+            for row in table.strip().splitlines()[2:]}
+    assert len(notebook) == 3, printed[-2000:]
+    for name, loss in notebook.items():
+        quoted = [v for k, v in deck.items() if k.startswith(name)]
+        assert quoted == [loss], (name, loss, deck)

@@ -9,8 +9,9 @@ figure:
   same layout beside the measurement.
 * ``pipeline_sweep``: one fixed pipeline (pp = 2) trained with m = 1, 2, 4, ... micro-batches
   of a fixed size, so the global batch grows with m: throughput against the bubble
-  (p-1)/(m+p-1); ``frontier_pipeline`` asks the planner the same question for GPT-175B on
-  Frontier.
+  (p-1)/(m+p-1), and the bubble measured from the pipeline's own timeline
+  (``minipar.bench.pp.measure_pipeline``); ``frontier_pipeline`` asks the planner the same
+  question for GPT-175B on Frontier.
 * ``frontier_scaling``: the planner's weak and strong scaling of GPT 22B, 175B and 1T on
   ``frontier-mi250x``, beside the study's measured 100% weak and 89% / 87% strong scaling
   (Dash et al. 2023).
@@ -176,12 +177,26 @@ def draw_time_split(results: dict, mode: str = "weak"):
 # 2. The pipeline lesson: micro-batches against bubble and global batch
 # --------------------------------------------------------------------------------------
 def pipeline_sweep(ms=(1, 2, 4, 8, 16), pp: int = 2, micro_batch: int = 2, steps: int = 5,
-                   warmup: int = 2, hardware: str = "laptop-cpu", progress=None) -> list[dict]:
+                   warmup: int = 2, hardware: str = "laptop-cpu", progress=None,
+                   bubble_steps: int = 3) -> list[dict]:
     """One pipeline of ``pp`` stages (``pp`` processes), micro-batches of ``micro_batch``
-    sequences, m of them per step: the global batch is micro_batch x m. Measured and
-    predicted step time and tokens/s for each m."""
+    sequences, m of them per step: the global batch is micro_batch x m. For each m, the
+    trainer's measured and the planner's predicted step time and tokens/s, and the bubble
+    measured from the pipeline's own timeline (``measured_bubble``, the median of
+    ``bubble_steps`` steps, each in ``measured_bubble_steps``).
+
+    The bubble is ``minipar.bench.pp.measure_pipeline``'s: every stage starts the step after
+    a barrier, the ``PipelineRunner`` records the start and end of each forward and backward
+    it runs, and the bubble is 1 - (compute time of all stages) / (p x makespan), the ideal
+    timeline's definition (notebook 03). With the same time per micro-batch on every stage
+    it is (p-1)/(m+p-1); uneven stages, messages, and a stage that waits for a descheduled
+    neighbour only add to it.
+    """
+    from .. import dist
+    bubbles = dist.launch(measured_bubbles, pp, list(ms), micro_batch, bubble_steps,
+                          timeout=300)[0]                      # one launch for every m
     rows = []
-    for m in (progress(ms, desc="micro-batch counts") if progress else ms):
+    for m, timed in zip(progress(ms, desc="micro-batch counts") if progress else ms, bubbles):
         records = scaling.sweep(
             "weak", [pp], MODEL + ["--pp", str(pp), "--microbatches", str(m), "--batch-size",
                                    str(micro_batch * m), "--steps", str(steps)],
@@ -191,15 +206,19 @@ def pipeline_sweep(ms=(1, 2, 4, 8, 16), pp: int = 2, micro_batch: int = 2, steps
                          tokens_per_s=r["tokens_per_s"], bubble=plan.bubble_fraction(pp, m),
                          predicted_tokens_per_s=r["predicted"]["tokens_per_s"],
                          predicted_bubble_s=r["predicted"]["bubble_s"],
-                         predicted_step_s=r["predicted"]["step_time_s"]))
-    # Time per micro-batch without a bubble: fit step time = t_mb (m + p - 1) (least squares
-    # through the origin), then the bubble is what the m micro-batches do not fill.
-    xs = [r["m"] + pp - 1 for r in rows]
-    ys = [r["step_time_s"] for r in rows]
-    slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    for r in rows:
-        r["measured_bubble"] = max(0.0, 1 - r["m"] * slope / r["step_time_s"])
+                         predicted_step_s=r["predicted"]["step_time_s"],
+                         measured_bubble=timed["bubble"],
+                         measured_bubble_steps=[tl.bubble for tl in timed["timelines"]]))
     return rows
+
+
+def measured_bubbles(ms: list[int], micro_batch: int, steps: int) -> list[dict] | None:
+    """On every rank of a pipeline (one stage each): ``bench.pp.measure_pipeline`` of the
+    notebook's model for each m; rank 0 gets the results."""
+    from ..bench import pp as bench_pp
+    return [bench_pp.measure_pipeline(model_name=MODEL[1], microbatches=m,
+                                      micro_batch=micro_batch, steps=steps, warmup=1)
+            for m in ms]
 
 
 def draw_pipeline(rows: list[dict], pp: int = 2, title: str = "this machine"):
@@ -214,10 +233,13 @@ def draw_pipeline(rows: list[dict], pp: int = 2, title: str = "this machine"):
     ax1.legend(fontsize=8)
     ax2.plot(m, [100 * r["bubble"] for r in rows], "s-", color="C2",
              label="(p-1)/(m+p-1), ideal 1F1B")
+    for r in rows:
+        ax2.plot([r["m"]] * len(r["measured_bubble_steps"]),
+                 [100 * b for b in r["measured_bubble_steps"]], ".", color="C3", alpha=0.35)
     ax2.plot(m, [100 * r["measured_bubble"] for r in rows], "o", color="C3",
-             label="measured: 1 - m t_mb / step")
+             label="measured: 1 - compute / (p x makespan),\nmedian of the steps (dots)")
     ax2.set(xscale="log", xlabel="micro-batches per step m", ylabel="bubble (% of the step)",
-            title="the bubble shrinks, the global batch grows")
+            title="the ideal bubble shrinks, the global batch grows")
     ax2.set_xticks(m, [f"{k}\n(B={r['global_batch']})" for k, r in zip(m, rows)])
     ax2.legend(fontsize=8)
     fig.tight_layout()

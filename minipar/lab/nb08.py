@@ -2,6 +2,8 @@
 
 * ``train``: a single-process training loop that also records, per step, each MoE layer's
   load (share of the assignments each expert received) and the step time;
+* ``three_runs`` and ``summary``: the notebook's three runs (MoE with and without the aux loss,
+  the dense twin) and the numbers it prints (the workshop slides quote the same);
 * ``routing_of_text``: which experts each character of a text goes to, layer by layer;
 * ``ep_traffic``: on every rank of ``dist.launch``, one forward + backward of an MoE model with
   expert parallelism, the all-to-all bytes it recorded and the formula on its own routing;
@@ -66,6 +68,36 @@ def train(cfg, steps: int = 60, batch: int = 16, lr: float = 3e-3, seed: int = 0
     hist["model"] = model
     hist["params"] = sum(p.numel() for p in model.parameters())
     return hist
+
+
+# The notebook's three runs (section 1): the slides quote them too (slides/make_figures.py)
+def three_configs(aux_coef: float = 0.025) -> dict:
+    """MoE with the aux loss, the same without it, and the dense twin of the first: ``nano``,
+    8 experts, top-2, 32-character sequences."""
+    cfg = moe_config("nano", experts=8, top_k=2, seq_len=32, moe_aux_coef=aux_coef)
+    return {"MoE + aux": cfg,
+            "MoE, no aux": moe_config("nano", experts=8, top_k=2, seq_len=32, moe_aux_coef=0.0),
+            "dense twin": dense_twin(cfg)}
+
+
+def three_runs(steps: int = 150, batch: int = 16, lr: float = 3e-3, progress: bool = True) -> dict:
+    """``train`` each of ``three_configs`` with the same seed and data."""
+    return {name: train(c, steps=steps, batch=batch, lr=lr, progress=progress)
+            for name, c in three_configs().items()}
+
+
+def summary(runs: dict, last: int = 10, last_load: int = 20, skip: int = 5) -> dict:
+    """Per run: parameters, mean cross-entropy of the ``last`` steps, median ms per step after
+    ``skip`` steps, and (MoE) the busiest expert over the fair share, mean of ``last_load`` steps."""
+    import statistics
+    out = {}
+    for name, h in runs.items():
+        imb = imbalance(h) if h["load"] and h["load"][-1] else []
+        out[name] = dict(params=h["params"], final_loss=sum(h["loss"][-last:]) / last,
+                         ms_per_step=statistics.median(h["seconds"][skip:]) * 1e3,
+                         imbalance=sum(imb[-last_load:]) / last_load if imb else None,
+                         aux=sum(h["aux"][-last_load:]) / last_load if imb else None)
+    return out
 
 
 def routing_of_text(model, text: str) -> tuple[list[str], torch.Tensor, torch.Tensor]:
@@ -165,5 +197,24 @@ def draw_load_bars(hists: dict, ax=None):
     ax.axhline(1 / E, color="k", ls="--", lw=1, label="fair share 1/E")
     ax.set_xlabel("expert")
     ax.set_ylabel("share of assignments")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def draw_traffic(rows: list[dict], ax=None):
+    """``ep_traffic``'s rows: each rank's measured all-to-all bytes, the formula on its own
+    routing beside them, and the balanced-routing estimate as a tick."""
+    import matplotlib.pyplot as plt
+    ax = ax or plt.gca()
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["measured"] / 1024 for r in rows], 0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], [r["formula"] / 1024 for r in rows], 0.4,
+           label="2 (a_out + a_in) d 4 B")
+    ax.scatter(x, [r["balanced"] / 1024 for r in rows], color="k", marker="_", s=400,
+               label="balanced routing")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([f"ep={r['ep']}\nrank {r['rank']}" for r in rows], fontsize=8)
+    ax.set_ylabel("KiB sent per step")
+    ax.set_title("all-to-all bytes per rank, one step (forward + backward)")
     ax.legend(fontsize=8)
     return ax
