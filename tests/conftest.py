@@ -113,3 +113,11 @@ def pytest_configure(config):
 @pytest.fixture
 def nano_serial():
     return serial_state()
+
+
+def quick_tier(names, quick):
+    """Parameters for ``parametrize``: the names in ``quick`` run in the quick tier, the others
+    (4-rank twins, more specs of the same engine) carry the slow mark and run in the full suite."""
+    unknown = set(quick) - set(names)
+    assert not unknown, f"quick_tier: {sorted(unknown)} not among {list(names)}"
+    return [n if n in quick else pytest.param(n, marks=pytest.mark.slow) for n in names]

@@ -299,6 +299,7 @@ def _no_launch(*a, **k):
     raise AssertionError("training or a launch started before the input was checked")
 
 
+@pytest.mark.slow
 def test_far_more_processes_than_cores_runs_but_warns_once(capsys, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     monkeypatch.setattr(dist, "_WARNED_OVERSUBSCRIBED", False)

@@ -60,6 +60,7 @@ def test_comm_seconds_from_cuda_events_on_nccl(monkeypatch):
     comm.reset()
 
 
+@pytest.mark.slow
 def test_bench_gpu_check_refuses_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -87,6 +87,7 @@ def test_pytorch_dcp_loads_it_into_a_plain_model(saved):
         assert float(st["step"]) == 20 and st["exp_avg_sq"].min() >= 0 and st["exp_avg"].abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_info_export_and_sample(saved, tmp_path, capsys):
     from minipar import sample
     checkpoint.main(["info", saved["root"]])
@@ -104,6 +105,7 @@ def test_info_export_and_sample(saved, tmp_path, capsys):
     assert r.returncode == 0 and r.stdout == text + "\n", r.stderr
 
 
+@pytest.mark.slow
 def test_interrupted_save_is_never_resumed(saved, tmp_path):
     """A rank killed in the middle of saving step 4 (after the DCP files, before the marker):
     no step-4 checkpoint exists, and --resume takes step 2."""
@@ -172,6 +174,7 @@ def test_bad_checkpoint_is_a_usage_error(saved, tmp_path, how, message):
         train.parse_config(flags + ["--resume", path])
 
 
+@pytest.mark.slow
 def test_bad_checkpoint_exits_2_with_one_line(saved, tmp_path):
     r = cli("minipar.train", *NANO, "--resume", _damaged(saved, tmp_path, "truncated"))
     lines = r.stderr.strip().splitlines()

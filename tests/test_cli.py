@@ -62,6 +62,7 @@ def test_main_guard_exit_status(capsys):
 
 @pytest.mark.parametrize("command", [["minipar.bench", "dp", "--nproc", "0"],
                                      ["minipar.exercises", "check"]])
+@pytest.mark.slow
 def test_commands_refuse_bad_input_with_one_line(command):
     r = cli(*command)
     assert r.returncode == 2, r.stderr

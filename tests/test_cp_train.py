@@ -63,6 +63,7 @@ FOUR = [  # (flags, cp, dp, tp, ring bytes checked)
 ]
 
 
+@pytest.mark.slow
 def test_cp_equals_serial_on_4_ranks(tmp_path):
     results = dist.launch(_cases, 4, [c[0] for c in FOUR], str(tmp_path), timeout=600)
     ref = serial_state(STEPS)

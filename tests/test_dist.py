@@ -105,6 +105,7 @@ def test_sbatch_script_outside_srun_is_a_plain_process(monkeypatch):
     assert (s.rank, s.world_size) == (3, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_inside_sbatch_script_ends(tmp_path):
     """``python -m minipar.train --nproc 1`` and ``--nproc 2`` in a batch script (a fake
@@ -369,6 +370,7 @@ def test_killing_a_rank_of_a_3d_layout_ends_the_run_naming_it():
     assert "then what the other ranks saw:" in "\n".join(report)
 
 
+@pytest.mark.slow
 def test_killing_a_rank_of_a_zero3_run_ends_the_run_naming_it():
     _kill_a_rank_mid_run(["--nproc", "4", "--zero", "3"], 2)
 
@@ -378,6 +380,7 @@ def test_killing_a_rank_of_a_zero3_run_ends_the_run_naming_it():
     pytest.param("SIGINT", 130, "interrupted: every rank was stopped", marks=pytest.mark.slow),
     pytest.param("Ctrl-C", 130, "interrupted: every rank was stopped", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_signalled_launcher_stops_every_rank_with_one_line(how, status, line):
     proc = _start(TRAIN_FOREVER + ["--nproc", "2"])
     try:
@@ -404,6 +407,7 @@ def test_signalled_launcher_stops_every_rank_with_one_line(how, status, line):
     _assert_no_semaphore_left(sems)
 
 
+@pytest.mark.slow
 def test_sigkilled_launcher_takes_every_rank_with_it():
     proc = _start(TRAIN_FOREVER + ["--nproc", "2"])
     try:
@@ -435,6 +439,7 @@ def _clean_end(r):
         assert bad not in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_torchrun_launch(tmp_path):
     """The trainer under torchrun reads its environment, gives the serial losses, ends cleanly."""
     import json
@@ -453,14 +458,16 @@ def test_torchrun_launch(tmp_path):
 @pytest.mark.timeout(1800)
 def test_torchrun_ends_cleanly_every_time():
     """The gloo abort at interpreter shutdown ("terminate called without an active exception")
-    came about 1 run in 4 on a loaded machine before ranks ended through dist.finish: 10 runs
-    in a row, zero aborts, no warning about an undestroyed process group."""
-    for run in range(10):
+    came about 1 run in 4 on a loaded machine before ranks ended through dist.finish: 6 runs
+    in a row (a relapse to 1 in 4 passes all 6 with probability 0.18; the other torchrun tests
+    check the same clean end), zero aborts, no warning about an undestroyed process group."""
+    for run in range(6):
         r = _torchrun("--steps", "2", "--model", "nano", "--quiet")
         assert "summary:" in r.stdout, f"run {run + 1}: {r.stderr[-2000:]}"
         _clean_end(r)
 
 
+@pytest.mark.slow
 def test_torchrun_rank_killed_ends_every_rank():
     """A rank SIGKILLed under torchrun: torchrun names it, the other rank ends, fast."""
     proc = _start(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
@@ -485,6 +492,7 @@ def test_torchrun_rank_killed_ends_every_rank():
     _assert_all_gone(proc)
 
 
+@pytest.mark.slow
 def test_full_metrics_destination_mid_run_ends_every_rank_with_the_cause():
     """/dev/full opens fine and fails every write (ENOSPC): a disk filling up mid-run."""
     t = time.monotonic()

@@ -14,7 +14,8 @@ from conftest import NANO, assert_same_training, serial_state
 # Quick tier: every mode on 2 ranks; the 4-rank runs of the same code are in the full suite.
 CASES = ([(2, mode, 1) for mode in dp.MODES]
          + [pytest.param(4, mode, 1, marks=pytest.mark.slow) for mode in dp.MODES]
-         + [(2, mode, 2) for mode in dp.MODES])
+         + [(2, "naive", 2)]
+         + [pytest.param(2, mode, 2, marks=pytest.mark.slow) for mode in dp.MODES if mode != "naive"])
 
 
 @pytest.mark.parametrize("nproc,mode,micro", CASES)

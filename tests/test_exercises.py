@@ -53,6 +53,7 @@ def test_checks_fail_the_blank_exercise(ex_id, blanks):
     assert failures and "not written yet" in failures[0]
 
 
+@pytest.mark.slow
 def test_grader_passes_a_solution_and_fails_a_blank(blanks):
     """The whole grader (child process, time limit) on one exercise both ways."""
     assert exercises.check("ex01", solution=True, timeout=300) == []
@@ -126,6 +127,7 @@ HEADER = "from minipar.comm import *  # noqa\n"
     ("def ring_all_reduce(t, group):\n    import sys; sys.exit(0)\n", "SystemExit"),
     ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n", "killed by SIGSEGV"),
 ])
+@pytest.mark.slow
 def test_grader_fails_a_file_that_exits_raises_or_crashes(tmp_path, body, reason):
     path = tmp_path / "ex01_student.py"
     path.write_text(HEADER + body)
@@ -133,6 +135,7 @@ def test_grader_fails_a_file_that_exits_raises_or_crashes(tmp_path, body, reason
     assert failures and reason in failures[0], failures
 
 
+@pytest.mark.slow
 def test_grader_stops_an_endless_loop(tmp_path):
     path = tmp_path / "ex01_student.py"
     path.write_text(HEADER + "while True:\n    pass\n")
@@ -142,6 +145,7 @@ def test_grader_stops_an_endless_loop(tmp_path):
     assert time.monotonic() - t < 20
 
 
+@pytest.mark.slow
 def test_grader_waits_for_a_slow_check_that_makes_progress(tmp_path, monkeypatch):
     """The time limit counts from the last progress (file loaded, launch finished), so a
     check longer than the limit passes as long as it moves."""
@@ -160,6 +164,7 @@ def test_make_into_a_folder_that_cannot_be_written(tmp_path):
     assert "cannot write the exercises there" in r.stderr
 
 
+@pytest.mark.slow
 def test_check_cli_never_exits_0_without_a_verdict(tmp_path):
     """The original bug: a file calling sys.exit(0) at import made `check` exit 0 silently."""
     path = tmp_path / "ex01_student.py"

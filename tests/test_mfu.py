@@ -52,6 +52,7 @@ def test_mfu_is_null_on_a_cpu_without_a_peak():
     assert "MFU" not in summary(history)
 
 
+@pytest.mark.slow
 def test_bad_peak_is_a_usage_error():
     res = cli("minipar.train", "--peak-tflops", "-3")
     assert res.returncode == 2 and "--peak-tflops" in res.stderr
@@ -66,6 +67,7 @@ def test_the_loss_stays_on_the_device():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.slow
 def test_bench_gpu_refuses_without_a_gpu():
     res = cli("minipar.bench", "gpu")
     assert res.returncode == 2

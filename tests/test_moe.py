@@ -229,9 +229,9 @@ def moe_run(nproc, *extra):
     (2, ["--ep", "2"], []),
     (4, ["--ep", "4"], []),
     (4, ["--ep", "2"], []),                  # two EP groups: experts averaged over replicas
-    (4, ["--ep", "2", "--zero", "1"], []),
+    pytest.param(4, ["--ep", "2", "--zero", "1"], [], marks=pytest.mark.slow),
     # clipping: each expert's norm counted once, by the first of its replicas
-    (4, ["--ep", "2"], ["--clip-grad", "0.05"]),
+    pytest.param(4, ["--ep", "2"], ["--clip-grad", "0.05"], marks=pytest.mark.slow),
     pytest.param(4, ["--ep", "2", "--dp-mode", "naive"], [], marks=pytest.mark.slow),
     pytest.param(4, ["--ep", "2", "--zero", "3"], ["--microbatches", "2"], marks=pytest.mark.slow),
 ])
@@ -329,6 +329,7 @@ def composed(cases: dict, name: str) -> dict:
 
 @pytest.mark.parametrize("cases,name", [(QUICK, n) for n in QUICK] + [
     pytest.param(SLOW, n, marks=pytest.mark.slow) for n in SLOW])
+@pytest.mark.slow
 def test_moe_composes_with_tp_pp_and_recompute(cases, name):
     """Losses, last gradients and parameters within 1e-5 of the serial run (fp32); the aux
     and z losses and the drop rate, gathered over TP ranks and pipeline stages, too."""
@@ -351,6 +352,7 @@ def test_moe_checkpoint_moves_between_tp_and_pp(tmp_path):
         torch.testing.assert_close(got["params"][name], p, atol=1e-4, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow
 def test_tp_moe_state_bytes_equal_the_planner():
     """tp=2, dp=2, ep=2, fp32: experts replicated over TP, split over EP (minipar.plan.moe)."""
     got = composed(QUICK, "tp2 ep2")["history"][-1]["model_state_bytes"]
@@ -388,6 +390,7 @@ def test_tp_moe_layer_bytes_equal_the_formula(sp):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.slow
 def test_recompute_replays_routing_and_all_to_alls(mode):
     """--recompute: the gradients of the run without it, and per step the same all-to-all
     bytes (the recomputed forward replays the first one's routing and rows)."""
@@ -432,6 +435,7 @@ def test_bad_moe_layouts_are_refused_before_any_work(flags, words):
         parse_config(args)
 
 
+@pytest.mark.slow
 def test_bad_moe_layout_exits_2_with_one_line():
     out = cli("minipar.train", "--model", "nano", "--moe-experts", "4", "--nproc", "4",
               "--tp", "4", "--seq-len", "10", timeout=60)

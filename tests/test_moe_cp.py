@@ -19,6 +19,9 @@ from minipar import dist
 from minipar.model import config
 from minipar.plan import moe as plan_moe
 
+# MoE under cp: every test here shares 4-rank launches, so the module is in the full suite only
+pytestmark = pytest.mark.slow
+
 E, K = 4, 2
 FLAGS = ["--moe-experts", str(E), "--moe-top-k", str(K), "--capacity-factor", "1.0",
          "--moe-z-coef", "1e-3", "--steps", "4"]
@@ -64,12 +67,14 @@ def _composed(name: str, tmp: str) -> dict:
     return dict(losses=[h["loss"] for h in history], history=history, params=params, grads=grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FP32)
 def test_moe_under_cp_equals_serial(name, tmp):
     ref = serial_state(FLAGS)
     assert_same_moe_training(_composed(name, tmp), ref)   # capacity order matters here
 
 
+@pytest.mark.slow
 def test_moe_under_cp_in_bf16_follows_the_bf16_serial_run(tmp):
     """tests/test_precision.py's bound: every step's loss within 2e-3 of the bf16 serial run."""
     ref = serial_state(FLAGS + ["--dtype", "bf16"])
@@ -79,6 +84,7 @@ def test_moe_under_cp_in_bf16_follows_the_bf16_serial_run(tmp):
 
 
 @pytest.mark.parametrize("name", ["cp2 dp2", "cp2 dp2 ep2", "cp4", "cp2 dp2 ep2 recompute full"])
+@pytest.mark.slow
 def test_moe_cp_gather_bytes_equal_the_formula(name, tmp):
     """Without TP or ZeRO the only all-gather is the choices' over cp, once per MoE layer and
     micro-batch (forward only: the recomputed forward replays the first one's choices)."""

@@ -744,6 +744,7 @@ def test_one_tie_rule_before_and_after_the_cut():
         assert [e.layout for e in again] == [e.layout for e in results]
 
 
+@pytest.mark.slow
 def test_cli_wording_estimate_memory_search():
     r = run_cli("estimate", "--model", "gpt-175b", "--hardware", "frontier-mi250x", "--gpus",
                 1024, "--tp", 4, "--pp", 16, "--zero", 1, "--recompute", "full",
@@ -768,6 +769,7 @@ def test_cli_wording_estimate_memory_search():
         assert r.returncode == 0 and "(default: " in r.stdout, sub
 
 
+@pytest.mark.slow
 def test_plan_calibrate_and_validate_run_the_bench_commands():
     """The planner stays torch-free and hands ``calibrate``/``validate`` to minipar.bench in a
     child process: the bench's own check answers (exit 2, its one line)."""

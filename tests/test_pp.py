@@ -3,7 +3,7 @@ against torch.distributed.pipelining, stashed activations, and bad input."""
 import time
 
 import pytest
-from conftest import NANO, assert_same_training, cli, serial_state
+from conftest import NANO, assert_same_training, cli, quick_tier, serial_state
 
 from minipar import dist, pp
 from minipar.pp import Instr, backward, forward
@@ -131,7 +131,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", quick_tier(LAYOUTS, ["pp2-1f1b", "pp2-gpipe", "pp2-interleaved",
+                                                      "pp2-m1-naive", "pp2xdp2"]))
 def test_pipeline_equals_serial_run(layout):
     nproc, flags, model = LAYOUTS[layout]
     got = run_state(NANO + model + flags, nproc=nproc)
@@ -198,6 +199,7 @@ def test_a_deadlocking_schedule_is_refused_on_every_rank_not_run():
     (["--nproc", "3", "--pp", "3", "--batch-size", "6"], "do not split into pp=3"),
     (["--nproc", "4", "--pp", "4", "--schedule", "interleaved"], "pp=4 x chunks=2"),
 ])
+@pytest.mark.slow
 def test_impossible_pipelines_exit_2_fast(flags, words):
     t = time.monotonic()
     out = cli("minipar.train", "--model", "nano", "--steps", "2", *flags)

@@ -36,6 +36,7 @@ import torch
 from minipar import plan
 from minipar.model import build
 from minipar.train import parse_config, run_state
+from conftest import quick_tier
 
 STEPS = 4
 BF16 = ["--model", "nano", "--batch-size", "8", "--steps", str(STEPS), "--quiet", "--lr", "3e-3",
@@ -77,7 +78,7 @@ def norm(a: dict) -> float:
     return math.sqrt(sum((v.float() ** 2).sum().item() for v in a.values()))
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", quick_tier(LAYOUTS, ["serial", "dp2", "zero3", "shard1,2,4"]))
 def test_bf16_model_state_bytes_equal_the_planners_mixed_layout(name):
     _, d, spec = LAYOUTS[name]
     if spec is None:   # plain DP: every rank a full replica, one master per parameter tensor

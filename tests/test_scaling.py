@@ -65,6 +65,7 @@ def _sweep_cli(args, env=None):
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 def test_weak_sweep_prints_measured_and_predicted_efficiency(tmp_path):
     records = _sweep_cli(["weak", "--nproc-list", "1,2", *NANO, "--json",
                           "--out", str(tmp_path / "r.jsonl")])

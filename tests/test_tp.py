@@ -191,6 +191,7 @@ def test_padded_vocabulary_gives_the_unpadded_loss_and_gradients(t, vocab, sp):
 # --------------------------------------------------------------------------------------
 # Bad layouts: exit 2 with one clear line
 # --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_indivisible_heads_or_sequence_exit_2_with_a_clear_line():
     out = cli("minipar.train", "--nproc", "3", "--tp", "3", *NANO)
     assert out.returncode == 2, out.stderr
@@ -309,6 +310,7 @@ def test_block_bytes_equal_the_formula(t):
      "padded"),
     ("ex04", 'comm.all_reduce(top, group, op="max")', "top.zero_()", "not finite"),
 ])
+@pytest.mark.slow
 def test_tp_checkers_catch_wrong_answers(tmp_path, ex_id, old, new, expected):
     import inspect
 

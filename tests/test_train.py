@@ -18,6 +18,7 @@ def _losses(path):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_cli_two_processes_match_one(tmp_path):
     """The issue's promise: --nproc 2 and --nproc 1 give the same losses (|diff| <= 1e-5)."""
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
@@ -80,6 +81,7 @@ def test_bad_input_is_a_usage_error(argv, message):
 
 
 @pytest.mark.parametrize("argv,message", [BAD[0], BAD[5]])
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line_before_starting(argv, message):
     t = time.monotonic()
     r = cli("minipar.train", *argv)
@@ -90,11 +92,13 @@ def test_bad_input_exits_2_with_one_line_before_starting(argv, message):
     assert time.monotonic() - t < 30
 
 
+@pytest.mark.slow
 def test_bad_flag_is_one_line_exit_2():
     r = cli("minipar.train", "--zero", "5")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--zero" in r.stderr
 
 
+@pytest.mark.slow
 def test_nccl_without_gpu_is_a_clear_error():
     import torch
     if torch.cuda.is_available():
@@ -103,6 +107,7 @@ def test_nccl_without_gpu_is_a_clear_error():
     assert r.returncode == 2 and "needs a GPU" in r.stderr
 
 
+@pytest.mark.slow
 def test_crashing_rank_ends_the_run_with_its_traceback():
     env = dict(os.environ, MINIPAR_CRASH_AT="1:3")
     t = time.monotonic()

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from conftest import NANO, assert_same_training, cli, serial_state
+from conftest import NANO, assert_same_training, cli, quick_tier, serial_state
 from minipar import dist
 from minipar.model import build
 from minipar.train import parse_config, run_state
@@ -71,12 +71,12 @@ def close(measured, expected, rel=0.01):
     return abs(measured - expected) <= rel * expected
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", quick_tier(SPECS, ["zero1", "zero3", "shard1,2,4"]))
 def test_same_training_as_one_process(name):
     assert_same_training(sharded_run(name), serial_state())
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", quick_tier(SPECS, ["zero1", "zero3", "shard1,2,4"]))
 def test_model_state_bytes_equal_the_formula(name):
     spec = SPECS[name][1]
     expected = formula_state_bytes(spec, unit_sizes())
@@ -142,11 +142,13 @@ def torch_twin(kind):
     return _TWINS[kind]
 
 
+@pytest.mark.slow
 def test_zero1_equals_torch_zero_redundancy_optimizer():
     assert_same_training(dict(torch_twin("zro"), grads={}), sharded_run("zero1"),
                          check_grads=False)
 
 
+@pytest.mark.slow
 def test_zero3_equals_torch_fsdp2():
     assert_same_training(dict(torch_twin("fsdp2"), grads={}), sharded_run("zero3"),
                          check_grads=False)
@@ -202,6 +204,7 @@ def test_nested_factors_are_required():
     ["--tp", "2", "--sp", "--zero", "3"],                                # ZeRO-3 inside TP
     ["--pp", "2", "--schedule", "interleaved", "--shard", "2,2,2"],      # P sharding under PP
 ])
+@pytest.mark.slow
 def test_composes_with_tensor_and_pipeline_parallelism(flags):
     """dp = 2 lines of 2 ranks each: the shard groups live inside each DP line of the grid."""
     got = run_state(NANO + flags, nproc=D)
@@ -217,6 +220,7 @@ def test_zero3_under_tensor_and_pipeline_parallelism():
     assert got["history"][-1]["comm_bytes"]["all_gather"] > 0
 
 
+@pytest.mark.slow
 def test_invalid_spec_exits_2_with_one_line():
     res = cli("minipar.train", "--nproc", "4", "--model", "nano", "--shard", "4,2,1")
     assert res.returncode == 2
