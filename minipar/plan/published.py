@@ -198,15 +198,21 @@ def sanity_points() -> list[dict]:
     return out
 
 
+def _cells(row: dict) -> tuple[str, str, str]:
+    """A row's published and predicted percentages and its signed error, "-" where absent."""
+    pub = "-" if row["published"] is None else f"{row['published']:.2f}%"
+    pred = "-" if row["predicted"] is None else f"{row['predicted']:.1f}%"
+    err = "-" if row["error"] is None else f"{row['error']:+.0%}"
+    return pub, pred, err
+
+
 def sanity_table(rows: list[dict] | None = None) -> str:
     """``sanity_points()`` as the Markdown table docs/reference.md carries."""
     rows = sanity_points() if rows is None else rows
     lines = ["| preset | single-node run | published MFU | predicted MFU | error |",
              "| --- | --- | --- | --- | --- |"]
     for r in rows:
-        pub = "-" if r["published"] is None else f"{r['published']:.2f}%"
-        pred = "-" if r["predicted"] is None else f"{r['predicted']:.1f}%"
-        err = "-" if r["error"] is None else f"{r['error']:+.0%}"
+        pub, pred, err = _cells(r)
         lines.append(f"| {r['hardware']} | {r['case']} | {pub} | {pred} | {err} |")
     return "\n".join(lines)
 
@@ -296,8 +302,7 @@ def points_table(rows: list[dict] | None = None) -> str:
     lines = ["| published run | metric | published | predicted | error | layout from |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        pred = "-" if r["predicted"] is None else f"{r['predicted']:.1f}%"
-        err = "-" if r["error"] is None else f"{r['error']:+.0%}"
-        lines.append(f"| {r['case']} | {r['metric']} | {r['published']:.2f}% | {pred} | "
+        pub, pred, err = _cells(r)
+        lines.append(f"| {r['case']} | {r['metric']} | {pub} | {pred} | "
                      f"{err} | {r['layout_source']} |")
     return "\n".join(lines)
