@@ -2,6 +2,8 @@
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -77,30 +79,82 @@ _warm_forkserver()
 
 # nodeid -> the line printed when it starts: the run says what takes minutes, not only dots.
 _ANNOUNCE: dict[str, str] = {}
+STILL_RUNNING_S = 20.0   # a test still running after this long is named, and every minute after
 
 
 def pytest_collection_modifyitems(config, items):
     """Every notebook is slow (nbval runs it top to bottom): the quick tier skips them.
-    Each notebook and each other slow test is announced by one line when it starts."""
+    Each notebook is announced by one line when it starts."""
     cells: dict[str, list] = {}
     for item in items:
         path = str(item.fspath)
         if path.endswith(".ipynb"):
             item.add_marker(pytest.mark.slow)
             cells.setdefault(path, []).append(item)
-        elif item.get_closest_marker("slow"):
-            _ANNOUNCE[item.nodeid] = f"slow: {item.nodeid}"
     for path, nb_items in cells.items():
         _ANNOUNCE[nb_items[0].nodeid] = (f"notebook {os.path.relpath(path, ROOT)}: "
                                          f"running its {len(nb_items)} cells")
 
 
-def pytest_runtest_logstart(nodeid, location):
-    line = _ANNOUNCE.get(nodeid)
+class _Watch:
+    """Names the test that has run STILL_RUNNING_S seconds without a result, from a timer
+    thread; the lock keeps its line out of the reporter's own writing."""
+
+    def __init__(self, reporter, nodeid):
+        self.reporter, self.nodeid, self.t0 = reporter, nodeid, time.monotonic()
+        self.lock, self.done = threading.Lock(), False
+        self._arm(STILL_RUNNING_S)
+
+    def _arm(self, seconds):
+        self.timer = threading.Timer(seconds, self._say)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _say(self):
+        with self.lock:
+            if self.done:
+                return
+            capture = _CONFIG[0].pluginmanager.get_plugin("capturemanager")
+            with capture.global_and_fixture_disabled():   # the test's output is being captured
+                self.reporter.ensure_newline()
+                self.reporter.write_line(f"still running after "
+                                         f"{time.monotonic() - self.t0:.0f} s: {self.nodeid}")
+            self._arm(60.0)
+
+    def stop(self):
+        with self.lock:
+            self.done = True
+            self.timer.cancel()
+
+
+_WATCH: list = []
+
+
+def _reporter():
     reporter = _CONFIG[0].pluginmanager.get_plugin("terminalreporter") if _CONFIG else None
-    if line and reporter is not None and reporter.verbosity <= 0:
+    return reporter if reporter is not None and reporter.verbosity <= 0 else None
+
+
+def pytest_runtest_logstart(nodeid, location):
+    reporter = _reporter()
+    if reporter is None:
+        return
+    line = _ANNOUNCE.get(nodeid)
+    if line:
         reporter.ensure_newline()
         reporter.write_line(line)
+    _WATCH.append(_Watch(reporter, nodeid))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logreport(report):
+    if _WATCH and (report.when == "call" or report.outcome != "passed"):
+        _WATCH.pop().stop()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    while _WATCH:
+        _WATCH.pop().stop()
 
 
 _CONFIG: list = []
