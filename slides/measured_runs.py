@@ -10,7 +10,8 @@ Each uses the function its notebook uses, with the notebook's settings:
   and ``lab.nb08.ep_traffic`` on 4 gloo ranks;
 * ``checkpoint_layouts``: the trainer saves ``nano`` in one layout and resumes it in another;
   which rank wrote which box, read from each checkpoint's DCP metadata (notebook 05);
-* ``cp_numbers``: notebook 09's counts (``cp.work_per_rank``, ``lab.nb09.activation_bytes``);
+* ``cp_numbers``: notebook 09's counts (``cp.work_per_rank``, ``lab.nb09.activation_bytes``) and
+  its section 4 predictions (``lab.nb09.at_scale``, ``lab.nb09.search_long_context``);
 * ``write_measured``: rewrite the deck's ``<!-- measured:NAME -->...<!-- /measured -->`` spans.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 # The spans of the deck these runs write (``<!-- measured:NAME -->...<!-- /measured -->``)
 MEASURED = ("scaling", "moe_setup", "moe_table", "moe_balance", "moe_a2a", "cp_scores",
-            "cp_activations", "frontier_errors")
+            "cp_activations", "cp_without", "cp_best", "cp_memory", "cp_mfu", "frontier_errors")
 SPAN = re.compile(r"(<!-- measured:(\w+) -->)(.*?)(<!-- /measured -->)", re.S)
 
 
@@ -202,9 +203,23 @@ def cp_numbers():
     assert len(set(balanced)) == 1                      # the slide says "each"
     row = nb09.activation_bytes([128])[0]               # one process: the ratio is the same
     under = 1 - row["measured"] / row["planned"]        # at every cp (notebook 09)
+    # section 4's predictions: the search with and without cp, and one replica per cp
+    without = nb09.search_long_context(top=1, cp=1)[0]
+    best = nb09.search_long_context(top=1)[0]
+    assert without.layout.recompute == "full" and best.layout.recompute == "none"
+    assert best.layout.cp > 1 and best.step_time < without.step_time   # what the slide says
+    rows = {r["cp"]: r for r in nb09.at_scale(cps=(1, 2, 4, 8, 16))}
+    assert all(rows[c]["hidden"] for c in (2, 4)) and not rows[8]["hidden"]
+    L = best.layout
     return {"cp_scores": (f"at cp = {n}, $s$ = {s}: " + " / ".join(f"{w / 1e3:.0f}k" for w in plain) + " plain, "
                           f"{balanced[0] / 1e3:.0f}k each balanced"),
-            "cp_activations": f"{under:.0%} under the planner's count"}
+            "cp_activations": f"{under:.0%} under the planner's count",
+            "cp_without": f"{without.step_time:.1f} s",
+            "cp_best": (f"tp {L.tp} x cp {L.cp} x dp {L.dp} keeps them all: "
+                        f"{best.step_time:.1f} s, MFU {best.mfu:.1%}"),
+            "cp_memory": ", ".join(f"{rows[c]['memory']['total'] / 2**30:.0f}" for c in (1, 2, 4, 8)),
+            "cp_mfu": (f"{rows[2]['mfu']:.0%}, {rows[4]['mfu']:.0%}, then {rows[8]['mfu']:.0%} "
+                       f"at cp = 8 and {rows[16]['mfu']:.0%} at 16")}
 
 
 # --------------------------------------------------------------------------------------

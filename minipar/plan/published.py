@@ -158,14 +158,24 @@ EFFICIENCY_RUN = dict(
     source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), "
            "'A100 80GB' table, row 13b / 2048 / 8 GPUs: micro-batch 2, grad accum 3, "
            "FULL_SHARD, activation checkpointing False, MFU 59.57")
+# The same table's H100 row for dgx-h100 (same model, framework, layout and sequence)
+H100_EFFICIENCY_RUN = dict(
+    EFFICIENCY_RUN, name="MPT-13B on 8 x H100-80GB, no activation checkpointing",
+    hardware="dgx-h100", mfu=39.79,
+    layout=Layout(tp=1, pp=1, dp=8, micro_batch=2, microbatches=1, shard=(8, 8, 8),
+                  recompute="none"),
+    source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), "
+           "'H100 80GB BF16' table, row 13b / 2048 / 8 GPUs: micro-batch 2, grad accum 1, "
+           "FULL_SHARD, activation checkpointing False, MFU 39.79")
 BAND = 0.15          # a sanity point's prediction must lie within 15% of the published figure
 
 
 def derive_efficiency(run: dict | None = None) -> float:
     """The large-GEMM ``compute_efficiency`` at which the planner predicts ``run``'s published
     MFU on ``run``'s own layout and hardware (bisection; MFU rises with the efficiency). The
-    dgx-a100 and a800-ib presets' 0.625 (A100 silicon) is this for ``EFFICIENCY_RUN``, a row
-    no published point below is; frontier-mi250x's is derived from it (its ``sources``)."""
+    dgx-a100 and a800-ib presets' 0.625 (A100 silicon) is this for ``EFFICIENCY_RUN``, and
+    dgx-h100's 0.430 for ``H100_EFFICIENCY_RUN``: rows no published point below is;
+    frontier-mi250x's is derived from the A100's (its ``sources``)."""
     run = run or EFFICIENCY_RUN
     hw = load_hardware(run["hardware"])
 
