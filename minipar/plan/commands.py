@@ -1,0 +1,286 @@
+"""What each of the planner's sub-commands computes and prints (``python -m minipar.plan``).
+
+``cmd_memory``, ``cmd_params``, ``cmd_flops``, ``cmd_search`` and ``cmd_estimate`` take the
+parsed flags (``minipar.plan.__main__.build_parser``) and print a readable table, or with
+``--json`` one JSON document. Bad input raises ``PlanError`` (a ``UsageError``): the command
+line turns it into exit status 2 and one line.
+"""
+from __future__ import annotations
+
+import json
+
+from . import moe as moe_plan
+from ..sharding import parse_shard, zero_shard
+from .errors import PlanError
+from .estimate import estimate
+from .frameworks import FRAMEWORKS, check_framework
+from .hardware import load_hardware
+from .layout import Layout, check_layout, dp_per_node
+from .memory import model_state_bytes
+from .search import explain, search
+from .shapes import ModelShape, megatron_flops, megatron_params, model_preset, training_flops
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:,.2f} GiB"
+
+
+def _human(x: float) -> str:
+    return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
+
+
+def _table(rows: list[list], headers: list[str]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _emit(args, data, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+# --------------------------------------------------------------------------------------
+# Sub-commands
+# --------------------------------------------------------------------------------------
+def _shape_from_args(args) -> ModelShape:
+    """A preset (--model) or an explicit shape (--layers --hidden --vocab --seq-len)."""
+    if args.model:
+        return model_preset(args.model, args.seq_len)
+    missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "vocab", "seq_len")
+               if getattr(args, n) is None]
+    if missing:
+        raise PlanError(f"give --model NAME or all of --layers --hidden --vocab --seq-len "
+                        f"(missing {' '.join(missing)})")
+    llama = args.arch == "llama"
+    return ModelShape("custom", args.arch, args.layers, args.hidden, args.heads or 1,
+                      args.vocab, args.seq_len, args.ffn_hidden or 0,
+                      tied_head=not (llama or args.untied_head),
+                      bias=not (llama or args.no_bias))
+
+
+def cmd_params(args) -> None:
+    shape = _shape_from_args(args)
+    data = {"params": shape.params, "arch": shape.arch, "layers": shape.layers,
+            "hidden": shape.hidden, "vocab": shape.vocab, "seq_len": shape.seq_len,
+            "ffn_hidden": shape.ffn, "layer_params": shape.layer_params}
+    rows = [["parameters (exact count)", f"{shape.params:,}"],
+            ["per layer", f"{shape.layer_params:,}"], ["MLP width F", f"{shape.ffn:,}"]]
+    if shape.arch == "gpt":
+        data["megatron_formula"] = megatron_params(shape.layers, shape.hidden, shape.vocab,
+                                                   shape.seq_len)
+        rows.append(["12lh^2(1+13/(12h)+(V+s)/(12lh))", f"{data['megatron_formula']:,}"])
+    _emit(args, data, _table(rows, ["quantity", "value"]))
+
+
+def cmd_flops(args) -> None:
+    shape = _shape_from_args(args)
+    if args.batch and args.global_batch_tokens:
+        raise PlanError("give --batch (sequences) or --global-batch-tokens, not both")
+    if args.global_batch_tokens:
+        if args.global_batch_tokens % shape.seq_len:
+            raise PlanError(f"--global-batch-tokens {args.global_batch_tokens} is not a "
+                            f"multiple of the sequence length {shape.seq_len}")
+        batch = args.global_batch_tokens // shape.seq_len
+    else:
+        batch = args.batch or (shape.global_batch_tokens // shape.seq_len) or 1
+    model_f = training_flops(shape, batch, "none")
+    hardware_f = training_flops(shape, batch, args.recompute)
+    moe = moe_plan.from_args(args)                      # MoE: FLOPs follow the active params
+    if moe is not None:
+        model_f = moe_plan.training_flops(shape, moe, batch, "none")
+        hardware_f = moe_plan.training_flops(shape, moe, batch, args.recompute)
+    data = {"batch": batch, "seq_len": shape.seq_len, "recompute": args.recompute,
+            "model_flops": model_f, "hardware_flops": hardware_f}
+    rows = [["global batch (sequences)", batch],
+            ["model FLOPs (no recomputation)", f"{model_f:.4g}"],
+            [f"hardware FLOPs (recompute={args.recompute})", f"{hardware_f:.4g}"]]
+    if moe is not None:
+        data["moe"] = moe_plan.summary(shape, moe)
+        rows += [["MoE parameters (total)", f"{data['moe']['total_params']:,}"],
+                 ["MoE parameters active per token", f"{data['moe']['active_params']:,}"]]
+    if shape.arch == "gpt" and moe is None:
+        data["megatron_flops"] = megatron_flops(batch, shape.seq_len, shape.layers,
+                                                shape.hidden, shape.vocab,
+                                                recompute=args.recompute == "full")
+        data["flops"] = data["megatron_flops"]
+        rows.insert(1, ["Megatron-LM formula", f"{data['flops']:.4g}"])
+    else:
+        data["flops"] = hardware_f
+    if args.step_time:
+        if not (args.gpus and args.hardware):
+            raise PlanError("--step-time needs --gpus and --hardware to compute utilisation")
+        hw = load_hardware(args.hardware)
+        per_gpu = data["flops"] / args.step_time / args.gpus
+        data.update(flops_per_gpu=per_gpu, percent_of_peak=100 * per_gpu / hw.peak_flops,
+                    mfu=model_f / args.step_time / args.gpus / hw.peak_flops)
+        rows += [["achieved TFLOP/s per GPU", f"{per_gpu / 1e12:.2f}"],
+                 ["percent of peak", f"{data['percent_of_peak']:.2f}%"],
+                 ["MFU", f"{data['mfu']:.2%}"]]
+    _emit(args, data, _table(rows, ["quantity", "value"]))
+
+
+def _spec(args, dp: int):
+    if args.zero is not None and args.shard is not None:
+        raise PlanError("give either --zero or --shard, not both (a ZeRO stage is a preset "
+                        "of the shard spec)")
+    if args.shard is not None:
+        return parse_shard(args.shard)
+    return zero_shard(args.zero or 0, dp)
+
+
+def cmd_memory(args) -> None:
+    if args.params is None and not args.model:
+        raise PlanError("give --params N (e.g. 175B) or --model NAME")
+    # a preset's shape is split exactly over tp and pp (replicated norms, padded vocabulary);
+    # a bare count evenly
+    shape = model_preset(args.model) if args.params is None else None
+    n = args.params if shape is None else shape.params
+    inner = args.tp * args.pp * args.cp
+    if args.gpus % inner:
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
+    dp = args.gpus // inner
+    if args.cp > 1 and moe_plan.from_args(args) is not None:
+        raise PlanError(moe_plan.MOE_CP)
+    spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
+    out = model_state_bytes(n if shape is None else shape, dp * args.cp, shard=spec, tp=args.tp,
+                            pp=args.pp, dtype=args.dtype)
+    moe = moe_plan.from_args(args)                      # MoE: experts split by --ep
+    if moe is not None:
+        if shape is None:
+            raise PlanError("--moe-experts needs the model's shape: give --model NAME, not --params")
+        out = moe_plan.state_bytes(shape, moe, dp, args.ep, shard=spec, tp=args.tp, pp=args.pp,
+                                   dtype=args.dtype)
+        n = moe_plan.params(shape, moe)["total"]
+    data = {"params_bytes": out["params"], "grads_bytes": out["grads"],
+            "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
+            "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
+            "dtype": args.dtype,
+            "shard": {"p": spec[0], "g": spec[1], "os": spec[2]}}
+    if moe is not None:
+        data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep,
+                           expert_params_per_device=out["expert_params"])
+    rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"]
+            for k in ("params", "grads", "optimizer", "total")]
+    cp = f" cp={args.cp}" if args.cp > 1 else ""
+    text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp}{cp} dp={dp}, "
+            f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
+            + _table(rows, ["part", "bytes", "GiB"]))
+    _emit(args, data, text)
+
+
+def _results_table(results) -> str:
+    rows = []
+    for i, e in enumerate(results, 1):
+        lay = e.layout
+        rows.append([i, lay.tp, lay.pp, lay.v, lay.cp, lay.dp, lay.micro_batch, lay.microbatches,
+                     "{},{},{}".format(*lay.shard), lay.recompute,
+                     _human(e.memory["total"]), f"{e.step_time:.4g}",
+                     f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
+    return (_table(rows, ["#", "tp", "pp", "v", "cp", "dp", "b", "m", "shard", "recompute",
+                          "memory", "step s", "tokens/s", "MFU"])
+            + "\n" + LEGEND)
+
+
+LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); cp: ranks each "
+          "sequence is split over (context parallelism); b: micro-batch size in sequences; m: "
+          "micro-batches per step per pipeline; shard: s_p,s_g,s_os, the data-parallel (dp x "
+          "cp) ranks that share parameters, gradients, optimizer states; memory: per device")
+
+
+def cmd_search(args) -> None:
+    moe = moe_plan.from_args(args)
+    if moe is not None and ((args.cp or 1) > 1 or args.max_cp):
+        raise PlanError(moe_plan.MOE_CP)
+    cp = 1 if moe is not None else args.cp
+    results = search(args.model, args.gpus, args.hardware, tp=args.tp, pp=args.pp, cp=cp,
+                     max_cp=args.max_cp,
+                     global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
+                     micro_batch=args.micro_batch, shard=args.shard, zero=args.zero,
+                     recompute=args.recompute, top=args.top if moe is None else 10**6,
+                     max_tp=args.max_tp,
+                     order=args.order, overlap=args.overlap, flash=args.flash_attention,
+                     dtype=args.dtype, framework=args.framework, sp=args.sp,
+                     v=args.chunks, schedule=args.schedule, objective=args.objective,
+                     reserve=args.reserve)
+    if moe is not None:                                 # MoE: re-rank the dense candidates
+        results = moe_plan.rerank(results, model_preset(args.model, args.seq_len), moe, args.ep,
+                                  load_hardware(args.hardware), args.top,
+                                  args.order or FRAMEWORKS[args.framework].order,
+                                  args.overlap, args.dtype)
+    why = explain(results[0], results[1] if len(results) > 1 else None)
+    if moe is not None:
+        why += "\n  " + results[0].notes[-1]
+    data = [e.to_json() for e in results]
+    data[0]["explain"] = why
+    first = results[0].layout
+    ranked = ("data-parallel communication time, nothing hidden (AMSP's objective)"
+              if args.objective == "amsp" else "predicted step time")
+    header = (f"{args.model} on {args.gpus} x {args.hardware} with {args.framework}, global "
+              f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
+    if cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
+        seq_len = model_preset(args.model, args.seq_len).seq_len
+        header += (f"context parallelism weighed: without it, sequences of {seq_len:,} tokens "
+                   f"fit only with full recomputation or not at all\n")
+    _emit(args, data, header + _results_table(results) + "\n\n" + why)
+
+
+def cmd_estimate(args) -> None:
+    shape = model_preset(args.model, args.seq_len)
+    hw = load_hardware(args.hardware)
+    if not (args.dp or args.gpus):
+        raise PlanError("give --dp or --gpus")
+    inner = args.tp * args.pp * args.cp
+    if args.gpus and args.gpus % inner:
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
+    if args.cp > 1 and moe_plan.from_args(args) is not None:
+        raise PlanError(moe_plan.MOE_CP)
+    dp = args.dp or args.gpus // inner
+    spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
+    batch = shape.global_batch_tokens // shape.seq_len if args.global_batch is None \
+        else args.global_batch
+    notes = []
+    if args.microbatches is None:
+        if batch % (dp * args.micro_batch):
+            raise PlanError(f"the global batch of {batch} sequences does not divide into "
+                            f"dp={dp} replicas of micro-batches of {args.micro_batch}; give "
+                            f"--microbatches or --global-batch")
+        microbatches = batch // (dp * args.micro_batch)
+        notes.append(f"micro-batches: {microbatches} per step, from the global batch of "
+                     f"{batch} sequences / (dp {dp} x micro-batch {args.micro_batch})")
+    else:
+        microbatches = args.microbatches
+        notes.append(f"micro-batches: {microbatches} per step (given), so a global batch of "
+                     f"{dp * args.micro_batch * microbatches} sequences")
+    v = args.chunks
+    schedule = args.schedule
+    if schedule == "interleaved":
+        if v < 2:
+            raise PlanError("--schedule interleaved needs --chunks of 2 or more")
+        schedule = "1f1b"
+    elif v > 1:
+        raise PlanError("--chunks > 1 needs --schedule interleaved")
+    layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
+                    microbatches=microbatches, shard=spec, recompute=args.recompute,
+                    v=v, sp=args.sp, schedule=schedule, cp=args.cp)
+    fw = FRAMEWORKS[args.framework]
+    order = args.order or fw.order
+    check_layout(shape, layout, gpus=args.gpus, order=order,
+                 gpus_per_node=hw.gpus_per_node)
+    check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order))
+    e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
+                 flash=args.flash_attention, dtype=args.dtype, framework=fw,
+                 reserve=args.reserve)
+    moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
+    if moe is not None:
+        e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.overlap, args.dtype)
+    data = e.to_json()
+    data["explain"] = explain(e, label="layout")
+    data["notes"] = notes
+    if moe is not None:
+        data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
+        data["explain"] += "\n  " + e.notes[-1]
+    _emit(args, data, f"{args.model} on {layout.gpus} x {args.hardware} with {fw.name}; "
+          + "; ".join(notes) + "\n" + _results_table([e]) + "\n\n" + data["explain"]
+          + ("" if e.fits else "\n  DOES NOT FIT in device memory"))
