@@ -12,10 +12,13 @@
   "350M"), ``fraction`` (0 to 1).
 * ``check_output_file(path, flag)``: an output path that can be written, checked before any
   work starts (not a folder, its folder exists, a file can be created there).
+* ``text_table(rows, headers)`` and ``emit(args, data, text)``: what the planner's and the
+  benches' sub-commands print, a right-aligned table or with ``--json`` one JSON document.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -175,3 +178,17 @@ def check_output_file(path: str, flag: str) -> None:
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot be written ({e.strerror or e}); "
                          f"choose another path") from None
+
+
+def text_table(rows: list[list], headers: list[str]) -> str:
+    """Rows under right-aligned headers, a dashed line between."""
+    cells = [[str(h) for h in headers]] + [[str(x) for x in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def emit(args, data, text: str) -> None:
+    """With ``--json`` the data as one JSON document on stdout, else the readable text."""
+    print(json.dumps(data, indent=2) if args.json else text)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import NANO, assert_same_moe_training, assert_same_training, cli, serial_state
-from minipar import comm, dist, moe
+from minipar import comm, dist, moe, train
 from minipar.model import build, config
 from minipar.plan import moe as plan_moe
 from minipar.plan.shapes import trainer_presets
@@ -318,13 +318,7 @@ def composed(cases: dict, name: str) -> dict:
     key = tuple(cases)
     if key not in _LAUNCHES:
         _LAUNCHES[key] = dist.launch(_train_cases, 4, cases, 4, timeout=600)
-    ranks = [r[name] for r in _LAUNCHES[key]]
-    params, grads = {}, {}
-    for r in ranks:
-        params.update(r["params"])
-        grads.update(r["grads"])
-    history = ranks[0]["history"]
-    return dict(losses=[h["loss"] for h in history], history=history, params=params, grads=grads)
+    return train.merge_states([r[name] for r in _LAUNCHES[key]])
 
 
 @pytest.mark.parametrize("cases,name", [(QUICK, n) for n in QUICK] + [

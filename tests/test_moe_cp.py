@@ -15,7 +15,7 @@ Cheap by construction: every layout in ONE launch of 4 ranks, against one serial
 import pytest
 
 from conftest import NANO, assert_same_moe_training, assert_same_training, serial_state
-from minipar import dist
+from minipar import dist, train
 from minipar.model import config
 from minipar.plan import moe as plan_moe
 
@@ -58,13 +58,7 @@ def tmp(tmp_path_factory):
 def _composed(name: str, tmp: str) -> dict:
     if not _LAUNCH:
         _LAUNCH.append(dist.launch(_train_cases, 4, CASES, tmp, timeout=600))
-    ranks = [r[name] for r in _LAUNCH[0]]
-    params, grads = {}, {}
-    for r in ranks:
-        params.update(r["params"])
-        grads.update(r["grads"])
-    history = ranks[0]["history"]
-    return dict(losses=[h["loss"] for h in history], history=history, params=params, grads=grads)
+    return train.merge_states([r[name] for r in _LAUNCH[0]])
 
 
 @pytest.mark.slow

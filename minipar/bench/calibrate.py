@@ -51,6 +51,8 @@ import os
 import time
 from pathlib import Path
 
+from ..cli import emit, text_table
+
 QUICK_SIZES = [2**12, 2**16, 2**20, 2**22]                 # bytes
 FULL_SIZES = [2**k for k in range(10, 25, 2)]              # 1 KiB .. 16 MiB
 WORK_S = 0.002    # compute before each timed all-reduce: what a TP rank of tiny computes
@@ -374,19 +376,6 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
 # --------------------------------------------------------------------------------------
 # The command line: python -m minipar.bench calibrate
 # --------------------------------------------------------------------------------------
-def text_table(rows: list[list], headers: list[str]) -> str:
-    """Rows under right-aligned headers (the validate and calibrate printouts)."""
-    cells = [[str(h) for h in headers]] + [[str(x) for x in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def emit(args, data, text: str) -> None:
-    print(json.dumps(data, indent=2) if args.json else text)
-
-
 def _gib(x: float) -> str:
     return f"{x / 2**30:,.2f} GiB"
 

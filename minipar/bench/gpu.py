@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from .. import cli, data, dist, mfu, train
+from .. import cli, data, mfu, train
 from ..train import to_device
 from ..errors import UsageError
 from ..model import PRESETS, build

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 
 from ..errors import UsageError
-from .calibrate import _trainer_args, calibrate, emit, text_table, train_history
+from ..cli import emit, text_table
+from .calibrate import _trainer_args, calibrate, train_history
 
 
 # --------------------------------------------------------------------------------------

@@ -7,9 +7,8 @@ line turns it into exit status 2 and one line.
 """
 from __future__ import annotations
 
-import json
-
 from . import moe as moe_plan
+from ..cli import emit, text_table
 from ..sharding import parse_shard, zero_shard
 from .errors import PlanError
 from .estimate import estimate
@@ -27,18 +26,6 @@ def _gib(x: float) -> str:
 
 def _human(x: float) -> str:
     return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
-
-
-def _table(rows: list[list], headers: list[str]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _emit(args, data, text: str) -> None:
-    print(json.dumps(data, indent=2) if args.json else text)
 
 
 # --------------------------------------------------------------------------------------
@@ -71,7 +58,7 @@ def cmd_params(args) -> None:
         data["megatron_formula"] = megatron_params(shape.layers, shape.hidden, shape.vocab,
                                                    shape.seq_len)
         rows.append(["12lh^2(1+13/(12h)+(V+s)/(12lh))", f"{data['megatron_formula']:,}"])
-    _emit(args, data, _table(rows, ["quantity", "value"]))
+    emit(args, data, text_table(rows, ["quantity", "value"]))
 
 
 def cmd_flops(args) -> None:
@@ -118,7 +105,7 @@ def cmd_flops(args) -> None:
         rows += [["achieved TFLOP/s per GPU", f"{per_gpu / 1e12:.2f}"],
                  ["percent of peak", f"{data['percent_of_peak']:.2f}%"],
                  ["MFU", f"{data['mfu']:.2%}"]]
-    _emit(args, data, _table(rows, ["quantity", "value"]))
+    emit(args, data, text_table(rows, ["quantity", "value"]))
 
 
 def _spec(args, dp: int):
@@ -166,8 +153,8 @@ def cmd_memory(args) -> None:
     cp = f" cp={args.cp}" if args.cp > 1 else ""
     text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp}{cp} dp={dp}, "
             f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
-            + _table(rows, ["part", "bytes", "GiB"]))
-    _emit(args, data, text)
+            + text_table(rows, ["part", "bytes", "GiB"]))
+    emit(args, data, text)
 
 
 def _results_table(results) -> str:
@@ -178,7 +165,7 @@ def _results_table(results) -> str:
                      "{},{},{}".format(*lay.shard), lay.recompute,
                      _human(e.memory["total"]), f"{e.step_time:.4g}",
                      f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
-    return (_table(rows, ["#", "tp", "pp", "v", "cp", "dp", "b", "m", "shard", "recompute",
+    return (text_table(rows, ["#", "tp", "pp", "v", "cp", "dp", "b", "m", "shard", "recompute",
                           "memory", "step s", "tokens/s", "MFU"])
             + "\n" + LEGEND)
 
@@ -223,7 +210,7 @@ def cmd_search(args) -> None:
         seq_len = model_preset(args.model, args.seq_len).seq_len
         header += (f"context parallelism weighed: without it, sequences of {seq_len:,} tokens "
                    f"fit only with full recomputation or not at all\n")
-    _emit(args, data, header + _results_table(results) + "\n\n" + why)
+    emit(args, data, header + _results_table(results) + "\n\n" + why)
 
 
 def cmd_estimate(args) -> None:
@@ -281,6 +268,6 @@ def cmd_estimate(args) -> None:
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
         data["explain"] += "\n  " + e.notes[-1]
-    _emit(args, data, f"{args.model} on {layout.gpus} x {args.hardware} with {fw.name}; "
+    emit(args, data, f"{args.model} on {layout.gpus} x {args.hardware} with {fw.name}; "
           + "; ".join(notes) + "\n" + _results_table([e]) + "\n\n" + data["explain"]
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))

@@ -64,8 +64,9 @@ from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_
 from .shapes import ModelShape
 
 COUNT_BYTES = 8     # int64 routing counts
-MOE_CP = ("the planner's MoE costs do not model context parallelism yet (the trainer runs MoE "
-          "with --cp); use --cp 1 with --moe-experts")
+MOE_CP = ("the planner prices MoE without context parallelism only: its all-to-all, expert-state "
+          "and expert all-reduce costs are derived for whole sequences per rank, not for cp ranks "
+          "sharing one (the trainer runs MoE with --cp); plan it with --cp 1")
 
 
 @dataclass(frozen=True)
