@@ -78,8 +78,9 @@ def fully_shard(module: nn.Module, group=None, units=None, mp_policy=None,
                 prefetch: bool = True) -> "ShardedDataParallel":
     """ZeRO-3 over ``group`` (None: the whole world): see ``ShardedDataParallel``.
 
-    ``units``: which modules are gathered together, as ``shard.units_of`` reads it (None: the
-    module's ``parts()`` or each child that owns parameters; a list of modules; or a policy
+    ``units``: which modules are gathered together, as ``shard.units_of`` reads it (None: each
+    child that owns parameters, ModuleList/ModuleDict looked into; a list of modules, such as
+    minipar's ``GPT.parts()``; or a policy
     ``module -> bool``, FSDP's auto-wrap policy). ``mp_policy``: a ``PrecisionPolicy``-shaped
     value (``param_dtype``, ``reduce_dtype``, ``master_dtype``, ``loss_scaler``); None: fp32.
     """

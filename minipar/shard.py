@@ -141,9 +141,10 @@ def units_of(module: nn.Module, units=None,
     """FSDP's wrapping: the groups of parameters gathered, freed and reduced together.
 
     ``units`` picks the modules that become units:
-      * None: the module's ``parts()`` when it names them (minipar's GPT and pipeline stages:
-        the embedding, each block, the head), else each child module that owns parameters
-        (containers without a forward, ModuleList and ModuleDict, are looked into);
+      * None: each child module that owns parameters (containers without a forward,
+        ModuleList and ModuleDict, are looked into): for minipar's GPT the embedding, each
+        block and the head, what ``GPT.parts()`` lists (the trainer passes ``parts()``, which a
+        pipeline ``Stage`` has too, as the list);
       * a list of modules;
       * a policy, a function ``module -> bool`` (FSDP's auto-wrap policy): the outermost
         submodules it accepts.
@@ -153,7 +154,7 @@ def units_of(module: nn.Module, units=None,
     experts) and frozen ones (``requires_grad=False``), which stay replicated.
     """
     if units is None:
-        parts = module.parts() if hasattr(module, "parts") else _children_with_parameters(module)
+        parts = _children_with_parameters(module)
     elif callable(units):
         parts = _accepted(module, units)
     else:

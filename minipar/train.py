@@ -215,7 +215,7 @@ def build_engine(cfg: RunConfig, grid: Mesh, module, policy: PrecisionPolicy | N
     if cfg.spec is not None:
         from . import zero
         data_axis = grid if cfg.cp == 1 else DataAxis(grid)
-        return zero.ShardedEngine(module, data_axis, cfg.spec, optimizer,
+        return zero.ShardedEngine(module, data_axis, cfg.spec, optimizer, units=module.parts(),
                                   reduce_dtype=reduce_dtype, groups=groups)
     dense = grid.group("dp_cp")
     return dp.DataParallel(module, comm.SOLO if dense is None else dense, mode=cfg.dp_mode,

@@ -98,6 +98,7 @@ class Variant:
             grid = dist.Grid(dp=d)
             self.net = self.model
             self.engine = zero.ShardedEngine(self.model, grid, spec, lambda ps: _adamw(ps, lr),
+                                             units=self.model.parts(),   # as FSDP2's above
                                              prefetch=not name.endswith("noprefetch"))
         self.peak = 0
         for part in self.model.parts():
