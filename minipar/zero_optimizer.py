@@ -124,9 +124,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.zero_grad()
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._built = True
+
+    # torch's Optimizer.__init__ adds the groups it is given through add_param_group; after
+    # that the flat units are laid out and a new group would have none
+    _built = False
 
     def add_param_group(self, param_group):
-        if hasattr(self, "units"):
+        if self._built:
             raise NotImplementedError("ShardedOptimizer: give every parameter group when it is built")
         super().add_param_group(param_group)
 
