@@ -91,6 +91,27 @@ def test_moe_cp_gather_bytes_equal_the_formula(name, tmp):
     assert got["all_gather"] == layers * per_layer["all_gather"]
 
 
+@pytest.mark.slow
+def test_moe_cp_state_bytes_and_counts_equal_the_planner(capsys, tmp):
+    """cp=2 x dp=2, ep=2, ZeRO-1, fp32: the non-expert states sharded over dp x cp, the experts
+    split by ep and replicated over cp, as ``plan.moe.state_bytes`` and ``python -m minipar.plan
+    memory --cp 2`` say; the routing-count all-to-all of ``plan.moe.step_comm_bytes``."""
+    import json
+    from minipar.plan.__main__ import main as plan_main
+    from minipar.plan.shapes import trainer_presets
+    last = _composed("cp2 dp2 ep2 zero1", tmp)["history"][-1]
+    got = last["model_state_bytes"]
+    shape, moe = trainer_presets()["nano"], plan_moe.MoE(E, K)
+    plan = plan_moe.state_bytes(shape, moe, dp=2, ep=2, zero=1, dtype="fp32", cp=2)
+    assert (got["params"], got["grads"]) == (plan["params"], plan["grads"])
+    assert plan_main(["memory", "--model", "nano", "--gpus", "4", "--cp", "2", "--zero", "1",
+                      "--dtype", "fp32", "--moe-experts", str(E), "--ep", "2", "--json"]) == 0
+    cli_plan = json.loads(capsys.readouterr().out)
+    assert (cli_plan["params_bytes"], cli_plan["grads_bytes"]) == (got["params"], got["grads"])
+    counts = plan_moe.step_comm_bytes(shape, moe, tokens=8 // 2 * shape.seq_len // 2, ep=2)
+    assert last["comm_bytes"]["all_to_all_counts"] == counts["all_to_all_counts"]
+
+
 def test_moe_cp_checkpoint_resumes_on_one_process(tmp):
     """Saved at step 2 as cp=2 x dp=2 (ep 2): steps 3 and 4 on one process are the serial run's."""
     from minipar.train import run_state

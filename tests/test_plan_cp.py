@@ -139,8 +139,6 @@ def test_cli_estimate_and_search_with_cp(capsys):
       "--cp", 2, "--seq-len", 4100], "over --tp 8"),
     (["estimate", "--model", "llama-7b", "--hardware", H100, "--gpus", 16, "--cp", 2,
       "--framework", "fsdp"], "no context parallelism"),
-    (["estimate", "--model", "llama-7b", "--hardware", H100, "--gpus", 16, "--cp", 2,
-      "--moe-experts", 8], "context parallelism"),
     (["search", "--model", "llama-7b", "--hardware", H100, "--gpus", 64, "--cp", 3],
      "not divisible by 6"),
     (["search", "--model", "llama-7b", "--hardware", H100, "--gpus", 64, "--cp", 0], "--cp"),
@@ -149,6 +147,48 @@ def test_bad_cp_exits_2_with_one_line(capsys, args, words):
     code, out, err = _cli(capsys, *args)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and words in err, err
+
+
+def test_moe_under_cp_routes_a_cp_share_and_gathers_the_choices(capsys):
+    """MoE at cp=2 against cp=1 on the same replicas: each rank's all-to-all bytes halve (it
+    routes b s/cp tokens), the experts stay whole per rank while the rest is sharded over
+    dp x cp, and the choices' all-gather over cp is charged, blocking."""
+    from minipar.plan import moe as plan_moe
+    from minipar.plan.timing import collective_time
+    shape, moe, hw = model_preset("llama-7b"), plan_moe.MoE(8, 2), load_hardware(H100)
+    one, two = (plan_moe.adjust(estimate(shape, hw, Layout(tp=2, cp=cp, dp=4,
+                                                           shard=(1, 1, 4 * cp))),
+                                shape, moe, 2, hw) for cp in (1, 2))
+    a2a = [float(e.notes[-1].split("all-to-all ")[1].split(" MiB")[0].replace(",", ""))
+           for e in (one, two)]
+    assert a2a[1] == pytest.approx(a2a[0] / 2, rel=1e-3)
+    states = plan_moe.state_bytes(shape, moe, dp=4, ep=2, shard=(1, 1, 8), tp=2, cp=2)
+    assert two.memory["optimizer"] == states["optimizer"] < one.memory["optimizer"]
+    assert two.memory["params"] == one.memory["params"]        # experts and the rest replicated
+    dense = estimate(shape, hw, Layout(tp=2, cp=2, dp=4, shard=(1, 1, 8)))
+    choices = 1 * shape.seq_len * 2 * plan_moe.COUNT_BYTES       # b s k int64, whole sequence
+    gather = shape.layers * collective_time("all_gather", choices, 2, 2, hw)
+    assert two.times["cp_exposed"] == pytest.approx(dense.times["cp_exposed"] + gather)
+    code, out, err = _cli(capsys, "estimate", "--model", "llama-7b", "--hardware", H100,
+                          "--gpus", 16, "--tp", 2, "--cp", 2, "--moe-experts", 8, "--ep", 2)
+    assert code == 0 and "MoE: 8 experts" in out, err
+
+
+def test_expert_replica_placement_is_the_trainers_mesh():
+    """The planner's edp group (an expert's replicas: dp/ep x cp) against ``minipar.mesh``'s
+    ``edp`` lines: as many members per node, for every small layout."""
+    import itertools
+    from minipar.mesh import axis_lines
+    from minipar.plan.moe import edp_stride
+    from minipar.plan.timing import placement
+    for tp, cp, pp, dp, ep, per_node in itertools.product((1, 2), (1, 2, 4), (1, 2), (2, 4, 8),
+                                                          (1, 2), (4, 8)):
+        lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp)
+        edp = axis_lines(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)["edp"][0].tolist()
+        nodes = [r // per_node for r in edp]
+        want = max(nodes.count(n) for n in set(nodes))
+        got = placement(len(edp), edp_stride(lay, "tp,pp,dp", per_node, ep), per_node)[0]
+        assert got == want, (tp, cp, pp, dp, ep, per_node)
 
 
 def test_replica_placement_is_the_trainers_mesh():

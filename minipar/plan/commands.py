@@ -128,8 +128,6 @@ def cmd_memory(args) -> None:
     if args.gpus % inner:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
     dp = args.gpus // inner
-    if args.cp > 1 and moe_plan.from_args(args) is not None:
-        raise PlanError(moe_plan.MOE_CP)
     spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
     out = model_state_bytes(n if shape is None else shape, dp * args.cp, shard=spec, tp=args.tp,
                             pp=args.pp, dtype=args.dtype)
@@ -138,7 +136,7 @@ def cmd_memory(args) -> None:
         if shape is None:
             raise PlanError("--moe-experts needs the model's shape: give --model NAME, not --params")
         out = moe_plan.state_bytes(shape, moe, dp, args.ep, shard=spec, tp=args.tp, pp=args.pp,
-                                   dtype=args.dtype)
+                                   dtype=args.dtype, cp=args.cp)
         n = moe_plan.params(shape, moe)["total"]
     data = {"params_bytes": out["params"], "grads_bytes": out["grads"],
             "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
@@ -178,9 +176,7 @@ LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); cp: r
 
 def cmd_search(args) -> None:
     moe = moe_plan.from_args(args)
-    if moe is not None and ((args.cp or 1) > 1 or args.max_cp):
-        raise PlanError(moe_plan.MOE_CP)
-    cp = 1 if moe is not None else args.cp
+    cp = args.cp
     results = search(args.model, args.gpus, args.hardware, tp=args.tp, pp=args.pp, cp=cp,
                      max_cp=args.max_cp,
                      global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
@@ -221,8 +217,6 @@ def cmd_estimate(args) -> None:
     inner = args.tp * args.pp * args.cp
     if args.gpus and args.gpus % inner:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
-    if args.cp > 1 and moe_plan.from_args(args) is not None:
-        raise PlanError(moe_plan.MOE_CP)
     dp = args.dp or args.gpus // inner
     spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
     batch = shape.global_batch_tokens // shape.seq_len if args.global_batch is None \

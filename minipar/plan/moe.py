@@ -38,11 +38,15 @@ MLP's (``tp_layer_comm_bytes``, per MoE layer and micro-batch)::
                  + 2 (tp-1)/tp b s h b              without SP: output fwd, input grad bwd
     all_reduce   2 (tp-1)/tp (h E + E/ep m_p) g     router and experts' gradients (f), bwd
 
-Under context parallelism (cp ranks share each sequence) the layer gathers the choices over
-cp too (``cp_layer_comm_bytes``, per MoE layer and micro-batch; under TP the TP gather above
-then carries b s/cp tokens)::
+Under context parallelism (cp ranks share each sequence, ``minipar.moe``) a rank routes
+t/(tp cp) tokens, so the all-to-alls, the TP gathers above and the MoE FLOPs per rank are those
+of b s/cp tokens; the layer gathers the whole sequence's choices over cp before it fills the
+capacity slots (``cp_layer_comm_bytes``, per MoE layer and micro-batch, blocking)::
 
     all_gather   (cp-1)/cp b s k 8                  the choices, forward
+
+The experts are replicated over cp: their states are split by ep only, and their gradients
+all-reduced over the dp/ep x cp replicas (``edp``); the rest is sharded over dp x cp.
 
 The all-to-alls are on the critical path (each layer waits for its tokens): time = count x
 ((ep-1) alpha + bytes / beta), beta the slowest link the EP group crosses (``network``).
@@ -64,9 +68,6 @@ from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_
 from .shapes import ModelShape
 
 COUNT_BYTES = 8     # int64 routing counts
-MOE_CP = ("the planner prices MoE without context parallelism only: its all-to-all, expert-state "
-          "and expert all-reduce costs are derived for whole sequences per rank, not for cp ranks "
-          "sharing one (the trainer runs MoE with --cp); plan it with --cp 1")
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,9 @@ def training_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "no
 # --------------------------------------------------------------------------------------
 def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=None,
                 zero: int | None = None, tp: int = 1, pp: int = 1,
-                dtype: str = "mixed") -> dict[str, int]:
-    """Model-state bytes per device: non-expert parameters sharded by the spec, experts
-    split by ep (and pp; replicated over tp) and kept whole."""
+                dtype: str = "mixed", cp: int = 1) -> dict[str, int]:
+    """Model-state bytes per device: non-expert parameters sharded by the spec over the
+    dp x cp replicas, experts split by ep (and pp; replicated over tp and cp) and kept whole."""
     check(moe, ep, dp)
     l_stage = math.ceil(moe.layers(shape) / pp)
     m_p = expert_params(shape)
@@ -145,7 +146,7 @@ def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=Non
     dense_mlp = math.ceil((m_p - row_bias) / tp) + row_bias
     non_expert = (stage_params(shape, tp, pp) - l_stage * dense_mlp
                   + l_stage * shape.hidden * moe.experts)
-    out = model_state_bytes(non_expert, dp, shard=shard, zero=zero, dtype=dtype)
+    out = model_state_bytes(non_expert, dp * cp, shard=shard, zero=zero, dtype=dtype)
     experts = l_stage * (moe.experts // ep) * m_p
     for key, per_param in zip(("params", "grads", "optimizer"), BYTES_PER_PARAM[dtype]):
         out[key] += per_param * experts
@@ -221,70 +222,90 @@ def all_to_all_time(nbytes: float, calls: int, ep: int, stride: int, hw) -> floa
 # --------------------------------------------------------------------------------------
 # One layout: the dense estimate, adjusted
 # --------------------------------------------------------------------------------------
+def edp_stride(lay, order: str, gpus_per_node: int, ep: int) -> int:
+    """The distance between neighbours of an expert's replicas, as one evenly spaced group
+    (what ``collective_time`` prices): the same EP position in the other dp/ep EP groups, at
+    every cp index. With cp = 1 the line is even (ep x the dp stride); otherwise it is found
+    by placing the group and counting how many members share the first one's node."""
+    s = lay.strides(order)
+    size = lay.dp // ep * lay.cp
+    if lay.cp == 1 or size == lay.cp:
+        return s["dp"] * ep if lay.cp == 1 else s["cp"]
+    members = [c * s["cp"] + j * ep * s["dp"] for c in range(lay.cp) for j in range(lay.dp // ep)]
+    per_node = sum(r < gpus_per_node for r in members)
+    return max(1, gpus_per_node // per_node) if per_node < size else s["cp"]
+
+
 def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
            overlap: float | None = None, dtype: str | None = None):
     """The dense ``Estimate`` of ``shape`` turned into the MoE model's: model states (experts
-    split by ep), compute (active parameters), the all-to-alls (blocking) and the expert
-    gradients' all-reduce over their replicas. Returns a new Estimate (``times['ep_comm']``
-    added) and its MoE figures in ``notes``."""
+    split by ep), compute (active parameters), the all-to-alls (blocking), under cp the
+    choices' all-gather (blocking), and the expert gradients' all-reduce over their replicas.
+    Under cp a rank routes b s/(tp cp) tokens and the experts' replicas span cp. Returns a new
+    Estimate (``times['ep_comm']`` added) and its MoE figures in ``notes``."""
     from .network import collective_time, zero_collectives
     lay = e.layout
     dtype = dtype or hw.dtype
-    if lay.cp > 1:
-        raise PlanError(MOE_CP)
     check(moe, ep, lay.dp, lay.tp)
     memory = dict(e.memory)
     states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,
-                         dtype=dtype)
+                         dtype=dtype, cp=lay.cp)
     for key in ("params", "grads", "optimizer"):
         memory["total"] += states[key] - memory[key]
         memory[key] = states[key]
 
     times = dict(e.times)
     l_stage = math.ceil(moe.layers(shape) / lay.pp)
+    calls = l_stage * lay.microbatches                  # MoE layers run per step on a stage
     extra = (4 if lay.recompute == "full" else 3) * extra_forward_flops(shape, moe, lay.global_batch)
     extra_stage = extra * l_stage / max(1, moe.layers(shape))
     busy = times["compute"] + times["tp_comm"]
-    times["compute"] += extra_stage / (lay.dp * lay.tp) / hw.achievable_flops
+    times["compute"] += extra_stage / (lay.dp * lay.tp * lay.cp) / hw.achievable_flops
     times["bubble"] *= (times["compute"] + times["tp_comm"]) / busy    # the bubble scales with it
 
     strides = lay.strides(order)
-    tokens = lay.micro_batch * shape.seq_len // lay.tp     # each TP rank routes its share
+    seq = shape.seq_len // lay.cp                       # this cp rank's tokens of a sequence
+    tokens = lay.micro_batch * seq // lay.tp            # each TP rank routes its share
     elem = ACTIVATION_BYTES[dtype]
-    a2a = l_stage * lay.microbatches * all_to_all_bytes_balanced(tokens, moe.top_k, shape.hidden,
-                                                                 ep, elem)
-    times["ep_comm"] = all_to_all_time(a2a, 4 * l_stage * lay.microbatches, ep, strides["dp"], hw)
+    a2a = calls * all_to_all_bytes_balanced(tokens, moe.top_k, shape.hidden, ep, elem)
+    times["ep_comm"] = all_to_all_time(a2a, 4 * calls, ep, strides["dp"], hw)
+    choices = lay.micro_batch * seq * moe.top_k * COUNT_BYTES     # this cp rank's, int64
+    if lay.cp > 1:      # the whole sequence's choices, gathered over cp before capacity
+        gather = calls * collective_time("all_gather", choices * lay.cp, lay.cp, strides["cp"], hw)
+        times["cp_comm"] = times.get("cp_comm", 0.0) + gather
+        times["cp_exposed"] = times.get("cp_exposed", 0.0) + gather
     if lay.tp > 1:     # the MoE layer's TP collectives in place of the dense MLP's
         t, stride = lay.tp, strides["tp"]
-        act = lay.micro_batch * shape.seq_len * shape.hidden * elem
+        act = lay.micro_batch * seq * shape.hidden * elem
         full = lay.recompute == "full"
         if lay.sp:
             dense_mlp = (3 if full else 2) * (collective_time("all_gather", act, t, stride, hw)
                                               + collective_time("reduce_scatter", act, t, stride, hw))
         else:
             dense_mlp = (3 if full else 2) * collective_time("all_reduce", act, t, stride, hw)
-        moe_tp = (collective_time("all_gather", lay.micro_batch * shape.seq_len * moe.top_k
-                                  * COUNT_BYTES, t, stride, hw)
+        moe_tp = (collective_time("all_gather", choices, t, stride, hw)
                   + (0 if lay.sp else (3 if full else 2) * collective_time("all_gather", act, t,
                                                                            stride, hw))
                   + collective_time("all_reduce", (shape.hidden * moe.experts + moe.experts // ep
                                                    * expert_params(shape)) * BYTES_PER_PARAM[dtype][1],
                                     t, stride, hw))
-        times["tp_comm"] += l_stage * lay.microbatches * (moe_tp - dense_mlp)
+        times["tp_comm"] += calls * (moe_tp - dense_mlp)
 
-    collectives = zero_collectives(states["non_expert_params"], lay.dp, lay.shard, dtype, lay.microbatches,
-                                   recompute=lay.recompute == "full")
+    collectives = zero_collectives(states["non_expert_params"], lay.replicas, lay.shard, dtype,
+                                   lay.microbatches, recompute=lay.recompute == "full")
+    replica = lay.replica_stride(order, hw.gpus_per_node)
     dp_comm = sum(c.count * c.calls * collective_time(c.op, c.nbytes / c.calls, c.size,
-                                                      c.stride * strides["dp"], hw)
+                                                      c.stride * replica, hw)
                   for c in collectives)
     dp_comm += collective_time("all_reduce", states["expert_params"] * BYTES_PER_PARAM[dtype][1],
-                               lay.dp // ep, strides["dp"] * ep, hw)
+                               lay.dp // ep * lay.cp, edp_stride(lay, order, hw.gpus_per_node, ep),
+                               hw)
     # the same share of it hides behind compute as in the dense estimate
     hidden_share = 1 - e.times["dp_exposed"] / e.times["dp_comm"] if e.times.get("dp_comm") else 0.0
     times["dp_comm"] = dp_comm
     times["dp_exposed"] = dp_comm * (1 - hidden_share)
-    times["step"] = sum(times[k] for k in ("compute", "tp_comm", "bubble", "pp_comm",
-                                           "dp_exposed", "ep_comm"))
+    times["step"] = sum(times.get(k, 0.0) for k in ("compute", "tp_comm", "cp_exposed", "bubble",
+                                                    "pp_comm", "dp_exposed", "ep_comm"))
     model_flops = training_flops(shape, moe, lay.global_batch, "none")
     hw_flops = training_flops(shape, moe, lay.global_batch, lay.recompute)
     peak = times["step"] * lay.gpus * hw.peak_flops
@@ -334,11 +355,10 @@ def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
     """The dense search's candidates as MoE layouts: adjusted, those that fit, fastest first.
 
     The search itself ranks dense layouts; ``cmd_search`` asks it for many candidates and
-    this keeps the MoE's best ``top`` (``cmd_search`` searches them with cp = 1). Layouts
-    whose dp is not a multiple of ep are skipped, and so are those with cp > 1 (``MOE_CP``).
+    this keeps the MoE's best ``top``. Layouts whose dp is not a multiple of ep are skipped.
     """
     out = [adjust(e, shape, moe, ep, hw, order, overlap, dtype) for e in results
-           if e.layout.dp % ep == 0 and e.layout.cp == 1]
+           if e.layout.dp % ep == 0]
     out = sorted((e for e in out if e.fits), key=lambda e: e.step_time)
     if not out:
         raise PlanError(f"no layout of the {len(results)} candidates fits the MoE model with "
