@@ -190,7 +190,7 @@ def test_shipped_collective_tables_are_cited_and_never_extrapolate():
     from minipar.plan.network import collective_time, coverage
     for name, widest in (("frontier-mi250x", 256), ("a800-ib", 3)):
         hw = load_hardware(name)
-        assert hw.collective_table and "not found" in hw.sources["collective_table"]
+        assert hw.collective_table and "not found" in hw.sources["collective_table"].lower()
         assert max(r["nodes"] for r in hw.collective_table) == widest
         model = replace(hw, collective_table=None)
         # a measured row is read off as measured, not modelled
@@ -205,9 +205,17 @@ def test_shipped_collective_tables_are_cited_and_never_extrapolate():
                 == collective_time("all_reduce", 1 << 28, wide, 1, model))
         assert coverage("all_reduce", wide, 1, hw).endswith(
             f"measured only over 8-{8 * widest} ranks")
-        # no reduce-scatter was found: flagged across nodes, the intra-node model inside one
-        assert "no measured table" in coverage("reduce_scatter", 16, 1, hw)
-        assert coverage("reduce_scatter", 8, 1, hw) is None
+    # a800-ib: no reduce-scatter was found: flagged across nodes, the intra-node model inside one
+    assert "no measured table" in coverage("reduce_scatter", 16, 1, hw)
+    assert coverage("reduce_scatter", 8, 1, hw) is None
+    # frontier-mi250x: reduce-scatter measured over 1-128 nodes, all-gather over 1-64
+    hw = load_hardware("frontier-mi250x")
+    for op, widest in (("reduce_scatter", 128), ("all_gather", 64)):
+        assert coverage(op, 8 * widest, 1, hw, 1 << 30) is None
+        assert coverage(op, 8 * widest * 2, 1, hw, 1 << 30).endswith(
+            f"measured only over 8-{8 * widest} ranks")
+        assert coverage(op, 16, 1, hw, 1 << 20) == (f"{op} of 1 MiB over 16 ranks (2 nodes): "
+                                                    "measured only from 2 MiB")
 
 
 def test_frontier_all_reduce_between_measured_node_counts_is_interpolated():
