@@ -5,8 +5,12 @@ import sys
 import threading
 import time
 
-import pytest
-import torch
+# One thread per process, here and in every process a test starts (ranks, commands, notebook
+# kernels): with 2 to 8 processes on 2 cores, more threads only wait on each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
 os.environ.setdefault("MINIPAR_TIMEOUT", "60")
@@ -77,23 +81,45 @@ def _warm_forkserver():
 
 _warm_forkserver()
 
-# nodeid -> the line printed when it starts: the run says what takes minutes, not only dots.
-_ANNOUNCE: dict[str, str] = {}
 STILL_RUNNING_S = 20.0   # a test still running after this long is named, and every minute after
+
+# The files that take longest, heaviest first (CPU seconds of a whole run, logged per test:
+# README "Test time"). pytest-xdist hands whole files to its two workers in this order, so the
+# run does not end with one worker busy on a long file while the other waits. Order only:
+# every file runs, and a file missing here runs after these.
+HEAVY_FIRST = [
+    "tests/test_compose.py", "tests/test_dist.py", "notebooks/06_scaling_experiments.ipynb",
+    "tests/test_moe.py", "tests/test_exercises.py", "tests/test_clean_exit.py", "tests/test_tp.py",
+    "tests/test_zero.py", "notebooks/05_3d_parallel_trainer.ipynb", "tests/test_train.py",
+    "tests/test_cp_train.py", "tests/test_dp.py", "tests/test_plan.py", "tests/test_pp.py",
+    "notebooks/08_mixture_of_experts.ipynb", "tests/test_checkpoint.py",
+    "notebooks/01_data_parallel.ipynb", "tests/test_scaling.py", "tests/test_moe_cp.py",
+    "tests/test_bringup.py", "notebooks/04_zero_and_amsp.ipynb",
+    "notebooks/03_pipeline_parallel.ipynb", "tests/test_precision.py", "tests/test_mfu.py",
+    "notebooks/00_collectives.ipynb", "notebooks/02_tensor_parallel.ipynb",
+    "notebooks/09_long_context.ipynb",
+]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every notebook is slow (nbval runs it top to bottom): the quick tier skips them.
-    Each notebook is announced by one line when it starts."""
-    cells: dict[str, list] = {}
+    """Every notebook is slow (nbval runs it top to bottom): the quick tier skips them. The
+    heaviest files go first (``HEAVY_FIRST``); the order inside a file is kept."""
     for item in items:
-        path = str(item.fspath)
-        if path.endswith(".ipynb"):
+        if str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.slow)
-            cells.setdefault(path, []).append(item)
-    for path, nb_items in cells.items():
-        _ANNOUNCE[nb_items[0].nodeid] = (f"notebook {os.path.relpath(path, ROOT)}: "
-                                         f"running its {len(nb_items)} cells")
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.relpath(str(item.fspath), ROOT), len(rank)))
+
+
+def _announcement(nodeid: str) -> str | None:
+    """The line printed when a notebook starts (nbval names its first code cell "Cell 0")."""
+    path, _, cell = nodeid.partition("::")
+    if not (path.endswith(".ipynb") and cell == "Cell 0"):
+        return None
+    import json
+    with open(os.path.join(ROOT, path)) as f:
+        cells = sum(c["cell_type"] == "code" for c in json.load(f)["cells"])
+    return f"notebook {path}: running its {cells} cells"
 
 
 class _Watch:
@@ -127,7 +153,8 @@ class _Watch:
             self.timer.cancel()
 
 
-_WATCH: list = []
+# nodeid -> its watch; under pytest-xdist two tests run at once and both are reported here
+_WATCH: dict = {}
 
 
 def _reporter():
@@ -139,22 +166,25 @@ def pytest_runtest_logstart(nodeid, location):
     reporter = _reporter()
     if reporter is None:
         return
-    line = _ANNOUNCE.get(nodeid)
+    line = _announcement(nodeid)
     if line:
         reporter.ensure_newline()
         reporter.write_line(line)
-    _WATCH.append(_Watch(reporter, nodeid))
+    _WATCH[nodeid] = _Watch(reporter, nodeid)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_logreport(report):
-    if _WATCH and (report.when == "call" or report.outcome != "passed"):
-        _WATCH.pop().stop()
+    if report.when == "call" or report.outcome != "passed":
+        watch = _WATCH.pop(report.nodeid, None)
+        if watch is not None:
+            watch.stop()
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    while _WATCH:
-        _WATCH.pop().stop()
+    watch = _WATCH.pop(nodeid, None)
+    if watch is not None:
+        watch.stop()
 
 
 _CONFIG: list = []

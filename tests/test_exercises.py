@@ -140,8 +140,8 @@ def test_grader_stops_an_endless_loop(tmp_path):
     path = tmp_path / "ex01_student.py"
     path.write_text(HEADER + "while True:\n    pass\n")
     t = time.monotonic()
-    failures = exercises.check("ex01", path=path, timeout=8)
-    assert failures and failures[0].startswith("timed out after 8 s without progress"), failures
+    failures = exercises.check("ex01", path=path, timeout=3)     # the loop burns a core
+    assert failures and failures[0].startswith("timed out after 3 s without progress"), failures
     assert time.monotonic() - t < 20
 
 
