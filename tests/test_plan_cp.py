@@ -139,6 +139,8 @@ def test_cli_estimate_and_search_with_cp(capsys):
       "--cp", 2, "--seq-len", 4100], "over --tp 8"),
     (["estimate", "--model", "llama-7b", "--hardware", H100, "--gpus", 16, "--cp", 2,
       "--framework", "fsdp"], "no context parallelism"),
+    (["estimate", "--model", "llama-7b", "--hardware", H100, "--gpus", 16, "--tp", 4, "--cp", 2,
+      "--seq-len", 4100, "--moe-experts", 8, "--ep", 2], "a cp rank's share 2050"),
     (["search", "--model", "llama-7b", "--hardware", H100, "--gpus", 64, "--cp", 3],
      "not divisible by 6"),
     (["search", "--model", "llama-7b", "--hardware", H100, "--gpus", 64, "--cp", 0], "--cp"),

@@ -97,6 +97,18 @@ def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> N
         raise PlanError(f"--ep {ep} must divide the data-parallel degree {dp}")
 
 
+def tp_violation(seq_len: int, tp: int = 1, cp: int = 1) -> str | None:
+    """Why an MoE layer cannot route under ``tp`` (None if it can): each TP rank routes 1/tp of
+    a cp rank's s/cp tokens. The trainer (``minipar.moe.validate``) and ``adjust`` share it."""
+    if tp > 1 and (seq_len // cp) % tp:
+        where = f"the sequence length {seq_len}" if cp == 1 else \
+            f"a cp rank's share {seq_len // cp} of the sequence"
+        return (f"an MoE layer under --tp {tp} routes 1/{tp} of each sequence's tokens on each "
+                f"TP rank, but {where} is not divisible by {tp}; use a --seq-len that is a "
+                f"multiple of {tp * cp * (2 if cp > 1 else 1)}")
+    return None
+
+
 # --------------------------------------------------------------------------------------
 # Parameters and FLOPs
 # --------------------------------------------------------------------------------------
@@ -247,6 +259,9 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     lay = e.layout
     dtype = dtype or hw.dtype
     check(moe, ep, lay.dp, lay.tp)
+    why = tp_violation(shape.seq_len, lay.tp, lay.cp)
+    if why:
+        raise PlanError(why)
     memory = dict(e.memory)
     states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,
                          dtype=dtype, cp=lay.cp)
@@ -355,10 +370,12 @@ def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
     """The dense search's candidates as MoE layouts: adjusted, those that fit, fastest first.
 
     The search itself ranks dense layouts; ``cmd_search`` asks it for many candidates and
-    this keeps the MoE's best ``top``. Layouts whose dp is not a multiple of ep are skipped.
+    this keeps the MoE's best ``top``. Layouts whose dp is not a multiple of ep, or whose TP
+    ranks cannot split a cp rank's tokens (``tp_violation``), are skipped.
     """
     out = [adjust(e, shape, moe, ep, hw, order, overlap, dtype) for e in results
-           if e.layout.dp % ep == 0]
+           if e.layout.dp % ep == 0
+           and tp_violation(shape.seq_len, e.layout.tp, e.layout.cp) is None]
     out = sorted((e for e in out if e.fits), key=lambda e: e.step_time)
     if not out:
         raise PlanError(f"no layout of the {len(results)} candidates fits the MoE model with "
