@@ -139,7 +139,6 @@ from . import comm
 from .seqsplit import (all_gather_stacked, gather_seq, gather_seq_replicated, scatter_seq,
                        slice_seq)
 from .errors import UsageError
-from .plan.moe import tp_violation
 
 
 # --------------------------------------------------------------------------------------
@@ -504,9 +503,12 @@ def validate(cfg, ep: int, dp: int, tp: int = 1, cp: int = 1) -> None:
                         ("moe-z-coef", cfg.moe_z_coef)):
         if not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{name} must be a finite number >= 0, got {value}")
-    why = tp_violation(cfg.seq_len, tp, cp)
-    if why:
-        raise UsageError(why)
+    if tp > 1 and (cfg.seq_len // cp) % tp:
+        where = f"the sequence length {cfg.seq_len}" if cp == 1 else \
+            f"a cp rank's share {cfg.seq_len // cp} of the sequence"
+        raise UsageError(f"an MoE layer under --tp {tp} routes 1/{tp} of each sequence's tokens "
+                         f"on each TP rank, but {where} is not divisible by {tp}; use a "
+                         f"--seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
     if dp % ep:
         raise UsageError(f"--ep {ep} must divide the data-parallel degree {dp} (EP groups are "
                          f"consecutive data-parallel ranks); use an --ep that divides {dp}")

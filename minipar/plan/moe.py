@@ -99,7 +99,8 @@ def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> N
 
 def tp_violation(seq_len: int, tp: int = 1, cp: int = 1) -> str | None:
     """Why an MoE layer cannot route under ``tp`` (None if it can): each TP rank routes 1/tp of
-    a cp rank's s/cp tokens. The trainer (``minipar.moe.validate``) and ``adjust`` share it."""
+    a cp rank's s/cp tokens. ``minipar.moe.validate`` applies the same rule (importing it
+    from here would close an import cycle through ``plan.shapes`` and the model)."""
     if tp > 1 and (seq_len // cp) % tp:
         where = f"the sequence length {seq_len}" if cp == 1 else \
             f"a cp rank's share {seq_len // cp} of the sequence"
