@@ -50,7 +50,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from . import trace
+from .runtime import trace
 
 
 

@@ -53,7 +53,7 @@ import torch
 from einops import einsum, rearrange
 
 from . import comm
-from .errors import UsageError
+from .runtime.errors import UsageError
 from .model import GPT, CausalSelfAttention
 from .plan.layout import cp_violation
 

@@ -68,8 +68,9 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import comm, dp, optim
-from .errors import UsageError
+from . import comm, dp
+from .train import optim
+from .runtime.errors import UsageError
 from .shard import (GroupGrid, ShardedUnits, ShardMesh, Spec, Unit, gather_up,
                     reduce_scatter_down)
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as tdist
 from einops import rearrange
 
-from .errors import UsageError
+from .runtime.errors import UsageError
 
 AXES = ("dp", "pp", "cp", "tp")
 DERIVED = ("ep", "edp", "dp_cp")
@@ -139,7 +139,7 @@ class Mesh:
 
         Used by the axes and by paradigms that need finer groups (AMSP's shard groups)."""
         from . import comm
-        from .timeouts import new_group as timed_group   # every group gets the collective timeout
+        from .runtime.timeouts import new_group as timed_group  # every group gets the collective timeout
         if not self.distributed:
             return None
         mine = None

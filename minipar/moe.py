@@ -138,7 +138,7 @@ from einops import rearrange
 from . import comm
 from .seqsplit import (all_gather_stacked, gather_seq, gather_seq_replicated, scatter_seq,
                        slice_seq)
-from .errors import UsageError
+from .runtime.errors import UsageError
 
 
 # --------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ import torch
 import torch.nn as nn
 
 from . import comm, data, moe
-from .dist import UsageError
+from .runtime.dist import UsageError
 
 COMPUTE = ("forward", "backward")
 P2P = ("send_act", "recv_act", "send_grad", "recv_grad")

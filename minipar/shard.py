@@ -26,8 +26,10 @@ import torch.nn as nn
 from einops import rearrange
 from torch.utils._pytree import tree_leaves
 
-from . import comm, dist, dp, sharding
-from .errors import UsageError
+from . import comm, dp
+from .runtime import dist
+from .plan import sharding
+from .runtime.errors import UsageError
 
 
 # --------------------------------------------------------------------------------------

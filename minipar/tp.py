@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from . import comm, moe
-from .dist import UsageError
+from .runtime.dist import UsageError
 from .seqsplit import all_gather_stacked as _all_gather_stacked, gather_seq as _gather_seq
 
 if TYPE_CHECKING:     # minipar.model imports minipar.moe, which uses the operators here

@@ -135,11 +135,12 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import comm, dist, dp
+from . import comm, dp
+from .runtime import dist
 from .dp import optimizer_state_bytes
 from .groups import ParamGroup, param_groups
 from .precision import MixedPrecision, PrecisionPolicy
-from .errors import UsageError
+from .runtime.errors import UsageError
 from .shard import (GroupGrid, ShardedUnits, ShardMesh, Spec, Unit,  # noqa: F401
                     all_gather_in_place, alloc_storage, as_grid, free_storage, gather_up,
                     parse_shard, reduce_scatter_down, spec_violation, storage_bytes, units_of,

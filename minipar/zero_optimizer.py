@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import comm, dp, optim
+from . import comm, dp
+from .train import optim
 from . import zero
-from .errors import UsageError
+from .runtime.errors import UsageError
 from .shard import GroupGrid, ShardMesh, Spec, Unit, gather_up
 
 # --------------------------------------------------------------------------------------

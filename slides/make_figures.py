@@ -38,7 +38,8 @@ sys.path.insert(0, str(HERE))             # measured_runs.py, beside this file
 
 import torch  # noqa: E402
 
-from minipar import mesh, plan, plots, pp  # noqa: E402
+from minipar import mesh, plan, pp
+from minipar.lab import plots  # noqa: E402
 import measured_runs  # noqa: E402
 
 OUT = HERE / "figures"

@@ -46,7 +46,7 @@ def machine_line() -> str:
 
 def scaling_measured(save, out: Path) -> dict[str, str]:
     import json
-    from minipar import scaling
+    from minipar.train import scaling
     got = {}
     for mode, argv in SCALING.items():
         records = scaling.sweep(mode, SCALING_NPROC, argv, warmup=SCALING_DISCARD,
@@ -80,7 +80,7 @@ ROUTED_TEXT = "To be, or not to be, that is th"       # notebook 08's
 
 def moe(save) -> dict[str, str]:
     import matplotlib.pyplot as plt
-    from minipar import dist
+    from minipar.runtime import dist
     from minipar.lab import nb08
     runs = nb08.three_runs(progress=False)              # notebook 08's three runs, its defaults
     summary = nb08.summary(runs)
@@ -151,7 +151,9 @@ def writers(path: str) -> dict[str, list[tuple[tuple, tuple, int]]]:
 
 def checkpoint_layouts(save) -> None:
     import matplotlib.pyplot as plt
-    from minipar import dist, scaling, train
+    from minipar.runtime import dist
+    from minipar.train import scaling
+    from minipar import train
     common = ["--model", "nano", "--quiet"]
     with tempfile.TemporaryDirectory(prefix="minipar-slides-") as root:
         saved, resumed = os.path.join(root, "a"), os.path.join(root, "b")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from minipar import cli, dist
+from minipar.runtime import cli, dist
 
 
 _NCCL_TOO_MANY = dist.gpu_count() + 1     # --nproc 2 is valid on a host with two GPUs

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from conftest import NANO
-from minipar import comm, dist, optim, train
+from minipar import comm, train
+from minipar.runtime import dist
+from minipar.train import optim
 
 
 class _FakeEvent:

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from conftest import NANO, ROOT, cli
-from minipar import checkpoint, train
-from minipar.dist import UsageError
+from minipar.train import checkpoint
+from minipar import train
+from minipar.runtime.dist import UsageError
 from minipar.model import build
 
 SAVED_AS = ["--tp", "2", "--dp", "2", "--zero", "1"]
@@ -89,7 +90,7 @@ def test_pytorch_dcp_loads_it_into_a_plain_model(saved):
 
 @pytest.mark.slow
 def test_info_export_and_sample(saved, tmp_path, capsys):
-    from minipar import sample
+    from minipar.train import sample
     checkpoint.main(["info", saved["root"]])
     assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["step"] == 20
     out = tmp_path / "model.pt"
@@ -192,7 +193,7 @@ def test_resume_with_fused_adam(tmp_path, monkeypatch):
     kernel): save at step 2, resume, and steps 3..4 repeat the uninterrupted run bit for bit,
     with the step counter where a fused optimizer keeps it (its parameter's device, fp32)."""
     made = []
-    monkeypatch.setattr(train, "make_optimizer",
+    monkeypatch.setattr(train.loop, "make_optimizer",
                         lambda params, lr: made.append(_fused_adamw(params, lr)) or made[-1])
     root = str(tmp_path / "run")
     full = train.run_state(NANO + ["--steps", "4", "--save", root, "--save-every", "2"], nproc=1)

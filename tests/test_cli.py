@@ -7,8 +7,8 @@ import queue
 import pytest
 
 from conftest import cli
-from minipar import cli as mcli
-from minipar.errors import UsageError
+from minipar.runtime import cli as mcli
+from minipar.runtime.errors import UsageError
 from minipar.plan.__main__ import build_parser
 from minipar.train import parser
 

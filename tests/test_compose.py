@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import assert_same_training
-from minipar import dist
+from minipar.runtime import dist
 from minipar.model import build
 
 STEPS = 4

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minipar import comm, cp, dist
+from minipar import comm, cp
+from minipar.runtime import dist
 from minipar.plan.cp import cp_attention_bytes
 
 B, H, S, D = 2, 3, 16, 8

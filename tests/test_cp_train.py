@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import NANO, assert_same_training, serial_state
-from minipar import dist, train
-from minipar.errors import UsageError
+from minipar.runtime import dist
+from minipar import train
+from minipar.runtime.errors import UsageError
 from minipar import plan
 
 STEPS = ["--steps", "6"]

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from minipar import comm, dist
+from minipar import comm
+from minipar.runtime import dist
 
 
 def _grid_coords(dp, pp, tp):

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from minipar import comm, data, dist, dp
+from minipar import comm, data, dp
+from minipar.runtime import dist
 from minipar.model import build, config, num_params
 from minipar.train import run_state
 

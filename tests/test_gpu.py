@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from conftest import NANO, cli
-from minipar import checkpoint, dist, sample, train
-from minipar.errors import UsageError
+from minipar.train import checkpoint, sample
+from minipar.runtime import dist
+from minipar import train
+from minipar.runtime.errors import UsageError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a GPU (torch.cuda.is_available() is False)")
@@ -36,7 +38,7 @@ def test_nccl_process_group_of_one_rank_through_the_trainer():
 def test_bf16_save_and_resume_on_the_gpu(tmp_path, monkeypatch):
     made = []
     real = train.make_optimizer
-    monkeypatch.setattr(train, "make_optimizer",
+    monkeypatch.setattr(train.loop, "make_optimizer",
                         lambda params, lr: made.append(real(params, lr)) or made[-1])
     flags = SHORT + ["--dtype", "bf16"]
     root = str(tmp_path / "run")

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from minipar import comm, dist, groups, mesh
-from minipar.errors import UsageError
+from minipar import comm, groups, mesh
+from minipar.runtime import dist
+from minipar.runtime.errors import UsageError
 
 # (dp, pp, cp, tp, ep): every axis of size > 1 somewhere, and ep in {1, part, all} of dp
 SHAPES_8 = [(2, 2, 1, 2, 1), (4, 1, 1, 2, 2), (8, 1, 1, 1, 4), (2, 1, 2, 2, 2), (4, 2, 1, 1, 4),

@@ -6,9 +6,12 @@ refuses to run (exit 2) unless asked for a CPU smoke test; the GPU-only tests sk
 import pytest
 import torch
 
-from minipar import mfu, plan
+from minipar.train import mfu
+from minipar import plan
 from minipar.model import build, config
-from minipar.train import LocalRunner, run, summary
+from minipar.train import run
+from minipar.train.loop import LocalRunner
+from minipar.train.report import summary
 
 from conftest import cli
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import NANO, assert_same_moe_training, assert_same_training, cli, serial_state
-from minipar import comm, dist, moe, train
+from minipar import comm, moe, train
+from minipar.runtime import dist
 from minipar.model import build, config
 from minipar.plan import moe as plan_moe
 from minipar.plan.shapes import trainer_presets
@@ -422,7 +423,7 @@ def test_recompute_draws_the_same_router_noise():
     (["--nproc", "2", "--capacity-factor", "-1"], "--capacity-factor"),
 ])
 def test_bad_moe_layouts_are_refused_before_any_work(flags, words):
-    from minipar.errors import UsageError
+    from minipar.runtime.errors import UsageError
     from minipar.train import parse_config
     args = ["--model", "nano", "--batch-size", "8", "--moe-experts", "4", *flags]
     with pytest.raises(UsageError, match=words.replace("-", r"\-")):

@@ -15,7 +15,8 @@ Cheap by construction: every layout in ONE launch of 4 ranks, against one serial
 import pytest
 
 from conftest import NANO, assert_same_moe_training, assert_same_training, serial_state
-from minipar import dist, train
+from minipar.runtime import dist
+from minipar import train
 from minipar.model import config
 from minipar.plan import moe as plan_moe
 

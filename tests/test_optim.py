@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import NANO, assert_same_training, serial_state
-from minipar import data, optim
+from minipar import data
+from minipar.train import optim
 from minipar.model import build, config
 from minipar.train import parse_config, run_state
 

@@ -125,7 +125,7 @@ def _held_and_sent(t, configs, b):
     """On each of t ranks: the parameters this TP rank holds, and the bytes one SP forward
     and backward of b sequences sends, for each config."""
     from minipar import comm, tp
-    from minipar.dist import Grid
+    from minipar.runtime.dist import Grid
     from minipar.model import GPTConfig
     torch.set_num_threads(1)
     grid, out = Grid(1, 1, t), []
@@ -141,7 +141,7 @@ def _held_and_sent(t, configs, b):
 
 
 def test_padded_vocabulary_and_no_biases_over_three_ranks():
-    from minipar.dist import launch
+    from minipar.runtime.dist import launch
     t, b = 3, 2
     for rank_result in launch(_held_and_sent, t, t=t, configs=ODD, b=b):
         for kw, (held, sent) in zip(ODD, rank_result):

@@ -5,7 +5,8 @@ import time
 import pytest
 from conftest import NANO, assert_same_training, cli, quick_tier, serial_state
 
-from minipar import dist, pp
+from minipar.runtime import dist
+from minipar import pp
 from minipar.pp import Instr, backward, forward
 from minipar.train import run_state
 

@@ -156,7 +156,7 @@ def test_reduce_dtype_sets_the_gradient_bytes_on_the_wire():
 
 
 def test_reduce_dtype_bf16_needs_bf16():
-    from minipar.dist import UsageError
+    from minipar.runtime.dist import UsageError
     with pytest.raises(UsageError, match="needs --dtype bf16"):
         parse_config(["--reduce-dtype", "bf16"])
     assert parse_config(["--dtype", "bf16"]).reduce_dtype == "fp32"
@@ -167,7 +167,7 @@ def test_bf16_on_cuda_measures_peak_memory():
     got = run_state(BF16 + ["--backend", "nccl"], nproc=1)
     record = got["history"][-1]
     assert record["peak_memory_bytes"] >= record["model_state_bytes"]["total"]
-    from minipar.mfu import peak_tflops
+    from minipar.train.mfu import peak_tflops
     listed = peak_tflops(torch.cuda.get_device_name(), "bf16") is not None
     assert (record["mfu"] is not None) == listed
 

@@ -19,9 +19,10 @@ small side tensors: 3 to 5% below the planner at nano's h = 32, and less the wid
 import pytest
 import torch
 
-from minipar import dist, plan
-from minipar.memory import activation_bytes_per_layer
-from minipar.mfu import shape_of
+from minipar.runtime import dist
+from minipar import plan
+from minipar.train.memory import activation_bytes_per_layer
+from minipar.train.mfu import shape_of
 from minipar.model import build, config
 from minipar.train import parse_config, worker
 

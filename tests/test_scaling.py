@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from minipar import plan, scaling
+from minipar import plan
+from minipar.train import scaling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NANO = ["--model", "nano", "--steps", "3"]

@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from minipar import plan, scaling
+from minipar import plan
+from minipar.train import scaling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["frontier.sbatch", "dgx.sbatch", "torchrun_multinode.sh"]

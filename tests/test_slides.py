@@ -56,13 +56,13 @@ def _parse(module: str, argv: list[str]) -> None:
         else:           # torchrun / srun set the world; --resume needs the saved run
             train.parser().parse_args(argv)
     elif module == "minipar.sample":
-        from minipar import sample
+        from minipar.train import sample
         sample.parser().parse_args(argv)
     elif module == "minipar.plan":
         from minipar.plan.__main__ import build_parser
         build_parser().parse_args(argv)
     elif module == "minipar.scaling":
-        from minipar import scaling
+        from minipar.train import scaling
         args, rest = scaling.parser().parse_known_args(argv)
         scaling.plan_points(args.mode, scaling.parse_nproc_list(args.nproc_list), rest)
     elif module == "minipar.exercises":

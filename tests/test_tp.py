@@ -7,7 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import NANO, assert_same_training, cli, serial_state
-from minipar import comm, dist, model, plan, tp
+from minipar import comm, model, plan, tp
+from minipar.runtime import dist
 from minipar.train import run_state
 
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from conftest import NANO
-from minipar import trace
+from minipar.runtime import trace
 from minipar.train import run
 
 
@@ -50,7 +50,7 @@ def test_serial_trace_has_block_forwards_and_draws(tmp_path):
 
 
 def test_trace_into_a_missing_folder_is_refused_before_training(tmp_path):
-    from minipar.errors import UsageError
+    from minipar.runtime.errors import UsageError
     with pytest.raises(UsageError, match="--trace"):
         run(NANO + ["--trace", str(tmp_path / "no" / "t.json")])
 

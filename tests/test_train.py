@@ -8,7 +8,7 @@ import time
 import pytest
 
 from minipar import train
-from minipar.dist import UsageError
+from minipar.runtime.dist import UsageError
 
 from conftest import ROOT, cli
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from minipar import plan, pp
-from minipar.sharding import divisors, shard_violation
+from minipar.plan.sharding import divisors, shard_violation
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minipar"
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -76,7 +76,7 @@ def test_a_timeline_converted_twice_is_caught():
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from minipar import plots
+    from minipar.lab import plots
     seconds = pp.ideal_timeline("1f1b", 2, 4, t_fwd=0.010, t_bwd=0.020)
     fig, ax = plt.subplots()
     plots.pipeline_timeline(seconds, ax, unit="ms")

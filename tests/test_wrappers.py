@@ -15,8 +15,9 @@ import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minipar import comm, dist, dp, zero
-from minipar.errors import UsageError
+from minipar import comm, dp, zero
+from minipar.runtime import dist
+from minipar.runtime.errors import UsageError
 
 D, STEPS, BATCH, SEED = 2, 3, 8, 100
 MODELS = ("mlp", "tied")
@@ -459,7 +460,8 @@ def serial_clipped(kind):
 
 
 def _clip_runs():
-    from minipar import fsdp, optim
+    from minipar import fsdp
+    from minipar.train import optim
     r, d = tdist.get_rank(), tdist.get_world_size()
     out = {}
     for kind in MODELS:

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from conftest import NANO, assert_same_training, cli, quick_tier, serial_state
-from minipar import dist
+from minipar.runtime import dist
 from minipar.model import build
 from minipar.train import parse_config, run_state
 

@@ -37,7 +37,7 @@ def median(xs):
 def launch(path: str | None, fn, nprocs: int, *args, **kwargs) -> list:
     """``dist.launch(fn, nprocs, ...)``, every rank traced to ``path`` when it is given
     (the benches' ``--trace FILE``, ``minipar.trace``)."""
-    from .. import dist, trace
+    from ..runtime import dist, trace
     if path is None:
         return dist.launch(fn, nprocs, *args, **kwargs)
     return dist.launch(trace.traced_call, nprocs, path, fn, *args, **kwargs)

@@ -1,8 +1,8 @@
 import importlib
 import sys
 
-from .. import cli
-from ..errors import UsageError
+from ..runtime import cli
+from ..runtime.errors import UsageError
 from . import BENCHES
 
 USAGE = f"usage: python -m minipar.bench {{{','.join(BENCHES)}}} [options]  (each takes --help)"

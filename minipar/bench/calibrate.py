@@ -51,7 +51,7 @@ import os
 import time
 from pathlib import Path
 
-from ..cli import emit, text_table
+from ..runtime.cli import emit, text_table
 
 QUICK_SIZES = [2**12, 2**16, 2**20, 2**22]                 # bytes
 FULL_SIZES = [2**k for k in range(10, 25, 2)]              # 1 KiB .. 16 MiB
@@ -276,7 +276,7 @@ def train_history(argv: list[str], timeout: float = 300.0) -> list[dict]:
     """Rank 0's metrics of a ``minipar.train`` run, its output silenced; one rank runs in
     this process on one thread, as each launched rank does."""
     import torch
-    from minipar.dist import launch
+    from minipar.runtime.dist import launch
     nproc = _trainer_args(argv).nproc or 1
     if nproc == 1:
         before = torch.get_num_threads()
@@ -295,7 +295,7 @@ def calibrate(nprocs: int = 2, quick: bool = False, path: str | Path | None = No
     ``model`` and ``batch_size``: the training step whose measured time over the planner's
     prediction sets ``step_calibration`` (one process, one thread): the calibration point.
     """
-    from minipar.dist import launch
+    from minipar.runtime.dist import launch
     from minipar.plan.compute import compute_parts
     from minipar.plan.errors import PlanError
     from minipar.plan.hardware import hardware_from_dict
@@ -381,7 +381,7 @@ def _gib(x: float) -> str:
 
 
 def cmd_calibrate(args) -> None:
-    from minipar.cli import check_output_file
+    from minipar.runtime.cli import check_output_file
     check_output_file(args.out, "--out")          # before the measurements, not after them
     hw = calibrate(nprocs=args.nproc, quick=args.quick, path=args.out, model=args.model,
                    batch_size=args.batch_size)
@@ -417,8 +417,8 @@ def cmd_calibrate(args) -> None:
 
 
 def build_parser():
-    from minipar.cli import ArgumentParser
-    from minipar.cli import positive_int as positive
+    from minipar.runtime.cli import ArgumentParser
+    from minipar.runtime.cli import positive_int as positive
     p = ArgumentParser(prog="python -m minipar.bench calibrate",
                        description="measure this machine into a planner hardware file")
     p.add_argument("--nproc", type=positive, default=2, help="gloo processes for the collective measurements")

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from .. import cli, comm, cp, dist
+from ..runtime import cli, dist
+from .. import comm, cp
 from ..plan.cp import cp_attention_bytes
 from . import machine, median
 

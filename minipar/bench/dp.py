@@ -12,7 +12,8 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import cli, comm, data, dp, trace
+from ..runtime import cli, trace
+from .. import comm, data, dp
 from ..model import PRESETS, build, config, num_params
 from ..plan.network import ring_bytes
 from . import launch, machine, median

@@ -36,9 +36,11 @@ import time
 
 import torch
 
-from .. import cli, data, mfu, train
-from ..train import to_device
-from ..errors import UsageError
+from ..runtime import cli
+from .. import data, train
+from ..train import mfu
+from ..train.loop import to_device
+from ..runtime.errors import UsageError
 from ..model import PRESETS, build
 from . import machine, median
 
@@ -143,7 +145,7 @@ def run_gpu_tests(timeout: float = 1500.0) -> tuple[bool, str]:
 
 def checkpoint_round_trip(device: str, dtype: str) -> tuple[bool, str]:
     """Train nano 4 steps saving at 2, resume from 2: steps 3..4 must repeat bit for bit."""
-    from .. import checkpoint
+    from ..train import checkpoint
     flags = ["--model", "nano", "--batch-size", "8", "--quiet", "--dtype", dtype,
              "--backend", "gloo" if device == "cpu" else "auto"]
     with tempfile.TemporaryDirectory(prefix="minipar-check-") as tmp:

@@ -17,7 +17,8 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import cli, comm, dist, moe
+from ..runtime import cli, dist
+from .. import comm, moe
 from ..model import MLP, GPTConfig
 from ..plan import moe as plan_moe
 from . import machine, median

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from .. import cli, comm, dist, pp
+from ..runtime import cli, dist
+from .. import comm, pp
 from ..model import PRESETS, CrossEntropy, build, config
 from ..plan import bubble_fraction
 from . import machine, median

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as tdist
 from einops import rearrange
 
-from .. import cli, comm, dist, tp
-from ..errors import UsageError
+from ..runtime import cli, dist
+from .. import comm, tp
+from ..runtime.errors import UsageError
 from ..model import Block, GPTConfig, MLP
 from ..plan.network import ring_bytes, tp_block_comm_bytes
 from . import machine, median

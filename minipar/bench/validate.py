@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from ..errors import UsageError
-from ..cli import emit, text_table
+from ..runtime.errors import UsageError
+from ..runtime.cli import emit, text_table
 from .calibrate import _trainer_args, calibrate, train_history
 
 
@@ -201,8 +201,8 @@ _LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2", "z3"
 
 
 def build_parser():
-    from minipar.cli import ArgumentParser, fraction
-    from minipar.cli import positive_int as positive
+    from minipar.runtime.cli import ArgumentParser, fraction
+    from minipar.runtime.cli import positive_int as positive
     p = ArgumentParser(prog="python -m minipar.bench validate",
                        description="predicted vs measured step time of minipar.train here")
     p.add_argument("--model", default="tiny", help="a minipar.model preset (default tiny)")

@@ -23,7 +23,8 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import cli, comm, data, dist, trace, zero
+from ..runtime import cli, dist, trace
+from .. import comm, data, zero
 from ..model import PRESETS, build, config
 from ..plan.memory import model_state_bytes
 from ..plan.network import zero_comm_bytes

@@ -39,7 +39,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from .. import dist
+from ..runtime import dist
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

@@ -1,7 +1,7 @@
 import sys
 
-from .. import cli
-from ..errors import UsageError
+from ..runtime import cli
+from ..runtime.errors import UsageError
 from . import DEFAULT_CHECK_TIMEOUT, check, get, make, registry, student_file, student_path
 
 

@@ -20,7 +20,8 @@ def _run_two_stages(student, m):
     """Train one step of the nano GPT through the student's schedule; compare with serial."""
     import torch
     import torch.distributed as tdist
-    from minipar import dist, pp
+    from minipar.runtime import dist
+    from minipar import pp
     from minipar.model import build
     grid = dist.Grid(dp=1, pp=2, tp=1)
     g = torch.Generator().manual_seed(1)

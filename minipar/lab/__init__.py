@@ -44,7 +44,7 @@ def traced_step(argv: list[str], name: str, op: str | None = None) -> dict:
     """
     import os
     import tempfile
-    from .. import trace
+    from ..runtime import trace
     path = os.path.join(tempfile.gettempdir(), f"minipar_trace_{name}.json")
     from .. import train
     train.run([*argv, "--quiet", "--trace", path])

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from .. import cli
-from ..errors import UsageError
+from ..runtime import cli
+from ..runtime.errors import UsageError
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 

@@ -12,7 +12,8 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import comm, dist, plan, tp
+from .. import comm, plan, tp
+from ..runtime import dist
 from ..bench import median
 from ..dp import optimizer_state_bytes, tensor_bytes
 from ..model import Block, GPTConfig, build, config

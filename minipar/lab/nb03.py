@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import statistics
 
-from .. import plots, pp
+from . import plots
+from .. import pp
 from ..bench.pp import measure_pipeline  # noqa: F401  (the notebook calls nb03.measure_pipeline)
 from ..plan import bubble_fraction
 

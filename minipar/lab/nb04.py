@@ -20,7 +20,7 @@ from ..bench.zero import Variant, _adamw, _optimizer_tensors, unique_storage_byt
 from ..model import build, config
 from ..plan.memory import BYTES_PER_PARAM, model_state_bytes
 from ..plan.network import zero_comm_bytes, zero_comm_bytes_by_group, zero_group_span
-from ..sharding import divisors, shard_violation, zero_shard
+from ..plan.sharding import divisors, shard_violation, zero_shard
 
 
 def census(model_name: str = "tiny", batch: int = 8) -> dict[str, int]:

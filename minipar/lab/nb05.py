@@ -23,7 +23,9 @@ import statistics
 
 import torch
 
-from .. import comm, data, dist, mesh, plan, scaling, train
+from .. import comm, data, mesh, plan, train
+from ..runtime import dist
+from ..train import scaling
 from ..model import build
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 
-from .. import plan, scaling
+from .. import plan
+from ..train import scaling
 
 
 # --------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def pipeline_sweep(ms=(1, 2, 4, 8, 16), pp: int = 2, micro_batch: int = 2, steps
     it is (p-1)/(m+p-1); uneven stages, messages, and a stage that waits for a descheduled
     neighbour only add to it.
     """
-    from .. import dist
+    from ..runtime import dist
     bubbles = dist.launch(measured_bubbles, pp, list(ms), micro_batch, bubble_steps,
                           timeout=300)[0]                      # one launch for every m
     rows = []

@@ -16,7 +16,8 @@ from dataclasses import replace
 
 import torch
 
-from .. import comm, data, dist, moe
+from .. import comm, data, moe
+from ..runtime import dist
 from ..model import build, config
 from ..plan import moe as plan_moe
 

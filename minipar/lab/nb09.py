@@ -20,9 +20,10 @@ import time
 
 import torch
 
-from .. import comm, cp, data, dist
-from ..memory import saved_tensors_by_layer
-from ..mfu import shape_of
+from .. import comm, cp, data
+from ..runtime import dist
+from ..train.memory import saved_tensors_by_layer
+from ..train.mfu import shape_of
 from ..model import build, config
 from ..plan import Layout, estimate, model_preset, search
 from ..plan.cp import cp_layer_activation_bytes, kv_block_bytes, ring_step_times

@@ -124,7 +124,7 @@ from .search import explain, search
 from .shapes import (PRESETS, ModelShape, forward_flops, gpt_params, llama_ffn, llama_params,
                      megatron_flops, megatron_params, model_preset, stage_flops,
                      training_flops)
-from ..sharding import check_shard, parse_shard, shard_specs, zero_shard
+from .sharding import check_shard, parse_shard, shard_specs, zero_shard
 
 
 __all__ = [

@@ -14,9 +14,9 @@ import os
 import subprocess
 import sys
 
-from ..cli import ArgumentParser, count, fraction, positive_float
-from ..cli import positive_int as positive
-from ..errors import UsageError
+from ..runtime.cli import ArgumentParser, count, fraction, positive_float
+from ..runtime.cli import positive_int as positive
+from ..runtime.errors import UsageError
 from . import moe as moe_plan
 from .commands import cmd_estimate, cmd_flops, cmd_memory, cmd_params, cmd_search
 from .frameworks import FRAMEWORKS

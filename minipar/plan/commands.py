@@ -8,8 +8,8 @@ line turns it into exit status 2 and one line.
 from __future__ import annotations
 
 from . import moe as moe_plan
-from ..cli import emit, text_table
-from ..sharding import parse_shard, zero_shard
+from ..runtime.cli import emit, text_table
+from .sharding import parse_shard, zero_shard
 from .errors import PlanError
 from .estimate import estimate
 from .frameworks import FRAMEWORKS, check_framework

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import PlanError
-from ..sharding import Shard, shard_specs, zero_shard
+from .sharding import Shard, shard_specs, zero_shard
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .errors import PlanError
 from .shapes import RECOMPUTE_MODES, ModelShape
-from ..sharding import Shard, check_shard
+from .sharding import Shard, check_shard
 
 ORDERS = ("tp,pp,dp", "tp,dp,pp")
 

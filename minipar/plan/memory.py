@@ -98,7 +98,7 @@ from collections.abc import Sequence
 from .errors import PlanError
 from .layout import Layout, cp_violation
 from .shapes import ModelShape
-from ..sharding import Shard, resolve_shard
+from .sharding import Shard, resolve_shard
 
 BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}   # weight, gradient, optimizer
 ACTIVATION_BYTES = {"mixed": 2, "fp32": 4}

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from .memory import ACTIVATION_BYTES, BYTES_PER_PARAM, padded_params
 from .timing import (collective_time, coverage, intra_bandwidth, p2p_time,  # noqa: F401
                      placement, ring_bytes, ring_time, size_factor, table_time, tree_time)
-from ..sharding import Shard, resolve_shard
+from .sharding import Shard, resolve_shard
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 

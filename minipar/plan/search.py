@@ -63,7 +63,7 @@ from .layout import ORDERS, Layout, cp_violation, dp_per_node
 from .memory import (activation_bytes, gather_bytes, grad_buffer_bytes, model_state_bytes,
                      stage_params, temporary_bytes)
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
-from ..sharding import Shard, divisors, parse_shard, shard_violation, zero_shard
+from .sharding import Shard, divisors, parse_shard, shard_violation, zero_shard
 
 OBJECTIVES = ("step", "amsp")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")

@@ -220,7 +220,7 @@ def init(backend: str = "auto") -> tuple[str, torch.device]:
 # --------------------------------------------------------------------------------------
 # The process grid: minipar.mesh.Mesh under its first name
 # --------------------------------------------------------------------------------------
-from .mesh import Mesh as Grid  # noqa: E402
+from ..mesh import Mesh as Grid  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # The local launcher

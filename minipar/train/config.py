@@ -12,9 +12,12 @@ import math
 import os
 from dataclasses import dataclass
 
-from . import cli, data, dist, dp, moe, optim, sharding
-from .errors import UsageError
-from .model import PRESETS, RECOMPUTE, GPTConfig, config
+from ..runtime import cli, dist
+from .. import data, dp, moe
+from . import optim
+from ..plan import sharding
+from ..runtime.errors import UsageError
+from ..model import PRESETS, RECOMPUTE, GPTConfig, config
 
 
 # --------------------------------------------------------------------------------------
@@ -268,7 +271,7 @@ def parse_config(argv: list[str]) -> RunConfig:
                          "accepts only TorchDispatchMode contexts there; drop --compile or use "
                          "--recompute selective")
     if a.cp > 1:
-        from . import cp
+        from .. import cp
         cp.validate(model_cfg.seq_len, a.cp, a.tp, a.sp)
     corpus = _corpus_bytes(a.data)
     if int(corpus * data.HELD_OUT) < model_cfg.seq_len + 2:   # the held-out tenth is the shorter
@@ -279,12 +282,12 @@ def parse_config(argv: list[str]) -> RunConfig:
     if a.backend == "nccl" or (a.backend == "auto" and a.nproc is not None):
         dist.resolve_backend(a.backend, a.nproc if a.nproc is not None else 1)
     if a.tp > 1:
-        from . import tp
+        from .. import tp
         tp.validate(model_cfg, a.tp, a.sp)
     elif a.sp:
         raise UsageError("--sp splits the sequence inside the tensor-parallel group; it needs --tp > 1")
     if a.pp > 1:
-        from . import pp
+        from .. import pp
         pp.validate(model_cfg, a.pp, m, a.chunks, a.schedule)
     elif a.schedule == "interleaved":
         raise UsageError("--schedule interleaved needs --pp > 1")

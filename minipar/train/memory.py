@@ -36,7 +36,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .model import Block
+from ..model import Block
 
 
 @contextlib.contextmanager

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from . import comm, mfu
+from .. import comm
+from . import mfu
 
 
 class StepLog:

@@ -12,7 +12,7 @@ no peak for a CPU: MFU is then unknown (None) unless one is given.
 """
 from __future__ import annotations
 
-from .plan.shapes import ModelShape, training_flops
+from ..plan.shapes import ModelShape, training_flops
 
 # Dense TFLOP/s per device (one GCD for the MI250X, which shows up as two devices), from the
 # vendors' datasheets: (name fragments that must all appear, upper case), {dtype: TFLOP/s}.
@@ -57,7 +57,7 @@ def step_flops(cfg, batch: int, recompute: str = "none") -> dict[str, float]:
     """{"model": FLOPs MFU counts, "hardware": FLOPs HFU counts} for ``batch`` sequences."""
     shape = shape_of(cfg)
     if getattr(cfg, "moe_experts", 0):       # MoE: only the k chosen experts per token count
-        from .plan import moe
+        from ..plan import moe
         spec = moe.MoE(cfg.moe_experts, cfg.moe_top_k, cfg.moe_every)
         return {"model": moe.training_flops(shape, spec, batch, "none"),
                 "hardware": moe.training_flops(shape, spec, batch, recompute)}

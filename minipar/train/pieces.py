@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import tp as tp_mod
+from .. import tp as tp_mod
 
 
 @dataclass

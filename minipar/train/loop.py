@@ -34,12 +34,14 @@ from typing import Protocol
 
 import torch
 
-from . import comm, data, dist, dp, mfu, moe, optim, steplog, trace
+from .. import comm, data, dp, moe
+from ..runtime import dist, trace
+from . import mfu, optim, steplog
 from .config import RunConfig, parse_config, parser, world_size_from  # noqa: F401  (re-exported)
-from .groups import ParamGroup, param_groups
-from .mesh import Mesh
-from .model import Block, build
-from .precision import MixedPrecision, PrecisionPolicy
+from ..groups import ParamGroup, param_groups
+from ..mesh import Mesh
+from ..model import Block, build
+from ..precision import MixedPrecision, PrecisionPolicy
 from .report import Progress, banner, engine_name, layout_words, note_changed_training, step_line, summary  # noqa: F401,E501
 
 
@@ -112,13 +114,13 @@ def build_model(cfg: RunConfig, grid: Mesh, device,
     policy = policy or build_policy(cfg)
     model = build(cfg.model_cfg, seed=cfg.seed)
     if grid.tp > 1:
-        from . import tp
+        from .. import tp
         model = tp.parallelize(model, grid, sequence_parallel=cfg.sp)
     if cfg.model_cfg.moe_experts:
         model = moe.expert_parallel(model, grid, cfg.ep)
     model = model.to(device=device, dtype=policy.param_dtype)
     if cfg.cp > 1:
-        from . import cp
+        from .. import cp
         model = cp.parallelize(model, grid.group("cp"), cfg.seq_len)
     if cfg.compile:
         for block in model.blocks:
@@ -161,7 +163,7 @@ def build_runner(cfg: RunConfig, grid: Mesh, model, autocast=contextlib.nullcont
                  policy: PrecisionPolicy | None = None) -> Runner:
     scaler = policy.loss_scaler if policy is not None else None
     if grid.pp > 1:
-        from . import pp, tp
+        from .. import pp, tp
         return pp.PipelineRunner(model, grid, schedule=cfg.schedule,
                                  microbatches=cfg.microbatches, chunks=cfg.chunks,
                                  autocast=autocast, loss_scaler=scaler,
@@ -181,7 +183,7 @@ def DataAxis(grid: Mesh):
     """The mesh as the sharded engine sees it with ``--cp``: dp x cp (``"dp_cp"``) as its one
     data-parallel axis. Every cp rank holds the whole model, so its gradients are averaged, and
     its states sharded, over dp x cp ranks exactly as over data-parallel ones."""
-    from . import zero
+    from .. import zero
 
     class _DataAxis(zero.GroupGrid):
         def __init__(self):
@@ -213,7 +215,7 @@ def build_engine(cfg: RunConfig, grid: Mesh, module, policy: PrecisionPolicy | N
 
     reduce_dtype = policy.reduce_dtype if policy.mixed else None
     if cfg.spec is not None:
-        from . import zero
+        from .. import zero
         data_axis = grid if cfg.cp == 1 else DataAxis(grid)
         return zero.ShardedEngine(module, data_axis, cfg.spec, optimizer, units=module.parts(),
                                   reduce_dtype=reduce_dtype, groups=groups)
@@ -371,7 +373,7 @@ def local_tokens(batches: data.Batches, step: int, mesh: Mesh):
     mean of the ranks' mean losses is the mean over every token of the global batch."""
     x, y = batches.local_batch(step, mesh.dp_rank, mesh.dp)
     if mesh.cp > 1:
-        from . import cp
+        from .. import cp
         x, y = (cp.shard_sequence(t, mesh.cp, mesh.coord("cp")) for t in (x, y))
     return x, y
 
@@ -401,7 +403,7 @@ def collect_state(grid: Mesh, runner: Runner, engine: Engine) -> dict:
     params, grads = {}, {}
     for name, (p, g) in engine.full_named_parameters().items():
         if grid.tp > 1:
-            from . import tp
+            from .. import tp
             p = tp.full_tensor(name, p, runner.module, grid)
             g = tp.full_tensor(name, g, runner.module, grid) if g is not None else None
         serial = runner.serial_name(name)

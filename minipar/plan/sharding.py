@@ -28,7 +28,7 @@ ranks and a larger one is a multiple of them.
 """
 from __future__ import annotations
 
-from .errors import PlanError
+from ..runtime.errors import PlanError
 
 Shard = tuple[int, int, int]
 

@@ -60,7 +60,7 @@ import math
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import comm
+from .. import comm
 from .pieces import pieces
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -196,7 +196,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     their group (one scalar all-reduce), replicated gradients are counted once. Every rank
     scales its gradients by the same ``min(1, max_norm / (norm + 1e-6))``; returns the norm.
     """
-    from . import dp
+    from .. import dp
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
     for p in params:
         if p in _ELSEWHERE:

@@ -1,0 +1,4 @@
+"""``python -m minipar.train``: see ``minipar.train.loop``."""
+from .loop import main
+
+main()
