@@ -22,12 +22,11 @@ solution is the package's own code, so peek only when stuck.
 from minipar.zero import *  # noqa: F401,F403  everything else, as the package has it
 
 
-def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, mesh: ShardMesh):
+def sharded_optimizer_step(units: list[Unit], optimizer, mesh: ShardMesh):
     """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates.
 
     With s_g = 1 (ZeRO-1) ``grad_shard`` is the whole local gradient, so the reduce-scatter
-    over ``mesh.os_group`` is ZeRO-1's: each rank only ever needs the averaged gradient of
-    the slice whose Adam state it keeps.
+    over ``mesh.os_group`` is ZeRO-1's: each rank needs the averaged gradient of its slice only.
     """
     # TODO ex06: write this part
     # per unit: reduce-scatter grad_shard over os_group, all-reduce over rep_group, /d into os_grad;

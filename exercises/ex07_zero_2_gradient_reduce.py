@@ -22,12 +22,8 @@ from minipar.zero import *  # noqa: F401,F403  everything else, as the package h
 
 
 def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
-    """Add the unit's full gradient, summed over the G group, into this rank's G shard.
-
-    The G group is zero_p x zero_g; reduce-scattering over zero_p and then zero_g sends the
-    same bytes as one reduce-scatter over the G group and leaves the chunks nested. The full
-    gradient is dropped afterwards: between steps this rank holds only its G shard.
-    """
+    """Add the unit's full gradient, summed over the G group (p then g), into this rank's G
+    shard; drop the full gradient: between steps only the shard is held."""
     # TODO ex07: write this part
     # flatten the unit's grads (u.flat_grad()), reduce-scatter over p_group then g_group,
     # add the result into u.grad_shard, and drop every p.grad of the unit

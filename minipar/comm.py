@@ -413,6 +413,38 @@ def all_reduce_scalars(values: list[float], group=None, op: str = "sum") -> list
     return t.cpu().tolist()
 
 
+def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``x`` stacked in rank order: (n, *x.shape) (the collectives here are flat)."""
+    out = x.new_empty(size(group) * x.numel())
+    all_gather(out, x.contiguous().view(-1), group)
+    return out.view(size(group), *x.shape)
+
+
+def resolve_group(group):
+    """torch's meaning of ``group`` in comm's convention (where None is a group of one): None
+    is the whole world (one process without a process group: itself), ``SOLO`` one rank."""
+    if group is SOLO:
+        return None
+    if group is None:
+        return WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    return group
+
+
+def broadcast_from_first(tensors, group) -> None:
+    """Overwrite each tensor, in place, with the first rank of ``group``'s (one broadcast each):
+    what DDP, ZeRO and FSDP do when they are built, so that ranks may start from different
+    weights."""
+    if size(group) == 1:
+        return
+    src = global_ranks(group)[0]
+    with torch.no_grad():
+        for t in tensors:
+            c = t.detach() if t.is_contiguous() else t.detach().contiguous()
+            broadcast(c, src, group)
+            if c is not t.detach():
+                t.detach().copy_(c)
+
+
 # --------------------------------------------------------------------------------------
 # A ring all-reduce from send/recv (what all_reduce does inside, for teaching)
 # --------------------------------------------------------------------------------------

@@ -55,20 +55,11 @@ from einops import einsum, rearrange
 from . import comm
 from .runtime.errors import UsageError
 from .model import GPT, CausalSelfAttention
-from .plan.layout import cp_violation
 
 
 # --------------------------------------------------------------------------------------
 # Which tokens a rank holds
 # --------------------------------------------------------------------------------------
-def validate(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> None:
-    """The sequence must cut into 2 cp equal chunks (and each rank's s/cp over TP with SP):
-    the rule the planner checks too (``plan.layout.cp_violation``)."""
-    why = cp_violation(seq_len, cp, tp, sp)
-    if why:
-        raise UsageError(why)
-
-
 def chunks_of(rank: int, n: int, balanced: bool = True) -> tuple[int, ...]:
     """The chunks rank ``rank`` of ``n`` holds: (i, 2n-1-i) of 2n chunks, or (i,) of n."""
     return (rank, 2 * n - 1 - rank) if balanced else (rank,)

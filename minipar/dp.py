@@ -1,35 +1,45 @@
 """Data parallelism in three visible steps: naive, bucketed, overlapped.
 
 Every rank holds the whole model and runs its own slice of the global batch; before the
-optimizer step the gradients are averaged over the data-parallel group of d ranks, so every
-replica takes the same step and stays identical.
+optimizer step the gradients are averaged over the d ranks of the data-parallel group, so
+every replica takes the same step and stays identical.
 
-1. ``naive``: after backward, one all-reduce per parameter tensor. Many small messages:
-   each pays the collective's latency.
-2. ``bucketed``: gradients live in a few flat buffers (``param.grad`` is a view into one),
-   so one all-reduce per bucket of ``bucket_mb`` MiB replaces dozens of small ones
-   (``bucket_mb=None``: DDP's default bucket, 25 MiB; 0: one bucket per parameter).
-3. ``overlapped``: a hook fires when a parameter's gradient is final; once every gradient
-   of a bucket is final, that bucket's all-reduce starts asynchronously while backward goes
-   on computing the earlier layers' gradients. Buckets start in order (as DDP's), so every
-   rank issues the same collectives in the same order.
+1. ``naive``: after backward, one all-reduce per parameter tensor. Many small messages, each
+   paying the collective's latency.
+2. ``bucketed``: gradients live in a few flat buffers (each ``param.grad`` a view into one),
+   so one all-reduce per bucket of ``bucket_mb`` MiB replaces dozens of small ones.
+3. ``overlapped``: a hook fires when a parameter's gradient is final; once every gradient of a
+   bucket is, that bucket's all-reduce starts asynchronously while backward goes on computing
+   the earlier layers' gradients. Buckets start in a fixed order (as DDP's), so every rank
+   issues the same collectives in the same order.
 
-Communication per step, each rank (Ψ = gradient bytes, ring all-reduce over d ranks)::
+Sent per step by each rank (Psi = gradient bytes, ring all-reduce over d ranks)::
 
-    all_reduce: 2 (d-1)/d * Ψ        the same for all three variants; only the message
-                                     count and the overlap differ
-    broadcast:  Ψ from the first rank, once, when the wrapper is built (and the buffers'
-                bytes every forward with ``broadcast_buffers``, none in a model without buffers)
+    all_reduce   2 (d-1)/d Psi      the same for all three; only the message count and the
+                                    overlap differ
+    broadcast    Psi from the first rank, once, when the wrapper is built (and the buffers'
+                 bytes each forward with ``broadcast_buffers``)
 
-gloo has no AVG for every collective: each all-reduce sums, then divides by d.
+gloo has no AVG for every collective: each all-reduce sums, then divides.
 
-Parameters with their own reduction group (``param_groups``: ``minipar.groups.ParamGroup``
-values, e.g. MoE experts over the ``edp`` axis) are broadcast and summed over that group
-instead, divided by the group's ``divisor`` (d), in buckets of their own reduced when the
-rest is averaged, in the same order on every rank: 2 (r-1)/r * Ψ_experts over the r = d/ep
-replicas of a rank's experts (the rest, Ψ - Ψ_experts, as above).
+Parameter groups (``minipar.mesh.ParamGroup``): each group is summed over its own process
+group and divided by its divisor. The default is one group, every parameter over ``group``
+divided by d; an MoE model adds its experts, summed over their replicas only (``edp``),
+reduced at the end of the sync: 2 (r-1)/r Psi_experts over r = d/ep replicas.
 
-Use it like torch's ``DistributedDataParallel`` (any ``nn.Module``, any optimizer)::
+Gradient accumulation: a backward pass inside ``no_sync()`` (or with
+``require_backward_grad_sync = False``, DDP's flag) only accumulates; the next backward outside
+averages everything accumulated, by its end. An engine announces instead that each parameter
+receives m gradients this step (``begin_step(m)``) and averages at its step
+(``finish_grad_sync()``); an overlapped bucket starts once each of its gradients has had all m.
+One counter per parameter serves both: a backward that syncs counts one arrival per parameter.
+
+Mixed precision (``minipar.precision``): with ``reduce_dtype`` wider than the gradients (bf16
+buckets, fp32 reduction, Megatron-LM's default) each bucket is cast to an fp32 copy just before
+its all-reduce (Psi = 4 bytes a gradient); the copies are kept in ``main_grads`` for the
+optimizer's fp32 masters, and the averaged values are rounded back into ``.grad``.
+
+Use it like torch's ``DistributedDataParallel`` (``minipar.wrappers`` lists what carries over)::
 
     model = dp.DataParallel(Net())           # rank 0's weights everywhere; group: the world
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -39,67 +49,19 @@ Use it like torch's ``DistributedDataParallel`` (any ``nn.Module``, any optimize
             loss_fn(model(x[:4]), y[:4]).backward()
         loss_fn(model(x[4:]), y[4:]).backward()   # averaged by the end of this backward
         opt.step()
-
-What it shares with DDP: it is an ``nn.Module`` whose forward is the wrapped module's;
-``group=None`` is the whole world (``comm.SOLO``: a group of one); the first rank's parameters
-and buffers are broadcast when it is built; the synchronisation finishes by the end of each
-backward pass run outside ``no_sync()`` (a callback queued on autograd's engine; every
-all-reduce it started is waited on and released by then, so no async work outlives it); a backward
-inside ``no_sync()`` only accumulates, and stepping an optimizer over gradients that were
-accumulated but not averaged raises instead of silently using them. Where it differs:
-``state_dict()``/``load_state_dict()``/``named_parameters()`` use the wrapped module's names
-(DDP's carry a ``module.`` prefix; here a checkpoint loads straight into the bare model), and
-a parameter no backward reached gets a zero gradient (torch's optimizers would skip it).
-
-The trainer drives it as an engine instead (shared with ``minipar.zero``): ``zero_grad()``,
-``begin_step(m)``, the m backward passes, ``step()`` (average, then the optimizer), and
-``model_state_bytes()``, ``full_named_parameters()``, and ``flat_ranges()``/``sync_params()``
-(for clipping and checkpoints). ``begin_step(m)`` announces that each
-parameter receives m gradients this step: an overlapped bucket starts once each of its
-gradients has had all m, and one more gradient into a bucket already being averaged is an
-error, never a silent wrong sum.
-
-Mixed precision (``--dtype bf16``, ``minipar.precision``): the parameters and the buckets are
-bf16. ``reduce_dtype=torch.float32`` (``--reduce-dtype fp32``, the default, as Megatron-LM)
-casts each bf16 bucket to an fp32 copy just before its all-reduce: the sum is taken in fp32,
-the wire carries 4 bytes per gradient (Ψ = 4 Φ), and the copy (4 Φ bytes in all, transient)
-lives until the optimizer step, which receives it as ``main_grads`` (``MixedPrecision.step``); the bf16
-``.grad`` gets the averaged values too. ``reduce_dtype=None`` reduces the bf16 buckets in place
-(Ψ = 2 Φ) and the optimizer casts afterwards, tensor by tensor. One process (d = 1) reduces
-nothing but still casts bucket by bucket: one kernel per bucket rather than one per tensor.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
-import weakref
 
 import torch
-import torch.distributed as tdist
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
-from .groups import ParamGroup
-from .precision import MixedPrecision
+from .mesh import ParamGroup
 
 MODES = ("naive", "bucketed", "overlapped")
 DEFAULT_BUCKET_MB = 25.0     # bucket_mb=None: DDP's bucket_cap_mb default
-
-
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of every tensor in the optimizer's state (Adam: m, v and the step counters),
-    and the fp32 master weights of a mixed-precision one (``minipar.precision``)."""
-    if optimizer is None:
-        return 0
-    masters = optimizer.master_bytes() if isinstance(optimizer, MixedPrecision) else 0
-    return masters + sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
-                         for state in optimizer.state.values())
 
 
 class Bucket:
@@ -109,43 +71,22 @@ class Bucket:
         self.params = params
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                   device=params[0].device)
-        self.views = {}
-        offset = 0
+        self.views, offset = {}, 0
         for p in params:
             self.views[p] = self.buffer[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
         self.ready = 0          # parameters whose gradient is final this step
         self.handle = None      # the all-reduce in flight
-        self.main = None        # mixed precision: the fp32 copy being reduced (transient)
+        self.main = None        # a wider copy being reduced (mixed precision)
 
     def attach(self):
+        """Make every ``.grad`` the bucket's view again: if someone replaced it (``zero_grad``
+        sets it to None, and backward then allocates a fresh tensor), copy it in first."""
         for p in self.params:
-            p.grad = self.views[p]
-
-    def adopt(self, p: nn.Parameter):
-        """Make ``p.grad`` the bucket's view again if someone replaced it (``optimizer.zero_grad()``
-        sets grads to None, and backward then allocates a fresh tensor): copy it in first."""
-        view = self.views[p]
-        if p.grad is not view:
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-            p.grad = view
-
-    def hand_over(self, averaged: bool = True) -> dict:
-        """After a reduction in a wider dtype: ``.grad`` gets the averaged values (if there
-        was an average to take); returns each parameter's view into ``main`` (what its fp32
-        master reads)."""
-        if self.main is None:
-            return {}
-        if averaged:
-            self.buffer.copy_(self.main)
-        out, offset = {}, 0
-        for p in self.params:
-            out[p] = self.main[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        return out
+            view = self.views[p]
+            if p.grad is not view:
+                view.zero_() if p.grad is None else view.copy_(p.grad)
+                p.grad = view
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
@@ -181,160 +122,103 @@ def sync_buckets(buckets: list[Bucket], group) -> None:
     # EXERCISE ex02 end
 
 
-# --------------------------------------------------------------------------------------
-# Groups and the start: DDP's defaults
-# --------------------------------------------------------------------------------------
-def resolve_group(group):
-    """torch's meaning of ``group`` for comm's convention (where None is a group of one):
-    None is the whole world (a single process without a process group: itself), ``comm.SOLO``
-    a group of one, anything else the process group itself."""
-    if group is comm.SOLO:
-        return None
-    if group is None:
-        return comm.WORLD if tdist.is_initialized() and tdist.get_world_size() > 1 else None
-    return group
+class _Reduction:
+    """One parameter group's buckets (one bucket per parameter in ``naive`` mode), reduced over
+    its group: sum, then divide by its divisor, in ``reduce_dtype`` when that is wider."""
+
+    def __init__(self, group: ParamGroup, bucket_bytes: int | None, reduce_dtype):
+        self.group, self.divisor = group.group, group.divisor
+        params = list(group.params)
+        self.buckets = ([Bucket([p]) for p in reversed(params)] if bucket_bytes is None
+                        else make_buckets(params, bucket_bytes))
+        self.reduce_dtype = reduce_dtype if any(p.dtype != reduce_dtype for p in params) else None
+        self.next = 0           # buckets start in order: the next one to start
+
+    def start(self, b: Bucket):
+        b.attach()
+        b.main = b.buffer if self.reduce_dtype is None else b.buffer.to(self.reduce_dtype)
+        b.handle = comm.all_reduce(b.main, self.group, async_op=True)
+
+    def start_ready(self):
+        while self.next < len(self.buckets) and \
+                self.buckets[self.next].ready == len(self.buckets[self.next].params):
+            self.start(self.buckets[self.next])
+            self.next += 1
+
+    def finish(self, main_grads: dict) -> None:
+        """Start what has not started (in order), wait, divide; fp32 copies into ``main_grads``."""
+        for b in self.buckets[self.next:]:
+            b.ready = len(b.params)
+        self.start_ready()
+        for b in self.buckets:
+            b.handle.wait()
+            b.handle = None
+            b.main.div_(self.divisor)
+            if b.main is not b.buffer:
+                b.buffer.copy_(b.main)
+                main_grads.update({p: b.main[o:o + p.numel()].view_as(p)
+                                   for p, o in zip(b.params, _offsets(b.params))})
+            b.main, b.ready = None, 0
+        self.next = 0
 
 
-def broadcast_from_first(tensors, group) -> None:
-    """Overwrite each tensor, in place, with the first rank of ``group``'s (one broadcast each)."""
-    if comm.size(group) == 1:
-        return
-    src = comm.global_ranks(group)[0]
-    with torch.no_grad():
-        for t in tensors:
-            if t.is_contiguous():
-                comm.broadcast(t.detach(), src, group)
-            else:                          # collectives need contiguous memory
-                c = t.detach().contiguous()
-                comm.broadcast(c, src, group)
-                t.detach().copy_(c)
+def _offsets(params):
+    out, o = [], 0
+    for p in params:
+        out.append(o)
+        o += p.numel()
+    return out
 
 
-def broadcast_module(module: nn.Module, group, own_groups=()) -> None:
-    """Give every rank of ``group`` its first rank's parameters and buffers, as DDP does when it
-    is built: ranks may have built their models from different seeds. A parameter of one of
-    ``own_groups`` (``ParamGroup``: an MoE expert, which differs across its EP group) comes
-    from the first rank of that group instead."""
-    own = {p: g.group for g in own_groups for p in g.params}
-    rest = (p for p in module.parameters() if p not in own)
-    broadcast_from_first(itertools.chain(rest, module.buffers()), group)
-    for p, g in own.items():
-        broadcast_from_first([p], g)
-
-
-# Parameters some DataParallel averages already (a second wrapper would average them twice).
-# (keyed by identity: a WeakSet would compare tensors with ==, which is elementwise)
-_WRAPPED = WeakIdKeyDictionary()
-
-
-def is_wrapped(p: nn.Parameter) -> bool:
-    """``p`` belongs to a ``DataParallel`` (ZeRO's ``ShardedOptimizer`` refuses such parameters)."""
-    return p in _WRAPPED
-
-
-# DataParallels holding gradients accumulated (no_sync, or begin_step) but not averaged yet.
-_UNSYNCED: weakref.WeakSet = weakref.WeakSet()
-_GUARD = []
-
-
-def refuse_unsynced(params, what: str = "optimizer.step()") -> None:
-    """None of ``params`` may hold a gradient that a DataParallel has accumulated but not
-    averaged (that gradient would be this rank's alone): raise before ``what`` uses it."""
-    ids = {id(p) for p in params}
-    for ddp in list(_UNSYNCED):
-        if ids & ddp._param_ids:
-            raise RuntimeError(
-                "DataParallel: the gradients were accumulated (under no_sync(), or for "
-                "begin_step(m)) but not averaged over the group yet; run the last backward "
-                "outside no_sync(), or call finish_grad_sync() (or the engine's step()) before "
-                f"{what}")
-
-
-def _refuse_unsynced_step(optimizer, args, kwargs):
-    """Before any optimizer's step (a global torch hook)."""
-    if _UNSYNCED:
-        refuse_unsynced([p for g in optimizer.param_groups for p in g["params"]])
-
-
-def _install_guard() -> None:
-    if not _GUARD:
-        _GUARD.append(register_optimizer_step_pre_hook(_refuse_unsynced_step))
-
-
-# --------------------------------------------------------------------------------------
-# The wrapper
-# --------------------------------------------------------------------------------------
 class DataParallel(nn.Module):
-    """Average gradients over ``group`` (None: the whole world, as torch; ``comm.SOLO``: one rank).
+    """Average gradients over ``group`` (None: the whole world, as torch; ``comm.SOLO``: one
+    rank), DDP's way. ``mode`` one of ``MODES``; ``bucket_mb`` the bucket size (None: DDP's 25);
+    ``groups``: ``ParamGroup`` values (default: every trainable parameter over ``group``);
+    ``reduce_dtype``: the dtype gradients are summed in (None: their own). ``device_ids``,
+    ``output_device``, ``dim`` and ``process_group`` are DDP's (the module is already where
+    it computes; ``process_group`` is ``group``)."""
 
-    ``mode`` is one of ``MODES``; ``bucket_mb`` the bucket size of the bucketed modes, in
-    MiB (``None``: DDP's default, ``DEFAULT_BUCKET_MB`` = 25);
-    ``optimizer`` (optional) is stepped by ``step()`` when the wrapper is driven as an engine.
-    ``own_groups``: ``minipar.groups.ParamGroup`` values whose parameters reduce over their own
-    group (summed, divided by the group's divisor) instead of ``group`` (MoE experts: the
-    trainer passes them; every other parameter is averaged over ``group``).
-    """
-
-    def __init__(self, module: nn.Module, group=None, mode: str = "overlapped",
-                 bucket_mb: float | None = 4.0, optimizer: torch.optim.Optimizer | None = None,
-                 broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
-                 own_groups: tuple[ParamGroup, ...] | list[ParamGroup] = ()):
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool = True, process_group=None, *, group=None,
+                 mode: str = "overlapped", bucket_mb: float | None = 4.0,
+                 groups: list[ParamGroup] | None = None, reduce_dtype=None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-        if bucket_mb is None:
-            bucket_mb = DEFAULT_BUCKET_MB
+        bucket_mb = DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb
         if not bucket_mb >= 0:
-            raise ValueError(f"bucket_mb must be a size in MiB >= 0 (or None: "
-                             f"{DEFAULT_BUCKET_MB}), not {bucket_mb!r}")
-        self.module, self.mode, self.optimizer = module, mode, optimizer
-        self.group = resolve_group(group)
+            raise ValueError(f"bucket_mb must be a size in MiB >= 0, not {bucket_mb!r}")
+        self.module, self.mode, self.broadcast_buffers = module, mode, broadcast_buffers
+        self.group = comm.resolve_group(group if group is not None else process_group)
         self.d = comm.size(self.group)
-        self.broadcast_buffers = broadcast_buffers
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        if any(is_wrapped(p) for p in self.params):
-            raise ValueError("these parameters are already wrapped by a minipar DataParallel; "
-                             "wrap each module once")
-        # -- parameters with their own reduction group (MoE experts over their replicas) are
-        # broadcast and reduced over it, in buckets of their own (see the docstring)
-        self.own_groups = [g for g in own_groups if g.params]
-        own = {p for g in self.own_groups for p in g.params}
-        self.tagged = [p for p in self.params if p in own]
-        self.params = [p for p in self.params if p not in own]
-        self.own_buckets = [(g, make_buckets(list(g.params), int(bucket_mb * 2**20)))
-                            for g in self.own_groups]
-        self.tagged_buckets = [b for _, bs in self.own_buckets for b in bs]
-        self._own_group_of = {p: g.group for g in self.own_groups for p in g.params}
-        for b in self.tagged_buckets:
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        groups = groups or [ParamGroup("dense", trainable, "dp", self.group, self.d)]
+        # the first rank's weights everywhere (ranks may have built different models); a
+        # group with its own process group (MoE experts) from that group's first rank
+        comm.broadcast_from_first([p for g in groups if g.group is self.group for p in g.params]
+                                  + list(module.buffers()), self.group)
+        for g in groups:
+            if g.group is not self.group:
+                comm.broadcast_from_first(g.params, g.group)
+        size = None if mode == "naive" else int(bucket_mb * 2**20)
+        self.reductions = [_Reduction(g, size, reduce_dtype) for g in groups]
+        self._bucket_of = {p: b for r in self.reductions for b in r.buckets for p in b.params}
+        self.main_grads: dict = {}              # mixed precision: fp32 averaged gradients
+        self.require_backward_grad_sync = True   # DDP's flag: False accumulates, as no_sync()
+        self._expected = None    # gradients each parameter receives before the average
+        self._count: dict = {}
+        self._pending = False    # accumulated gradients not averaged yet
+        self._in_backward = False
+        self._finish_at_end = False   # this backward pass ends with the average (DDP's way)
+        for b in self.buckets():
             b.attach()
-        self.main_grads: dict = {}      # mixed precision: the fp32 reduced gradients (transient)
-        # --
-        broadcast_module(module, self.group, self.own_groups)
-        # a wider dtype to reduce in than the gradients' own (None: their own, in place)
-        widen = reduce_dtype is not None and any(p.dtype != reduce_dtype for p in self.params)
-        self.reduce_dtype = reduce_dtype if widen else None
-        self.buckets: list[Bucket] = []
-        if mode != "naive":
-            self.buckets = make_buckets(self.params, int(bucket_mb * 2**20))
-            for b in self.buckets:
-                b.attach()
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._param_ids = {id(p) for p in self.params + self.tagged}
-        self.microbatches: int | None = None   # set by begin_step (the engine's way)
-        self._no_sync = False
-        self._in_backward = False     # a backward pass has reached us; its end callback is queued
-        self._averaging = False       # this backward pass ends with the average
-        self._rearm()
-        for p in self.params + self.tagged:
-            _WRAPPED[p] = True
-        for p in self.params:
+        for p in self._bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        _install_guard()
 
-    # -- an nn.Module in the wrapped module's names ----------------------------------------
+    # -- an nn.Module in the wrapped module's names --------------------------------------
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.training and torch.is_grad_enabled():
-            broadcast_from_first(self.module.buffers(), self.group)   # as DDP: rank 0's buffers
+            comm.broadcast_from_first(list(self.module.buffers()), self.group)
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
@@ -351,208 +235,77 @@ class DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes run inside only accumulate the local gradients (no communication);
-        the first backward outside averages everything accumulated."""
-        before, self._no_sync = self._no_sync, True
+        """Backward passes inside only accumulate (no communication); the first backward
+        outside averages everything accumulated."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:
-            self._no_sync = before
+            self.require_backward_grad_sync = before
 
-    # -- the hooks ------------------------------------------------------------------------
-    def _rearm(self):
-        self._count = dict.fromkeys(self.params, 0)
-        self._next = 0                # buckets start in order: the next one to start
-        for b in self.buckets:
-            if b.handle is not None:
-                b.handle.wait()       # never leave an average in flight behind
-            b.ready, b.handle = 0, None
+    # -- one counter per parameter: when is its gradient final? --------------------------
+    def begin_step(self, microbatches: int = 1):
+        """The engine's way: each parameter receives ``microbatches`` gradients before
+        ``finish_grad_sync()``; an overlapped bucket starts when its last one is in."""
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"begin_step: microbatches must be a whole number >= 1, got {microbatches!r}")
+        self._arm(microbatches)
+
+    def _arm(self, expected: int):
+        self._expected, self._count = expected, dict.fromkeys(self._bucket_of, 0)
 
     def _on_grad_ready(self, p: nn.Parameter):
-        if not self._in_backward:     # the first gradient of a backward pass
+        b = self._bucket_of[p]
+        if b.handle is not None:
+            raise RuntimeError("DataParallel: a gradient arrived for a bucket already being "
+                               f"averaged: more backward passes than begin_step({self._expected}) "
+                               "announced; finish the step (finish_grad_sync) first")
+        self._pending = True
+        if not self._in_backward:              # the first gradient of this backward pass
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._averaging = not self._no_sync
-            if self.microbatches is None and self._averaging:
-                self._rearm()         # DDP's way: each backward outside no_sync is a whole step
-        _UNSYNCED.add(self)
-        b = self._bucket_of.get(p)
-        if b is not None:
-            if b.handle is not None:
-                raise RuntimeError(
-                    "DataParallel: a gradient arrived for a bucket that is already being "
-                    "averaged: more backward passes reached it than "
-                    f"begin_step({self.microbatches}) announced; call step() (or "
-                    "finish_grad_sync()) first")
-            b.adopt(p)
-        if not self._averaging:
-            return
+            if self._expected is None and self.require_backward_grad_sync:
+                self._arm(1)                   # DDP's way: this backward is the whole step
+                self._finish_at_end = True
+        if self._expected is None:
+            return                             # accumulating (no_sync)
         self._count[p] += 1
-        if self.mode == "overlapped" and self._count[p] == (self.microbatches or 1):
+        if self.mode == "overlapped" and self._count[p] == self._expected:
             b.ready += 1
-            self._start_ready_buckets()
-
-    def _start_ready_buckets(self):
-        while self._next < len(self.buckets) and \
-                self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            b = self.buckets[self._next]
-            self._start_reduce(b)
-            self._next += 1
+            self.reductions[0].start_ready()   # the others' buckets start at the finish, in order
 
     def _end_of_backward(self):
         self._in_backward = False
-        if self._averaging and self.microbatches is None:
+        if self._finish_at_end:
+            self._finish_at_end = False
             self.finish_grad_sync()
 
-    # -- the step ------------------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = True):
-        """Zero the gradients and start a new step. The bucketed modes zero their buffers in
-        place (each ``.grad`` stays a view into one); ``naive`` follows ``set_to_none``."""
-        self._rearm()
-        for b in self.buckets + self.tagged_buckets:
-            b.buffer.zero_()
-            b.attach()  # in case someone set .grad to None
-        if not self.buckets:
-            for p in self.params:
-                if set_to_none or p.grad is None:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-        _UNSYNCED.discard(self)
-        self._in_backward = False     # a backward that raised never ran its end callback
-
-    def begin_step(self, microbatches: int = 1):
-        """The engine's way: each parameter receives ``microbatches`` gradients before
-        ``step()``, which averages (an overlapped bucket starts as soon as its last one is in)."""
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"begin_step: microbatches must be a whole number >= 1, got {microbatches!r}")
-        self.microbatches = microbatches
-        self._in_backward = False
-        self._rearm()
-
-    def _start_reduce(self, b: Bucket):
-        """The bucket's all-reduce (average), in ``reduce_dtype`` if one is set."""
-        if self.reduce_dtype is None:
-            b.handle = comm.all_reduce(b.buffer, self.group, op="avg", async_op=True)
-        else:
-            b.main = b.buffer.to(self.reduce_dtype)
-            b.handle = comm.all_reduce(b.main, self.group, op="avg", async_op=True)
-
     def finish_grad_sync(self):
-        """Every gradient becomes the average over the group (nothing to do if nothing was
-        accumulated since the last average)."""
-        if self not in _UNSYNCED:
-            return
-        if self.mode == "naive":
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                if self.reduce_dtype is None:
-                    comm.all_reduce(p.grad, self.group, op="avg")
-                else:
-                    main = self.main_grads[p] = p.grad.to(self.reduce_dtype)
-                    comm.all_reduce(main, self.group, op="avg")
-                    p.grad.copy_(main)
-        elif self.mode == "bucketed":
-            for b in self.buckets:
-                for p in b.params:
-                    b.adopt(p)
-            if self.reduce_dtype is None:
-                sync_buckets(self.buckets, self.group)
-            else:
-                for b in self.buckets:
-                    self._start_reduce(b)
-                    b.handle.wait()
-        else:
-            for b in self.buckets[self._next:]:   # reached by no backward, or not by all m
-                for p in b.params:
-                    b.adopt(p)
-                b.ready = len(b.params)
-            self._start_ready_buckets()
-            for b in self.buckets:
+        """Every gradient becomes its group's average (nothing to do if nothing accumulated)."""
+        if self._pending:
+            self.main_grads = {}
+            for r in self.reductions:
+                r.finish(self.main_grads)
+        self._pending, self._expected = False, None
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Zero the buckets in place (each ``.grad`` stays a view into one); never leave an
+        average in flight behind."""
+        for r in self.reductions:
+            r.next = 0
+        for b in self.buckets():
+            if b.handle is not None:
                 b.handle.wait()
-        for b in self.buckets:
-            self.main_grads.update(b.hand_over(averaged=self.d > 1))
-        self.sync_tagged()
-        _UNSYNCED.discard(self)
-        self._rearm()
-
-    def sync_tagged(self):
-        """Parameters with their own group (MoE experts): sum over it, divide by its divisor."""
-        for g, buckets in self.own_buckets:
-            for b in buckets:
-                for p in b.params:
-                    b.adopt(p)
-                flat = b.buffer if self.reduce_dtype is None else b.buffer.to(self.reduce_dtype)
-                comm.all_reduce(flat, g.group, op="sum")
-                flat.div_(g.divisor)
-                if self.reduce_dtype is not None:      # mixed precision: as the other buckets
-                    b.main = flat
-                    self.main_grads.update(b.hand_over(averaged=True))
-
-    def step(self):
-        self.finish_grad_sync()
-        if isinstance(self.optimizer, MixedPrecision):
-            self.optimizer.step(main_grads=self.main_grads)
-        elif self.optimizer is not None:
-            self.optimizer.step()
-        # the fp32 copies were transient
-        for b in self.buckets + self.tagged_buckets:
-            b.main = None
-        self.main_grads = {}
-
-    def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """{name: (parameter, gradient)}: every rank holds them whole already. Under a loss
-        scaler the gradient is given unscaled (fp32), as the optimizer saw it."""
-        scale = (self.optimizer.grad_scale if isinstance(self.optimizer, MixedPrecision)
-                 and self.optimizer.loss_scaler is not None else None)
-        return {n: (p.detach(), p.grad if scale is None or p.grad is None else p.grad.float() / scale)
-                for n, p in self.module.named_parameters()}
-
-    def flat_ranges(self) -> list[tuple[str, torch.Size, int, dict[str, torch.Tensor], bool]]:
-        """What this rank's optimizer updates, for clipping and checkpoints (``minipar.pieces``):
-        per parameter (local name, shape, first element 0, 1-D views of the parameter, its
-        gradient and optimizer states, owner). Every replica holds whole tensors; rank 0 of
-        the group owns them."""
-        owner = comm.rank(self.group) == 0
-        mixed = isinstance(self.optimizer, MixedPrecision)
-        out = []
-        for name, p in self.module.named_parameters():
-            # mixed precision: what the optimizer updates is the fp32 master (its gradient
-            # exists during step() only: unscaled, what clipping reads)
-            q = self.optimizer.master_of[p] if mixed else p
-            views = {"param": q.detach().view(-1)}
-            if q.grad is not None:
-                views["grad"] = q.grad.view(-1)
-            state = self.optimizer.state.get(q, {}) if self.optimizer is not None else {}
-            views.update({k: v.view(-1) for k, v in state.items()
-                          if torch.is_tensor(v) and v.numel() == p.numel()})
-            # an MoE expert is owned by the first of its replicas (its own group)
-            mine = comm.rank(self._own_group_of[p]) == 0 if p in self._own_group_of else owner
-            out.append((name, p.shape, 0, views, mine))
-        return out
-
-    def sync_params(self):
-        """After parameters were set outside ``step()`` (a checkpoint): nothing to gather;
-        under mixed precision the 16-bit parameters are rounded from the loaded masters."""
-        if isinstance(self.optimizer, MixedPrecision):
-            self.optimizer.params_from_masters()
+            b.buffer.zero_()
+            b.attach()
+            b.handle, b.main, b.ready = None, None, 0
+        self._pending, self._expected, self._in_backward = False, None, False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Average what is still accumulated (``finish_grad_sync``), then clip as
-        ``torch.nn.utils.clip_grad_norm_`` on one process (every rank holds the whole averaged
-        gradient, so torch's own function is right here); returns the norm."""
+        """Average what is still accumulated, then clip as ``torch.nn.utils.clip_grad_norm_``
+        on one process (every rank holds the whole averaged gradient); returns the norm."""
         self.finish_grad_sync()
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
-    # -- accounting ----------------------------------------------------------------------
-    def model_state_bytes(self) -> dict[str, int]:
-        params = tensor_bytes(self.params) + tensor_bytes(self.tagged)
-        if self.buckets:
-            grads = tensor_bytes(b.buffer for b in self.buckets)
-        else:
-            grads = tensor_bytes(p.grad for p in self.params)
-        grads += tensor_bytes(b.buffer for b in self.tagged_buckets)
-        optimizer = optimizer_state_bytes(self.optimizer)
-        return dict(params=params, grads=grads, optimizer=optimizer,
-                    total=params + grads + optimizer)
+    def buckets(self) -> list[Bucket]:
+        return [b for r in self.reductions for b in r.buckets]

@@ -34,11 +34,16 @@ serial path needs no special case.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 import torch.distributed as tdist
 from einops import rearrange
 
+from . import comm
 from .runtime.errors import UsageError
+from .runtime.timeouts import new_group as timed_group   # every group gets the collective timeout
 
 AXES = ("dp", "pp", "cp", "tp")
 DERIVED = ("ep", "edp", "dp_cp")
@@ -67,9 +72,7 @@ class Mesh:
     group per axis.
 
     ``ranks[d, p, c, t]`` is the global rank at data-parallel index d, stage p, context index
-    c and tensor index t. ``dist.Grid`` is this class under its old name; the old attributes
-    (``dp_group``, ``tp_rank``, ``pp_ranks``, ...) are kept as aliases of ``group``, ``coord``
-    and ``ranks``.
+    c and tensor index t. An engine is handed one axis as a value (``axis(name)``).
     """
 
     def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1):
@@ -138,18 +141,13 @@ class Mesh:
         """Create one group per list (collectively, on every rank); return the one holding us.
 
         Used by the axes and by paradigms that need finer groups (AMSP's shard groups)."""
-        from . import comm
-        from .runtime.timeouts import new_group as timed_group  # every group gets the collective timeout
-        if not self.distributed:
-            return None
-        mine = None
-        for ranks in rank_lists:
-            g = timed_group(ranks) if len(ranks) > 1 else None
-            if self.rank in ranks:
-                mine = g
-                if g is not None:
-                    comm.name_group(g, name, ranks)
-        return mine
+        return new_groups(rank_lists, name) if self.distributed else None
+
+    def axis(self, name: str) -> "Axis":
+        """One axis as the value an engine is built from (``Axis``)."""
+        self._check(name)
+        return Axis(name, self.group(name), self.size(name), self.coord(name), self.lines(name),
+                    self.new_groups)
 
     # -- pipeline helpers -----------------------------------------------------------------
     @property
@@ -164,19 +162,97 @@ class Mesh:
         """Global rank of pipeline stage ``stage`` on this rank's (dp, cp, tp) line."""
         return self.ranks("pp")[stage % self.pp]
 
-    # -- the old Grid's names (kept so existing code and notebooks run unchanged) ---------
-    dp_rank = property(lambda self: self._coord["dp"])
-    pp_rank = property(lambda self: self._coord["pp"])
-    tp_rank = property(lambda self: self._coord["tp"])
-    cp_rank = property(lambda self: self._coord["cp"])
-    dp_group = property(lambda self: self._groups["dp"])
-    pp_group = property(lambda self: self._groups["pp"])
-    tp_group = property(lambda self: self._groups["tp"])
-    dp_ranks = property(lambda self: self.ranks("dp"))
-    pp_ranks = property(lambda self: self.ranks("pp"))
-    tp_ranks = property(lambda self: self.ranks("tp"))
-
     def __repr__(self):
         where = " ".join(f"{a}={self._coord[a]}" for a in AXES + ("ep",) if self.size(a) > 1)
         sizes = f"dp={self.dp}, pp={self.pp}, cp={self.cp}, tp={self.tp}, ep={self.ep}"
         return f"Mesh({sizes}; rank {self.rank}{' at ' + where if where else ''})"
+
+
+def new_groups(rank_lists: list[list[int]], name: str):
+    """One process group per list of global ranks, made on every rank (as
+    ``torch.distributed.new_group`` requires); returns the one holding this rank (None for a
+    list of one)."""
+    me, mine = tdist.get_rank(), None
+    for ranks in rank_lists:
+        g = timed_group(ranks) if len(ranks) > 1 else None
+        if me in ranks:
+            mine = g
+            if g is not None:
+                comm.name_group(g, name, ranks)
+    return mine
+
+
+# --------------------------------------------------------------------------------------
+# What an engine is built from: one axis, and the parameter groups that reduce over axes
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Axis:
+    """One axis of the mesh as a value: this rank's line (``group``, ``size``, ``rank``), every
+    line of the axis (``lines``, (n_lines, size) global ranks) and ``new_groups``, the
+    collective that makes finer groups cut from those lines (AMSP's shard groups)."""
+
+    name: str
+    group: object                  # None: a line of one rank (comm's convention)
+    size: int
+    rank: int
+    lines: torch.Tensor
+    new_groups: Callable[[list[list[int]], str], object] = field(repr=False, compare=False)
+
+    @classmethod
+    def of_group(cls, group, name: str = "dp") -> "Axis":
+        """A plain process group as one line (torch's meaning: None is the whole world,
+        ``comm.SOLO`` one rank). Finer groups need every rank of the world to make them, so
+        they are refused unless the group is the world."""
+        group = comm.resolve_group(group)
+        ranks = comm.global_ranks(group)
+
+        def cut(rank_lists, what):
+            mine = next(r for r in rank_lists if comm.global_ranks(None)[0] in r)
+            if len(mine) == 1:
+                return None
+            if sorted(mine) == sorted(ranks):
+                return group
+            if len(ranks) != tdist.get_world_size():
+                raise UsageError(f"the group {what} ({len(mine)} of this group's {len(ranks)} "
+                                 f"ranks) must be made by every rank of the world: use the "
+                                 f"whole world, or a Mesh axis")
+            return new_groups(rank_lists, what)
+
+        return cls(name, group, len(ranks), comm.rank(group), torch.tensor(ranks).view(1, -1), cut)
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters whose gradients are summed over ``group`` (the mesh axis ``reduce_axis``;
+    None: a group of one) and divided by ``divisor``: the replicas of the loss.
+
+    ``dense`` parameters reduce over ``dp_cp``, every replica of the model; an MoE model's
+    ``expert`` parameters over ``edp``, the other copies of the same experts (their gradient
+    already sums the tokens of the whole EP group: the all-to-all brought them). Both divide
+    by dp x cp. Built once, handed to the engines as values (no tags on tensors)."""
+
+    name: str
+    params: tuple
+    reduce_axis: str
+    group: object = field(default=None, compare=False)
+    divisor: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "params", tuple(self.params))
+
+    def __len__(self):
+        return len(self.params)
+
+
+def param_groups(model, mesh: "Mesh | None" = None, experts=()) -> list[ParamGroup]:
+    """``dense`` and, if ``experts`` (the MoE experts' parameters) is not empty, ``expert``,
+    each with its process group from ``mesh`` (None: one process); every trainable parameter
+    in exactly one, in ``model.parameters()`` order, empty groups left out."""
+    ids = {id(p) for p in experts}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    divisor = mesh.size("dp_cp") if mesh is not None else 1
+    out = [ParamGroup("dense", [p for p in trainable if id(p) not in ids], "dp_cp",
+                      mesh.group("dp_cp") if mesh else None, divisor),
+           ParamGroup("expert", [p for p in trainable if id(p) in ids], "edp",
+                      mesh.group("edp") if mesh else None, divisor)]
+    return [g for g in out if g.params]

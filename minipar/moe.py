@@ -438,7 +438,7 @@ def expert_parallel(model: nn.Module, grid, ep: int) -> nn.Module:
     else:
         ep_group = grid.new_groups(axis_lines(grid.dp, grid.pp, grid.cp, grid.tp, ep)["ep"].tolist(),
                                    "ep")
-    position = grid.dp_rank % ep
+    position = grid.coord("dp") % ep
     for layer in moe_layers(model):
         layer.ep_group = ep_group
         per_rank = layer.n_experts // ep
@@ -478,40 +478,3 @@ def step_stats(model: nn.Module) -> dict:
     for m in moe_layers(model):
         m.reset_stats()
     return out
-
-
-# --------------------------------------------------------------------------------------
-# What composes (checked before any process starts)
-# --------------------------------------------------------------------------------------
-def validate(cfg, ep: int, dp: int, tp: int = 1, cp: int = 1) -> None:
-    """Raise UsageError (one line) for an MoE/EP layout minipar cannot run."""
-    E = cfg.moe_experts
-    if E < 0:
-        raise UsageError(f"--moe-experts must be >= 0, got {E}")
-    if ep < 1:
-        raise UsageError(f"--ep must be >= 1, got {ep}")
-    if E == 0:
-        if ep > 1:
-            raise UsageError("--ep splits the experts of an MoE model; give --moe-experts E too")
-        return
-    if not 1 <= cfg.moe_top_k <= E:
-        raise UsageError(f"--moe-top-k must be between 1 and --moe-experts {E}, got {cfg.moe_top_k}")
-    if not 1 <= cfg.moe_every <= cfg.n_layer:
-        raise UsageError(f"--moe-every must be between 1 and the model's {cfg.n_layer} layers, "
-                         f"got {cfg.moe_every}")
-    for name, value in (("capacity-factor", cfg.capacity_factor), ("moe-aux-coef", cfg.moe_aux_coef),
-                        ("moe-z-coef", cfg.moe_z_coef)):
-        if not (math.isfinite(value) and value >= 0):
-            raise UsageError(f"--{name} must be a finite number >= 0, got {value}")
-    if tp > 1 and (cfg.seq_len // cp) % tp:
-        where = f"the sequence length {cfg.seq_len}" if cp == 1 else \
-            f"a cp rank's share {cfg.seq_len // cp} of the sequence"
-        raise UsageError(f"an MoE layer under --tp {tp} routes 1/{tp} of each sequence's tokens "
-                         f"on each TP rank, but {where} is not divisible by {tp}; use a "
-                         f"--seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
-    if dp % ep:
-        raise UsageError(f"--ep {ep} must divide the data-parallel degree {dp} (EP groups are "
-                         f"consecutive data-parallel ranks); use an --ep that divides {dp}")
-    if E % ep:
-        raise UsageError(f"--moe-experts {E} must be a multiple of --ep {ep} (each EP rank holds "
-                         f"E/ep experts)")

@@ -453,7 +453,7 @@ class PipelineRunner:
     def __init__(self, model, grid, schedule="1f1b", microbatches: int = 1, chunks: int = 1,
                  autocast=contextlib.nullcontext, seq_split: int = 1, loss_scaler=None):
         self.grid, self.m, self.autocast = grid, microbatches, autocast
-        self.p, self.r = grid.pp, grid.pp_rank
+        self.p, self.r = grid.pp, grid.coord("pp")
         self.v = chunks if (schedule == "interleaved" or callable(schedule)) else 1
         self.V = self.p * self.v
         self.module = split(model, self.p, self.r, self.v)
@@ -599,35 +599,16 @@ class PipelineRunner:
         """Collective over the pipeline group; the first stage gets every stage's events."""
         kinds = COMPUTE + P2P
         rows = [[kinds.index(e.op), e.mb, e.chunk, e.start, e.end] for e in self.events]
-        n = int(comm.all_reduce_scalars([len(rows)], self.grid.pp_group, op="max")[0])
+        n = int(comm.all_reduce_scalars([len(rows)], self.grid.group("pp"), op="max")[0])
         mine = torch.full((n + 1, 5), -1.0, dtype=torch.float64, device=self.device)
         mine[0, 0] = self.peak_stash
         if rows:
             mine[1:len(rows) + 1] = torch.tensor(rows, dtype=torch.float64)
         every = torch.empty((self.p, n + 1, 5), dtype=torch.float64, device=self.device)
         with comm.untracked():
-            comm.all_gather(every.view(-1), mine.view(-1), self.grid.pp_group)
+            comm.all_gather(every.view(-1), mine.view(-1), self.grid.group("pp"))
         if self.r != 0:
             return None
         stages = [[Event(kinds[int(a)], int(b), int(c), float(s), float(t))
                    for a, b, c, s, t in every[r, 1:].tolist() if a >= 0] for r in range(self.p)]
         return Timeline(stages, [int(every[r, 0, 0]) for r in range(self.p)])
-
-
-# --------------------------------------------------------------------------------------
-# The trainer's checks
-# --------------------------------------------------------------------------------------
-def validate(cfg, pp: int, microbatches: int, chunks: int = 1, schedule: str = "1f1b") -> None:
-    """Reject, before any process starts, a pipeline that cannot run."""
-    p, m = pp, microbatches
-    v = chunks if schedule == "interleaved" else 1
-    if schedule == "interleaved" and m % p:
-        near = [k for k in (m - m % p, m - m % p + p) if k >= p]
-        raise UsageError(f"--schedule interleaved runs micro-batches in groups of pp={p}, so "
-                         f"--microbatches {m} must be a multiple of {p}; use --microbatches "
-                         f"{' or '.join(map(str, near))}, or --schedule 1f1b")
-    if cfg.n_layer % (p * v):
-        what = f"pp={p} x chunks={v} = {p * v}" if v > 1 else f"pp={p}"
-        raise UsageError(f"the model has {cfg.n_layer} layers, which do not split into "
-                         f"{what} equal stages; use a pp{' x chunks' if v > 1 else ''} that "
-                         f"divides {cfg.n_layer}")

@@ -163,6 +163,24 @@ class PrecisionPolicy:
     def name(self) -> str:
         return {v: k for k, v in DTYPES.items()}[self.param_dtype]
 
+    def optimizer(self, params, make_optimizer):
+        """What updates ``params``: ``make_optimizer(params)`` itself, or under a mixed policy
+        ``make_optimizer`` over fp32 masters of them (``MixedPrecision``), whose ``step`` takes
+        the engine's fp32 reduced gradients as ``main_grads``."""
+        params = list(params)
+        if not self.mixed:
+            return make_optimizer(params)
+        return MixedPrecision(params, make_optimizer, loss_scaler=self.loss_scaler)
+
+    def state_bytes(self, optimizer) -> int:
+        """Bytes of the optimizer's state (Adam: m, v, step counters) and, under a mixed policy,
+        of its fp32 masters."""
+        if optimizer is None:
+            return 0
+        masters = optimizer.master_bytes() if self.mixed else 0
+        return masters + sum(t.numel() * t.element_size() for state in optimizer.state.values()
+                             for t in state.values() if torch.is_tensor(t))
+
 
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i] <- src[i] (with a cast), as one fused call where torch has it."""

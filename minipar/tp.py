@@ -70,28 +70,6 @@ if TYPE_CHECKING:     # minipar.model imports minipar.moe, which uses the operat
 
 
 # --------------------------------------------------------------------------------------
-# Checks before any process starts
-# --------------------------------------------------------------------------------------
-def validate(cfg: GPTConfig, tp: int, sp: bool = False) -> None:
-    """Shapes that must divide by the TP degree ``tp``; raises UsageError with the fix."""
-    t = tp
-    if cfg.n_head % t:
-        raise UsageError(f"--tp {t} does not divide the {cfg.n_head} attention heads of the "
-                         f"model (each rank owns whole heads); use a --tp that divides "
-                         f"{cfg.n_head}")
-    if cfg.d_model % t:
-        raise UsageError(f"--tp {t} does not divide the hidden size d_model={cfg.d_model}; "
-                         f"use a --tp that divides {cfg.d_model}")
-    if cfg.ffn % t:
-        raise UsageError(f"--tp {t} does not divide the MLP width {cfg.ffn}; "
-                         f"use a --tp that divides {cfg.ffn}")
-    if sp and cfg.seq_len % t:
-        raise UsageError(f"--sp splits each sequence over the {t} tensor-parallel ranks, but the "
-                         f"sequence length {cfg.seq_len} is not divisible by {t}; use a --seq-len "
-                         f"that is a multiple of {t}, or drop --sp")
-
-
-# --------------------------------------------------------------------------------------
 # Shape helpers: split and gather along the last dimension or along the sequence
 # --------------------------------------------------------------------------------------
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -599,7 +577,7 @@ def parallelize(model: GPT, grid, sequence_parallel: bool = False) -> GPT:
     cut a TP model into stages. With SP the activations between blocks are (b, s/t, h): a
     pipeline over it is told so (``PipelineRunner(seq_split=t)``, ``activation_seq_split``).
     """
-    group, t = grid.tp_group, grid.tp
+    group, t = grid.group("tp"), grid.tp
     sp = sequence_parallel and t > 1
     embed = model.embed
     model.embed = ParallelEmbedding(
@@ -639,8 +617,8 @@ def full_tensor(name: str, tensor: torch.Tensor, module: nn.Module, grid) -> tor
     replicated parameters come back as they are.
     """
     split = split_of(name, module)
-    if split is None or comm.size(grid.tp_group) == 1:
+    if split is None or comm.size(grid.group("tp")) == 1:
         return tensor
     with comm.untracked():
-        parts = _all_gather_stacked(tensor.detach(), grid.tp_group)
+        parts = _all_gather_stacked(tensor.detach(), grid.group("tp"))
     return unshard(parts, split)

@@ -1,161 +1,255 @@
-"""Sharded data parallelism: ZeRO-1/2/3 as presets of AMSP's (P, G, OS) partitioning.
+"""ZeRO-1/2/3 as presets of AMSP's (s_p, s_g, s_os): each model state sharded over its own group.
 
-Where the memory goes. Adam in fp32 keeps, per parameter, 4 bytes of weight (P), 4 of
-gradient (G) and 8 of optimizer state (OS: Adam's m and v): 16 Phi bytes for Phi parameters
-(mixed precision: 2 + 2 + 12, the same 16). Plain data parallelism keeps all of it on every
-one of its d ranks. AMSP (Chen et al. 2023) shards each kind of state over its own group
-of ranks inside the data-parallel group, s_p ranks for P, s_g for G, s_os for OS, and
-replicates it across the d/s groups. Factor 1 is a full replica, d is full sharding, anything
-between is partial sharding (MiCS, hybrid sharding). ZeRO's stages (Rajbhandari et al. 2020)
-are four points of that space::
+Adam keeps, per parameter, 4 bytes of weight (P), 4 of gradient (G) and 8 of optimizer state
+(OS: m and v), 16 Phi bytes for Phi parameters (mixed precision: 2 + 2 + 12). Plain data
+parallelism holds all of it on each of d ranks. AMSP (Chen et al. 2023) shards P over groups
+of s_p ranks, G over s_g and OS over s_os, and replicates each across the d/s groups. ZeRO's
+stages (Rajbhandari et al. 2020) are four points of that space::
 
-    ZeRO-0 (plain DP) = (1, 1, 1)    ZeRO-1 = (1, 1, d)    ZeRO-2 = (1, d, d)    ZeRO-3 = (d, d, d)
+    ZeRO-0 = (1, 1, 1)    ZeRO-1 = (1, 1, d)    ZeRO-2 = (1, d, d)    ZeRO-3 = (d, d, d)
 
-Constraints: 1 <= s_p <= s_g <= s_os <= d, each divides d, and a group is contiguous ranks
-(it fills a node before it spans nodes). Our layout also needs s_p | s_g | s_os (the shards
-nest; always true for powers of two). AMSP's planner further keeps s_g in {s_p, s_os}
-(gradients follow the parameters or the optimizer states). The points between are not
-dominated; they trade memory for traffic differently. Gradients are reduce-scattered over
-s_g every micro-batch, so ``1,2,4`` holds twice the gradient memory of ``1,4,4`` but with
-m > 1 micro-batches sends less reduce-scatter traffic ((s_g-1)/s_g of the gradient per
-micro-batch: half of it against three quarters); with m = 1 the step's totals are equal
-(``1,2,4`` reduce-scatters the other quarter at the step). This engine runs them, so the
-whole space can be measured.
+with 1 <= s_p | s_g | s_os | d, each group contiguous ranks (``minipar.plan.sharding`` holds
+the rules, shared with the planner). The d ranks are viewed as a mesh ``(rep, os, g, p) =
+(d/s_os, s_os/s_g, s_g/s_p, s_p)``, one group per axis (``ShardMesh``). Each unit of the model
+(a block, the embedding, the head: FSDP's wrapping) keeps its state in flat buffers of N
+elements (its parameters, padded to a multiple of s_os), cut like the mesh: this rank's P shard
+is chunk p of N, its G shard chunk g of that, its OS shard chunk os of that (``Unit``). So
+every collective works on whole chunks, in rank order.
 
-The sharding mesh. The d data-parallel ranks are viewed as a 4-d mesh, like the process grid::
+One step, per unit, in the order it runs (the code below goes the other way, ZeRO-1 first):
 
-    dp_ranks.view(rep, os, g, p) = (d/s_os, s_os/s_g, s_g/s_p, s_p)
+* **P** (s_p > 1): all-gather the unit's parameters over ``p`` before its forward, free them
+  after; again before its backward (``ShardedUnits``; ``prefetch`` starts the next unit's
+  gather while this one computes);
+* **G** (s_g > 1): once backward is done with the unit, reduce-scatter its gradient over ``p``
+  then ``g`` into this rank's G shard, and drop the full gradient (``reduce_scatter_gradient``);
+* **OS**, at the step: reduce-scatter the G shard over ``os``, all-reduce across ``rep``,
+  divide by d; Adam updates the OS shard; all-gather it back over ``os`` then ``g``
+  (``sharded_optimizer_step``).
 
-    zero_p    the s_p contiguous ranks of one P group
-    zero_g    the s_g/s_p ranks of one G group with the same p coordinate
-    zero_os   the s_os/s_g ranks of one OS group with the same (g, p) coordinates
-    zero_rep  the d/s_os replicas: the same place in every OS group
+Held between steps, per rank (Phi' padded; fp32)::
 
-For example d = 4 and ``2,2,4``: the mesh is (1, 2, 1, 2), zero_p = {0, 1} and {2, 3},
-zero_os = {0, 2} and {1, 3}; ZeRO-3 is (1, 1, 1, 4), a single zero_p of 4 ranks.
+    4 Phi'/s_p + 4 Phi'/s_g + 8 Phi'/s_os         (mixed: 2/s_p + 2/s_g + 12/s_os)
 
-Each unit of the model (the embedding, each block, the head: FSDP's wrapping) keeps its
-state in flat fp32 buffers of N elements, N = its parameter count padded up to a multiple of
-s_os. The buffer is cut like the mesh: this rank's P shard is chunk p of N/s_p, its G shard
-chunk g of the P shard, its OS shard chunk os of the G shard. So the OS shard lies inside the
-G shard, inside the P shard, and every collective works on whole chunks in rank order.
+Sent per step (Psi = 4 Phi', m micro-batches), summed over the groups::
 
-One step, per unit, in the order it runs (the code below tells it the other way round,
-from ZeRO-1 to ZeRO-3):
+    all_gather      2m (s_p-1)/s_p Psi + (s_os-s_p)/s_os Psi/s_p
+    reduce_scatter   m (s_g-1)/s_g Psi + (s_os-s_g)/s_os Psi/s_g
+    all_reduce      2 (R-1)/R Psi/s_os              R = d/s_os replicas
 
-* P sharding (s_p > 1): before the unit's forward, and again before its backward, all-gather
-  the full parameters over zero_p; free them right after. ``prefetch`` starts the next
-  unit's all-gather while this one computes (AMSP's communication optimiser).
-* G sharding (s_g > 1): when a unit's backward is done, reduce-scatter its full gradient over
-  zero_p then zero_g (together: the G group) and add it into this rank's G shard; free the
-  full gradient. With s_g = 1 the full gradient stays, accumulating micro-batches.
-* OS sharding, at ``step()``: reduce-scatter the G shard over zero_os down to the OS shard,
-  all-reduce it across zero_rep, divide by d (gloo has no AVG: sum, then divide); Adam
-  updates the OS shard; all-gather the updated shards over zero_os, then zero_g, back into
-  the P shard.
+So with m = 1: plain DP and ZeRO-1/2 send 2 Psi (d-1)/d, ZeRO-3 3 Psi (d-1)/d; under a
+pipeline ZeRO-3 gathers again for every micro-batch (why Megatron-DeepSpeed pairs pipelines
+with ZeRO-1). The derivations, per group, and the byte tests: ``docs/reference.md`` (ZeRO).
 
-Model-state bytes one rank holds between steps (Phi' = padded parameter count)::
-
-    fp32:   4 Phi'/s_p + 4 Phi'/s_g + 8 Phi'/s_os   (+ 4 B of Adam step counter per unit)
-    mixed:  2 Phi'/s_p + 2 Phi'/s_g + 12 Phi'/s_os  (+ 4 B per unit: the masters' counters)
-
-Bytes one rank sends per step (Psi = 4 Phi', ring volumes, m micro-batches), by group, with
-(P, G, O, R) = (s_p, s_g/s_p, s_os/s_g, d/s_os) the mesh's sides::
-
-    zero_p    all_gather     2m (P-1)/P Psi         parameters, before forward and backward
-              reduce_scatter  m (P-1)/P Psi         gradients, every micro-batch
-    zero_g    reduce_scatter  m (G-1)/G Psi/s_p     gradients, every micro-batch
-              all_gather        (G-1)/G Psi/s_p     updated shards, after the step
-    zero_os   reduce_scatter    (O-1)/O Psi/s_g     G shard down to the OS shard, at the step
-              all_gather        (O-1)/O Psi/s_g     updated shards, after the step
-    zero_rep  all_reduce      2 (R-1)/R Psi/s_os    across the replicas
-
-    summed:   all_gather 2m (s_p-1)/s_p Psi + (s_os-s_p)/s_os Psi/s_p
-              reduce_scatter m (s_g-1)/s_g Psi + (s_os-s_g)/s_os Psi/s_g
-              all_reduce 2 (R-1)/R Psi/s_os
-
-With m = 1: plain DP 2 Psi (d-1)/d (all-reduce), ZeRO-1 and ZeRO-2 2 Psi (d-1)/d
-(reduce-scatter + all-gather), ZeRO-3 3 Psi (d-1)/d.
-
-Mixed precision (``--dtype bf16``; ``minipar.precision``). The flat buffers, so the P and G
-shards, are bf16; the optimizer updates an fp32 master copy of this rank's OS shard, with fp32
-Adam moments: the 12 bytes per parameter that s_os divides. Gradients are reduced in
-``reduce_dtype`` (``--reduce-dtype``): with fp32 (the default, as Megatron-LM) each
-micro-batch's reduce-scatter over the G group sends an fp32 copy of the bf16 gradient
-(``Unit.flat_grad``) and the sum is rounded into the bf16 G shard; at the step the G shard is
-cast to an fp32 copy (``Unit.widen``, 4 Phi'/s_g bytes, transient) whose reduction over
-zero_os and zero_rep the master reads directly. So fp32 reduction sends Psi = 4 Phi' bytes of
-gradient and bf16 reduction 2 Phi'; the parameter all-gathers always carry bf16 (2 Phi').
-
-With tensor and pipeline parallelism the engine shards whatever parameters this rank's
-module holds (a TP slice, a pipeline stage) over its own data-parallel line of the grid;
-every spec composes with both. Under a pipeline, each micro-batch's forward and backward
-gathers the parameters again, 2 m all-gathers per step: that is why Megatron-DeepSpeed
-pairs pipelines with ZeRO-1, whose traffic does not grow with m.
-
-MoE experts (``minipar.moe``) differ from one expert-parallel rank to the next, so they stay
-out of the shards: the engine takes the parameter groups (``minipar.groups``: ``dense`` over
-the data-parallel axis is sharded, ``expert`` over ``edp`` is not) and keeps the experts whole,
-as in plain DP, summed over their own group (the expert's replicas) at the step, in
-``reduce_dtype``, and divided by d. Under bf16/fp16 their fp32 masters sit in the optimizer
-beside the OS shards' (``MixedPrecision`` over both), so checkpoints, weight decay and clipping
-act on them (``flat_ranges``: during the step, each master's own fp32 gradient).
-
-fp16: the optimizer (``precision.MixedPrecision`` with a loss scaler) unscales the fp32 master
-gradients the engine hands it (``_MastersStep``), reduces one found-inf flag over the whole
-world and skips the same step on every rank; the runner multiplies the loss by the scale.
-
-The engine has the DP engine's interface (``minipar.dp``): ``zero_grad()``,
-``begin_step(m)``, ``step()``, ``model_state_bytes()``, ``full_named_parameters()``,
-``flat_ranges()`` and ``sync_params()`` (for clipping and checkpoints).
-
-What lives where: ``minipar.shard`` holds the mechanics (the spec, the shard mesh, ``units_of``,
-the flat ``Unit`` buffers and ``ShardedUnits``, the gather/free/reduce hooks of P and G
-sharding); this module the collectives of one step (``sharded_optimizer_step``,
-``reduce_scatter_gradient``) and the engine built on ``ShardedUnits``. Two more owners use the same code outside the trainer:
-``minipar.fsdp.fully_shard`` (ZeRO-3 as an nn.Module with FSDP2's contract: ``ShardedUnits`` at
-(d, d, d), any optimizer built afterwards) and ``minipar.zero_optimizer.ShardedOptimizer``
-(ZeRO-1/2 shaped like a torch optimizer, re-exported here)::
-
-    opt = zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
-    for x, y in batches:                     # ZeRO-1/2: a torch optimizer's shape
-        opt.zero_grad()
-        loss_fn(net(x), y).backward()        # stage 2: gradients reduce-scattered here
-        opt.step()                           # stage 1: here; then the all-gather
-
-    model = fsdp.fully_shard(net)            # ZeRO-3: FSDP2's shape
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)      # steps this rank's shards
-
-``ShardedOptimizer`` makes one unit per parameter group; the engine and ``fully_shard`` one per
-child module that owns parameters (``units_of``: or a list, or a policy).
+In your own loop: ``ShardedEngine`` (any spec, its own optimizer; ``zero_grad``, backward,
+``step``) and ``ShardedOptimizer`` (ZeRO-1/2 shaped like ``ZeroRedundancyOptimizer``, in
+``minipar.wrappers``, re-exported here); ZeRO-3 with FSDP2's contract: ``minipar.fsdp``.
 """
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
+from einops import rearrange
+from torch.utils._pytree import tree_leaves
 
-from . import comm, dp
-from .runtime import dist
-from .dp import optimizer_state_bytes
-from .groups import ParamGroup, param_groups
-from .precision import MixedPrecision, PrecisionPolicy
+from . import comm
+from .mesh import Axis
+from .rules import shard_violation, zero_shard
+from .precision import PrecisionPolicy
 from .runtime.errors import UsageError
-from .shard import (GroupGrid, ShardedUnits, ShardMesh, Spec, Unit,  # noqa: F401
-                    all_gather_in_place, alloc_storage, as_grid, free_storage, gather_up,
-                    parse_shard, reduce_scatter_down, spec_violation, storage_bytes, units_of,
-                    zero_spec)
+from .wrappers.zero_optimizer import OptimizerSurface
+
+
+class Spec(NamedTuple):
+    p: int    # s_p: parameters split over groups of s_p ranks
+    g: int    # s_g: gradients
+    os: int   # s_os: optimizer states
+
+
+def zero_spec(stage: int, d: int) -> Spec:
+    """ZeRO stage 0-3 over d data-parallel ranks."""
+    return Spec(*zero_shard(stage, d))
+
+
+# --------------------------------------------------------------------------------------
+# The shard mesh: the data-parallel ranks as (rep, os, g, p)
+# --------------------------------------------------------------------------------------
+class ShardMesh:
+    """This rank's place in ``line.view(rep, os, g, p)`` and one group along each side.
+
+    Every rank makes the groups of every line of the axis (``new_group`` requires it)."""
+
+    def __init__(self, axis: Axis, spec: Spec):
+        self.spec, self.d = spec, axis.size
+        s_p, s_g, s_os = spec
+        sides = dict(rep=self.d // s_os, o=s_os // s_g, g=s_g // s_p, p=s_p)
+        cut = lambda out, name: axis.new_groups(      # noqa: E731
+            rearrange(axis.lines, f"l (rep o g p) -> {out}", **sides).tolist(), name)
+        self.p_group = cut("(l rep o g) p", "zero_p")
+        self.g_group = cut("(l rep o p) g", "zero_g")
+        self.os_group = cut("(l rep g p) o", "zero_os")
+        self.rep_group = cut("(l o g p) rep", "zero_rep")
+        i = axis.rank                          # = ((rep * O + os) * G + g) * P + p
+        self.p_index, self.g_index, self.os_index = i % s_p, (i // s_p) % sides["g"], (i // s_g) % sides["o"]
+
+
+# --------------------------------------------------------------------------------------
+# Units: which parameters are gathered, freed and reduced together
+# --------------------------------------------------------------------------------------
+def units_of(module: nn.Module, units=None, exclude=()) -> list[tuple[nn.Module, list]]:
+    """FSDP's wrapping: [(module, its parameters)] of the units.
+
+    ``units``: None, each child that owns parameters (ModuleList/ModuleDict looked into: for
+    minipar's GPT its ``parts()``); a list of modules; or a policy ``module -> bool`` (FSDP's
+    auto-wrap policy: the outermost submodules it accepts). Parameters used by two units (tied
+    weights) and those outside every unit form one more unit, on ``module`` itself, first.
+    ``exclude`` (and frozen parameters) stay out: the owner keeps them whole."""
+    def children(m, accept):
+        out = []
+        for c in m.children():
+            if accept(c):
+                out.append(c)
+            else:
+                out += children(c, accept)
+        return out
+
+    if units is None:
+        parts = children(module, lambda c: not isinstance(c, (nn.ModuleList, nn.ModuleDict))
+                         and any(True for _ in c.parameters()))
+    else:
+        parts = children(module, units) if callable(units) else list(units)
+    count: dict[int, int] = {}
+    for part in parts:
+        for i in {id(p) for p in part.parameters()}:
+            count[i] = count.get(i, 0) + 1
+    taken = {i for i, n in count.items() if n > 1} | {id(p) for p in exclude}
+    out = []
+    for part in parts:
+        params = [p for p in part.parameters() if p.requires_grad and id(p) not in taken]
+        taken |= set(map(id, params))
+        if params:
+            out.append((part, params))
+    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in taken
+            or count.get(id(p), 0) > 1 and p.requires_grad]
+    rest = [p for p in rest if id(p) not in {id(q) for q in exclude}]
+    return ([(module, rest)] if rest else []) + out
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release a buffer's memory but keep the tensor (and every view of it) for later."""
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    if t.untyped_storage().nbytes() == 0:
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def storage_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+class Unit:
+    """A unit's state as flat buffers of N elements (N = its parameter count padded to s_os).
+
+    ``flat``        the full parameters; each parameter's ``.data`` is a view into it (with
+                    s_p > 1 its memory exists only while the unit computes)
+    ``p_shard``     this rank's P shard (``flat`` itself when s_p = 1)
+    ``grad_shard``  this rank's G shard (s_g = 1: the full gradient, ``.grad`` views into it)
+    ``g_slice``, ``os_param``, ``os_grad``  the G slice of the P shard, and the OS chunk of the
+                    parameters and of the averaged gradient: what the optimizer updates
+    ``reduce_dtype`` the dtype gradients are summed in (None: their own); ``dtype`` the compute
+    dtype of ``flat`` (None: the parameters'; when lower, ``master`` keeps the P shard in the
+    parameters' dtype); ``grad_dtype`` the G shard's (None: the compute dtype).
+    """
+
+    def __init__(self, module, params: list, mesh: ShardMesh, reduce_dtype=None, grad_dtype=None,
+                 dtype=None):
+        s_p, s_g, s_os = mesh.spec
+        self.module, self.params = module, params
+        self.numel = sum(p.numel() for p in params)
+        self.N = math.ceil(self.numel / s_os) * s_os
+        n_p, n_g, n_os = self.N // s_p, self.N // s_g, self.N // s_os
+        like = params[0]
+        full = torch.cat([p.detach().reshape(-1) for p in params] + [like.new_zeros(self.N - self.numel)])
+        mine = slice(mesh.p_index * n_p, (mesh.p_index + 1) * n_p)
+        self.master = full[mine].clone() if dtype not in (None, like.dtype) else None
+        self.flat = full.to(dtype or like.dtype)
+        offset = 0
+        for p in params:
+            p.data = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.p_shard = self.flat if s_p == 1 else self.flat[mine].clone()
+        if s_p > 1:
+            free_storage(self.flat)
+        self.g_slice = self.p_shard[mesh.g_index * n_g:(mesh.g_index + 1) * n_g]
+        self.os_slice = slice(mesh.os_index * n_os, (mesh.os_index + 1) * n_os)
+        self.os_param = self.g_slice[self.os_slice]
+        self.grad_shard = torch.zeros(n_g, dtype=grad_dtype or self.flat.dtype, device=like.device)
+        self.os_grad = self.grad_shard[self.os_slice]
+        if self.os_grad.dtype == self.os_param.dtype:
+            self.os_param.grad = self.os_grad
+        self.reduce_dtype = reduce_dtype
+        self.handle = None      # a parameter all-gather in flight
+        self.ready = 0          # gradients accumulated this backward
+
+    def attach_grads(self):
+        """s_g = 1: every ``.grad`` a view into the flat gradient (as DP's buckets)."""
+        offset = 0
+        for p in self.params:
+            p.grad = self.grad_shard[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def flat_grad(self) -> torch.Tensor:
+        """The unit's gradients as one padded flat tensor (zeros for a parameter without one),
+        in ``reduce_dtype``."""
+        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+                 for p in self.params]
+        flat = torch.cat(grads + [self.flat.new_zeros(self.N - self.numel)])
+        return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Collectives over the shard mesh's groups, in turn
+# --------------------------------------------------------------------------------------
+def reduce_scatter_down(x: torch.Tensor, groups) -> torch.Tensor:
+    """Reduce-scatter (sum) ``x`` over each group in turn; return this rank's summed chunk."""
+    for group in groups:
+        if comm.size(group) > 1:
+            out = x.new_empty(x.numel() // comm.size(group))
+            comm.reduce_scatter(out, x, group)
+            x = out
+    return x
+
+
+def all_gather_in_place(out: torch.Tensor, group) -> None:
+    """Every rank's own chunk of ``out`` is already in place: fetch the others' chunks."""
+    if comm.size(group) > 1:
+        mine = out.chunk(comm.size(group))[comm.rank(group)].clone()
+        comm.all_gather(out, mine, group)
+
+
+def gather_up(x: torch.Tensor, groups) -> torch.Tensor:
+    """All-gather ``x`` over each group in turn (the reverse of ``reduce_scatter_down``)."""
+    for group in groups:
+        if comm.size(group) > 1:
+            out = x.new_empty(x.numel() * comm.size(group))
+            comm.all_gather(out, x, group)
+            x = out
+    return x
 
 
 # --------------------------------------------------------------------------------------
 # OS sharding (ZeRO-1): each rank updates its slice, then the slices are all-gathered
 # --------------------------------------------------------------------------------------
-def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, mesh: ShardMesh):
+def sharded_optimizer_step(units: list[Unit], optimizer, mesh: ShardMesh):
     """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates.
 
     With s_g = 1 (ZeRO-1) ``grad_shard`` is the whole local gradient, so the reduce-scatter
-    over ``mesh.os_group`` is ZeRO-1's: each rank only ever needs the averaged gradient of
-    the slice whose Adam state it keeps.
+    over ``mesh.os_group`` is ZeRO-1's: each rank needs the averaged gradient of its slice only.
     """
     # EXERCISE ex06 begin
     # per unit: reduce-scatter grad_shard over os_group, all-reduce over rep_group, /d into os_grad;
@@ -175,12 +269,8 @@ def sharded_optimizer_step(units: list[Unit], optimizer: torch.optim.Optimizer, 
 # G sharding (ZeRO-2): reduce-scatter each unit's gradient as soon as backward is done with it
 # --------------------------------------------------------------------------------------
 def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
-    """Add the unit's full gradient, summed over the G group, into this rank's G shard.
-
-    The G group is zero_p x zero_g; reduce-scattering over zero_p and then zero_g sends the
-    same bytes as one reduce-scatter over the G group and leaves the chunks nested. The full
-    gradient is dropped afterwards: between steps this rank holds only its G shard.
-    """
+    """Add the unit's full gradient, summed over the G group (p then g), into this rank's G
+    shard; drop the full gradient: between steps only the shard is held."""
     # EXERCISE ex07 begin
     # flatten the unit's grads (u.flat_grad()), reduce-scatter over p_group then g_group,
     # add the result into u.grad_shard, and drop every p.grad of the unit
@@ -192,80 +282,132 @@ def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# fp16 at the step, and the engine
+# P sharding (ZeRO-3): gather before use, free after
 # --------------------------------------------------------------------------------------
-class _MastersStep:
-    """What ``sharded_optimizer_step`` calls as ``optimizer.step()`` under mixed precision
-    (``precision.MixedPrecision``): each OS shard's averaged gradient, fp32 when it was reduced
-    in fp32 (``Unit.widen``), goes to its master as a value (``main_grads``); the experts' from
-    their ``.grad``. fp16's loss scaling happens there: unscaled fp32 master gradients, one
-    found-inf flag over the world, the same step skipped on every rank (a skipped step still
-    all-gathers the unchanged shards: every rank runs the same collectives every step)."""
+class ShardedUnits:
+    """A module's units as flat ``Unit`` buffers over ``mesh``, and the hooks that move them.
 
-    def __init__(self, engine: "ShardedEngine"):
-        self.engine = engine
+    With s_p > 1 each unit is all-gathered before its forward and freed after it, and again
+    before its backward (a hook on its output's gradient) and freed after it; ``prefetch``
+    starts the neighbour's gather while this unit computes. Once backward has produced every
+    gradient of a unit, ``reduce(u)`` runs if ``reduce_each_backward`` (G sharding: every
+    micro-batch, so full gradients never pile up); the owner defines ``reduce``. ``units``:
+    [(module, its parameters)], ``units_of``'s answer."""
 
-    def step(self):
-        e = self.engine
-        e.optimizer.step(main_grads={u.os_param: u.os_grad for u in e.units})
+    def __init__(self, module, mesh: ShardMesh, units: list, prefetch: bool = True,
+                 reduce_dtype=None, grad_dtype=None, reduce_each_backward: bool = False, dtype=None):
+        self.module, self.mesh, self.spec, self.prefetch = module, mesh, mesh.spec, prefetch
+        self.reduce_each_backward = reduce_each_backward
+        self.units = [Unit(m, ps, mesh, reduce_dtype, grad_dtype, dtype) for m, ps in units]
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        for p in self._unit_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for u in self.units if self.spec.p > 1 else []:
+            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
 
+    def _gather(self, u: Unit, wait: bool = True):
+        if u.handle is None and storage_bytes(u.flat) == 0:
+            alloc_storage(u.flat)
+            u.handle = comm.all_gather(u.flat, u.p_shard, self.mesh.p_group, async_op=True)
+        if wait and u.handle is not None:
+            u.handle.wait()
+            u.handle = None
 
-# --------------------------------------------------------------------------------------
-# The engine: the trainer's ZeRO/AMSP, (s_p, s_g, s_os) with its own optimizer
-# --------------------------------------------------------------------------------------
-class ShardedEngine(ShardedUnits):
-    """Data parallelism with (s_p, s_g, s_os) sharding over ``grid``'s data-parallel group.
+    def _free(self, u: Unit):
+        if u.handle is not None:
+            u.handle.wait()
+            u.handle = None
+        free_storage(u.flat)
 
-    ``grid`` is a ``dist.Grid`` (the trainer) or a process group (None: the whole world), so
-    the engine also runs a plain model in a plain loop (``zero_grad()``, backward, ``step()``).
-    The first rank's parameters and buffers are broadcast first (ranks may have built
-    different models). ``units``: which modules are gathered together (``units_of``).
-    Outside the trainer, ``minipar.fsdp.fully_shard`` (the same units and hooks) is the
-    nn.Module-shaped way, with any optimizer built afterwards.
-    """
+    def _neighbour(self, u: Unit, step: int) -> Unit | None:
+        k = self.units.index(u) + step
+        return self.units[k] if 0 <= k < len(self.units) else None
 
-    def __init__(self, module: nn.Module, grid, spec: Spec, make_optimizer,
-                 prefetch: bool = True, units=None, reduce_dtype: torch.dtype | None = None,
-                 groups: list[ParamGroup] | None = None, policy: PrecisionPolicy | None = None):
-        grid = as_grid(grid)
-        if policy is not None:
-            reduce_dtype = policy.reduce_dtype if policy.mixed else None
-        spec = Spec(*spec)
-        reason = spec_violation(spec, grid.dp)
-        if reason:
-            raise UsageError(reason)
-        # -- parameter groups (``minipar.groups``): the one reduced over the data-parallel axis
-        # is sharded; any other with a group of its own (MoE experts over ``edp`` with ep > 1)
-        # stays whole, as in plain DP; with ep = 1 the experts are replicas like the rest
-        if groups is None:
-            groups = (param_groups(module, grid) if isinstance(grid, dist.Grid) else
-                      [ParamGroup("dense", [p for p in module.parameters() if p.requires_grad],
-                                  "dp_cp", grid.dp_group, grid.dp)])
-        self.whole = [g for g in groups
-                      if g.reduce_axis != "dp_cp" and g.group is not grid.dp_group]
-        self.tagged = [p for g in self.whole for p in g.params]
-        dp.broadcast_module(module, grid.dp_group, self.whole)   # experts: from their group's first
-        mesh = ShardMesh(grid, spec)
-        # a wider dtype to reduce gradients in than the parameters' own (None: their own)
-        if reduce_dtype is not None and (mesh.d == 1 or all(
-                p.dtype == reduce_dtype for p in module.parameters())):
-            reduce_dtype = None
-        self.reduce_dtype = reduce_dtype
-        super().__init__(module, mesh, units, prefetch, reduce_dtype,
-                         reduce_each_backward=spec.g > 1, exclude=self.tagged)
-        self.optimizer = make_optimizer([u.os_param for u in self.units] + self.tagged)
+    def _pre_forward(self, u: Unit):
+        self._gather(u)
+        if self.prefetch and self._neighbour(u, +1) is not None:
+            self._gather(self._neighbour(u, +1), wait=False)   # overlaps this unit's forward
+
+    def _post_forward(self, u: Unit, out):
+        self._free(u)
+        if torch.is_grad_enabled():     # its output's gradient arrives just before its backward
+            for t in tree_leaves(out):
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
+
+    def _pre_backward(self, u: Unit):
+        self._gather(u)
+        if self.prefetch and self._neighbour(u, -1) is not None:
+            self._gather(self._neighbour(u, -1), wait=False)   # overlaps this unit's backward
+
+    def _on_grad_ready(self, p):
+        u = self._unit_of[p]
+        u.ready += 1
+        if u.ready % len(u.params):
+            return
+        if self.spec.p > 1:
+            self._free(u)
+        if self.reduce_each_backward:
+            self.reduce(u)
 
     def reduce(self, u: Unit):
-        if storage_bytes(u.grad_shard) == 0:        # first gradient of the step for this unit
+        raise NotImplementedError
+
+    def settle(self):
+        """End of a backward or a step: reduce the units whose backward never finished (a
+        parameter it did not use), and wait on every gather still in flight (a prefetch no
+        unit used), so no async work outlives the sync."""
+        for u in self.units:
+            if self.spec.p > 1:
+                self._free(u)
+            if self.reduce_each_backward and any(p.grad is not None for p in u.params):
+                self.reduce(u)
+            u.ready = 0
+
+
+# --------------------------------------------------------------------------------------
+# The engine: (s_p, s_g, s_os) over one data-parallel axis, with its own optimizer
+# --------------------------------------------------------------------------------------
+class ShardedEngine(ShardedUnits):
+    """ZeRO/AMSP over ``axis`` (a ``mesh.Axis``, or a process group: None is the world):
+    ``zero_grad()``, the backward passes, ``step()``. The first rank's parameters and buffers
+    are broadcast first. ``units``: modules, a policy or [(module, params)] (``units_of``).
+    ``make_optimizer(params)`` builds the optimizer over the OS shards (and ``whole``,
+    parameters kept out of the shards); ``policy`` (a ``PrecisionPolicy``):
+    under mixed precision the optimizer is ``policy``'s fp32 masters and gradients are reduced
+    in its ``reduce_dtype``."""
+
+    def __init__(self, module, axis, spec, make_optimizer, units=None, prefetch: bool = True,
+                 policy: PrecisionPolicy | None = None, whole=()):
+        axis = axis if isinstance(axis, Axis) else Axis.of_group(axis)
+        spec = Spec(*spec)
+        reason = shard_violation(tuple(spec), axis.size)
+        if reason:
+            raise UsageError(reason)
+        self.policy = policy or PrecisionPolicy()
+        units = units if units and isinstance(units[0], tuple) else units_of(module, units, whole)
+        comm.broadcast_from_first([p for _, ps in units for p in ps]     # ``whole``: the owner's
+                                  + (list(module.buffers()) if module is not None else []), axis.group)
+        mesh, self.group = ShardMesh(axis, spec), axis.group
+        # mixed precision: gradients summed in the policy's (wider) reduce dtype
+        self.reduce_dtype = self.policy.reduce_dtype if self.policy.mixed and mesh.d > 1 else None
+        super().__init__(module, mesh, units, prefetch, self.reduce_dtype,
+                         reduce_each_backward=spec.g > 1)
+        self.whole = list(whole)
+        self.optimizer = self.policy.optimizer([u.os_param for u in self.units] + self.whole,
+                                               make_optimizer)
+
+    def reduce(self, u: Unit):
+        if storage_bytes(u.grad_shard) == 0:        # the step's first gradient for this unit
             alloc_storage(u.grad_shard)
             u.grad_shard.zero_()
         reduce_scatter_gradient(u, self.mesh)
 
-    # -- the engine interface ------------------------------------------------------------
     def zero_grad(self):
-        """Zero the gradients; a G shard's memory is released until backward refills it
-        (as ``set_to_none`` does), so the forward pass runs without any gradient storage."""
-        for p in self.tagged:
+        """Zero the gradients; with s_g > 1 a G shard's memory is released until backward
+        refills it (as ``set_to_none``), so the forward pass runs without gradient storage."""
+        for p in self.whole:
             p.grad = None
         for u in self.units:
             if self.spec.g == 1:
@@ -277,135 +419,74 @@ class ShardedEngine(ShardedUnits):
                     p.grad = None
 
     def begin_step(self, microbatches: int = 1):
-        """Nothing to arm per micro-batch count: with s_g > 1 every micro-batch's gradient is
-        reduce-scattered as it is produced, with s_g = 1 they accumulate until ``step()``."""
+        """Nothing to arm: every micro-batch's gradient is reduce-scattered as it comes (s_g >
+        1) or accumulates until ``step()`` (s_g = 1)."""
         for u in self.units:
             u.ready = 0
 
-    def step(self):
+    def step(self, before_update=None):
+        """Reduce, update, gather. ``before_update()`` runs first: the owner's reduction of
+        ``whole`` parameters (MoE experts over their own group)."""
         self.settle()
         for u in self.units:
             if self.spec.g > 1 and storage_bytes(u.grad_shard) == 0:
                 self.reduce(u)                  # a unit no backward reached
-        for g in self.whole:                    # MoE experts: sum over their replicas, / d
-            for p in g.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                # in reduce_dtype (fp32 under bf16/fp16), the average rounded into .grad
-                grad = p.grad if self.reduce_dtype is None else p.grad.to(self.reduce_dtype)
-                comm.all_reduce(grad, g.group)
-                p.grad.copy_(grad.div_(g.divisor))
-        optimizer = _MastersStep(self) if isinstance(self.optimizer, MixedPrecision) else self.optimizer
+        if before_update is not None:
+            before_update()
         if self.reduce_dtype is None:
-            sharded_optimizer_step(self.units, optimizer, self.mesh)
+            sharded_optimizer_step(self.units, self.optimizer, self.mesh)
             return
+        # mixed precision, fp32 reduction: each G shard's fp32 copy is reduced at the step and
+        # its OS chunk handed to the fp32 master as a value (Megatron's main_grad)
+        narrow = [(u.grad_shard, u.os_grad) for u in self.units]
         for u in self.units:
-            u.widen()
-        sharded_optimizer_step(self.units, optimizer, self.mesh)
-        for u in self.units:
-            u.narrow()
+            u.grad_shard = u.grad_shard.to(self.reduce_dtype)
+            u.os_grad = u.grad_shard[u.os_slice]
+        main = {u.os_param: u.os_grad for u in self.units}
+        sharded_optimizer_step(self.units, _Stepper(lambda: self.optimizer.step(main)), self.mesh)
+        for u, (grad_shard, os_grad) in zip(self.units, narrow):
+            os_grad.copy_(u.os_grad)
+            u.grad_shard, u.os_grad = grad_shard, os_grad
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """{name: the full parameter}, gathered from the P shards (bookkeeping: untracked)."""
+        names, out = {p: n for n, p in self.module.named_parameters()}, {}
+        with comm.untracked():
+            for u in self.units:
+                flat, offset = gather_up(u.p_shard, [self.mesh.p_group]), 0
+                for p in u.params:
+                    out[names[p]] = flat[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+        return out | {names[p]: p.detach().clone() for p in self.whole}
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Storage this rank holds now (between steps: only the shards the spec keeps)."""
-        params = sum(storage_bytes(u.p_shard) for u in self.units)
-        if self.spec.p > 1:
-            params += sum(storage_bytes(u.flat) for u in self.units)
+        """Storage this rank holds now (between steps: only the shards its spec keeps)."""
+        params = sum(storage_bytes(u.p_shard) + (storage_bytes(u.flat) if self.spec.p > 1 else 0)
+                     for u in self.units) + sum(p.numel() * p.element_size() for p in self.whole)
         grads = sum(storage_bytes(u.grad_shard) for u in self.units)
         if self.spec.g > 1:
             grads += sum(storage_bytes(p.grad) for u in self.units for p in u.params)
-        params += sum(p.numel() * p.element_size() for p in self.tagged)
-        grads += sum(storage_bytes(p.grad) for p in self.tagged)
-        optimizer = optimizer_state_bytes(self.optimizer)
-        return dict(params=params, grads=grads, optimizer=optimizer,
-                    total=params + grads + optimizer)
-
-    def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """{local name: (full parameter, full averaged gradient of the last step)}.
-
-        Gathers the shards (bookkeeping, not training traffic: untracked).
-        """
-        names = {p: n for n, p in self.module.named_parameters()}
-        out = {}
-        with comm.untracked():
-            for u in self.units:
-                flat = gather_up(u.p_shard, [self.mesh.p_group])
-                grad = gather_up(u.os_grad, [self.mesh.os_group, self.mesh.g_group,
-                                             self.mesh.p_group])
-                offset = 0
-                for p in u.params:
-                    sl = slice(offset, offset + p.numel())
-                    out[names[p]] = (flat[sl].view_as(p), grad[sl].view_as(p))
-                    offset += p.numel()
-        # the experts' .grad still carries fp16's loss scale (their masters were unscaled):
-        # given unscaled, as the optimizer saw it, like the OS shards' above
-        opt = self.optimizer
-        scale = (opt.grad_scale if isinstance(opt, MixedPrecision) and opt.loss_scaler is not None
-                 else None)
-        for p in self.tagged:
-            grad = p.grad if scale is None or p.grad is None else p.grad.float() / scale
-            out[names[p]] = (p.detach(), grad)
-        return out
+        grads += sum(storage_bytes(p.grad) for p in self.whole)
+        optimizer = self.policy.state_bytes(self.optimizer)
+        return dict(params=params, grads=grads, optimizer=optimizer, total=params + grads + optimizer)
 
 
-    def flat_ranges(self) -> list[tuple[str, torch.Size, int, dict[str, torch.Tensor], bool]]:
-        """What this rank's optimizer updates, for clipping and checkpoints (``minipar.pieces``):
-        each parameter's part of this rank's OS shard, as (local name, shape, first element,
-        1-D views of the parameter, the averaged gradient and Adam's states, owner). The OS
-        shards of one replica tile each unit; replica 0 (of ``zero_rep``) owns them."""
-        s_p, s_g, s_os = self.spec
-        names = {p: n for n, p in self.module.named_parameters()}
-        owner = comm.rank(self.mesh.rep_group) == 0
-        masters = self._masters()
-        out = []
-        for u in self.units:
-            # the OS shard is chunk os of chunk g of chunk p of the unit's flat buffer
-            lo = (self.mesh.p_index * (u.N // s_p) + self.mesh.g_index * (u.N // s_g)
-                  + self.mesh.os_index * (u.N // s_os))
-            hi = lo + u.N // s_os
-            param = masters.get(u.os_param, u.os_param)      # mixed precision: the fp32 master
-            # the master's gradient exists during step() only (unscaled): what clipping must scale
-            flat = {"param": param.detach(),
-                    "grad": u.os_grad if param.grad is None else param.grad}
-            flat.update({k: v for k, v in self.optimizer.state.get(param, {}).items()
-                         if torch.is_tensor(v) and v.numel() == u.os_param.numel()})
-            offset = 0
-            for p in u.params:
-                a, b = max(lo, offset), min(hi, offset + p.numel())
-                if a < b:
-                    out.append((names[p], p.shape, a - offset,
-                                {k: v[a - lo:b - lo] for k, v in flat.items()}, owner))
-                offset += p.numel()
-        for g in self.whole:        # MoE experts: whole, owned by the first of their replicas
-            for p in g.params:
-                param = masters.get(p, p)
-                views = {"param": param.detach().view(-1)}
-                grad = p.grad if param.grad is None else param.grad   # the master's, in step()
-                if grad is not None:
-                    views["grad"] = grad.view(-1)
-                views.update({k: v.view(-1) for k, v in self.optimizer.state.get(param, {}).items()
-                              if torch.is_tensor(v) and v.numel() == p.numel()})
-                out.append((names[p], p.shape, 0, views, comm.rank(g.group) == 0))
-        return out
+class _Stepper:
+    """What ``sharded_optimizer_step`` calls as ``optimizer.step()``."""
 
-    def _masters(self):
-        """Under mixed precision (``precision.MixedPrecision``) the fp32 master of each tensor
-        the optimizer updates (an OS shard, an expert): what a checkpoint saves and loads, what
-        weight decay scales. Empty in fp32, where the tensors are their own masters."""
-        opt = self.optimizer
-        if not isinstance(opt, MixedPrecision):
-            return WeakIdKeyDictionary()
-        return WeakIdKeyDictionary(zip(opt.params, opt.masters))
-
-    def sync_params(self):
-        """After the OS shards of the parameters were set outside ``step()`` (a checkpoint: the
-        fp32 masters under mixed precision, rounded into the 16-bit shards here): gather them
-        up into every rank's P shard, as the end of a step does."""
-        with torch.no_grad():
-            for p, m in self._masters().items():
-                p.copy_(m)
-        for u in self.units:
-            all_gather_in_place(u.g_slice, self.mesh.os_group)
-            all_gather_in_place(u.p_shard, self.mesh.g_group)
+    def __init__(self, step):
+        self.step = step
 
 
-from .zero_optimizer import ELEMENT_WISE, ShardedOptimizer  # noqa: E402,F401  (re-exported)
+# --------------------------------------------------------------------------------------
+# ZeRO-1/2 shaped like a torch optimizer, for any model in a plain loop
+# --------------------------------------------------------------------------------------
+class ShardedOptimizer(OptimizerSurface):
+    """ZeRO-1 (``stage=1``) or ZeRO-2 over ``group`` (None: the world), where one process writes
+    ``optimizer_class(params, **defaults)``: a ``ShardedEngine`` of one unit per parameter group
+    at (1, 1, d) or (1, d, d). Sent per step: reduce_scatter (d-1)/d Psi (stage 2: every
+    backward), all_gather (d-1)/d Psi. Its torch surface (ZeroRedundancyOptimizer's: groups,
+    clipping, state dicts in torch's layout) is ``minipar.wrappers.zero_optimizer``."""
+
+    engine_class = ShardedEngine
+    gather = staticmethod(gather_up)

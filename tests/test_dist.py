@@ -6,14 +6,15 @@ import torch
 import torch.distributed as tdist
 
 from minipar import comm
+from minipar.mesh import Mesh
 from minipar.runtime import dist
 
 
 def _grid_coords(dp, pp, tp):
-    g = dist.Grid(dp=dp, pp=pp, tp=tp)
-    return dict(rank=g.rank, coords=(g.dp_rank, g.pp_rank, g.tp_rank), tp=g.tp_ranks,
-                pp=g.pp_ranks, dp=g.dp_ranks, sizes=(comm.size(g.dp_group), comm.size(g.pp_group),
-                                                    comm.size(g.tp_group)))
+    g = Mesh(dp=dp, pp=pp, tp=tp)
+    return dict(rank=g.rank, coords=(g.coord("dp"), g.coord("pp"), g.coord("tp")), tp=g.ranks("tp"),
+                pp=g.ranks("pp"), dp=g.ranks("dp"), sizes=(comm.size(g.group("dp")), comm.size(g.group("pp")),
+                                                    comm.size(g.group("tp"))))
 
 
 def test_grid_layout_matches_arange_view():
@@ -29,10 +30,10 @@ def test_grid_layout_matches_arange_view():
 
 
 def _group_sum(dp, pp, tp):
-    g = dist.Grid(dp=dp, pp=pp, tp=tp)
+    g = Mesh(dp=dp, pp=pp, tp=tp)
     x = torch.tensor([float(g.rank)])
-    comm.all_reduce(x, g.tp_group)
-    return x.item(), sum(g.tp_ranks)
+    comm.all_reduce(x, g.group("tp"))
+    return x.item(), sum(g.ranks("tp"))
 
 
 def test_groups_reduce_over_their_own_ranks():
@@ -193,11 +194,11 @@ def test_unknown_backend_is_a_usage_error():
 # Every group has the collective timeout
 # --------------------------------------------------------------------------------------
 def _group_timeouts():
-    g = dist.Grid(dp=2, pp=1, tp=1)
+    g = Mesh(dp=2, pp=1, tp=1)
     extra = g.new_groups([[0, 1]], "extra")
     cpu = torch.device("cpu")
     return [grp._get_backend(cpu).options._timeout.total_seconds()
-            for grp in (tdist.group.WORLD, g.dp_group, extra)]
+            for grp in (tdist.group.WORLD, g.group("dp"), extra)]
 
 
 def test_every_group_gets_the_collective_timeout(monkeypatch):

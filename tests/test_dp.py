@@ -54,15 +54,15 @@ def _versus_ddp(mode, steps):
     batches = data.Batches(tokens, cfg.seq_len, 8, seed=0)
     r, d = tdist.get_rank(), tdist.get_world_size()
     ours, theirs = build(cfg, seed=0), build(cfg, seed=0)
-    engine = dp.DataParallel(ours, comm.WORLD, mode=mode, bucket_mb=0.01,
-                             optimizer=torch.optim.AdamW(ours.parameters(), lr=3e-3))
+    engine = dp.DataParallel(ours, group=comm.WORLD, mode=mode, bucket_mb=0.01)
+    ours_opt = torch.optim.AdamW(ours.parameters(), lr=3e-3)
     ddp = torch.nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=0.01)
     opt = torch.optim.AdamW(theirs.parameters(), lr=3e-3)
     losses = []
     for step in range(1, steps + 1):
         x, y = batches.local_batch(step, r, d)
         engine.zero_grad(); engine.begin_step(1)
-        a = ours(x, y); a.backward(); engine.step()
+        a = ours(x, y); a.backward(); engine.finish_grad_sync(); ours_opt.step()
         opt.zero_grad()
         b = ddp(x, y); b.backward(); opt.step()
         losses.append((a.item(), b.item()))
@@ -81,14 +81,13 @@ def test_dp_equals_torch_ddp(mode):
 def _overlap_launches_before_step():
     """The overlapped variant starts bucket all-reduces during backward, not after it."""
     model = build("nano", seed=0)
-    engine = dp.DataParallel(model, comm.WORLD, mode="overlapped", bucket_mb=0.001,
-                             optimizer=torch.optim.AdamW(model.parameters()))
+    engine = dp.DataParallel(model, group=comm.WORLD, mode="overlapped", bucket_mb=0.001)
     x = torch.randint(0, 256, (2, 16))
     engine.zero_grad(); engine.begin_step(1)
     model(x, x).backward()
-    in_flight = sum(b.handle is not None for b in engine.buckets)
-    engine.step()
-    return in_flight, len(engine.buckets)
+    in_flight = sum(b.handle is not None for b in engine.buckets())
+    engine.finish_grad_sync()
+    return in_flight, len(engine.buckets())
 
 
 def test_overlapped_launches_during_backward():
@@ -101,7 +100,7 @@ def _hand_driven_without_begin_step(steps, mode="overlapped", set_to_none=False)
     with the optimizer (set_to_none) instead of the engine: grads must still average."""
     r, d = tdist.get_rank(), tdist.get_world_size()
     model = build("nano", seed=0)
-    engine = dp.DataParallel(model, comm.WORLD, mode=mode, bucket_mb=0.01)
+    engine = dp.DataParallel(model, group=comm.WORLD, mode=mode, bucket_mb=0.01)
     worst = 0.0
     for step in range(steps):
         xs = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(10 * step + k))

@@ -55,11 +55,7 @@ def test_the_parser_resolves_relative_imports():
     assert "minipar.plan" in g["minipar.bench.pp"]                       # from ..plan import ...
 
 
-# The one cycle kept on purpose, each edge named: minipar.zero re-exports ShardedOptimizer (the
-# documented ``zero.ShardedOptimizer``), whose module calls the ZeRO-1/2 steps through
-# ``minipar.zero`` at run time, so that an exercise checker's patch of ``zero``'s functions
-# (ex06, ex07) reaches every user of them. Import order is safe: zero imports it last.
-ALLOWED = {("minipar.zero", "minipar.zero_optimizer"), ("minipar.zero_optimizer", "minipar.zero")}
+ALLOWED: set = set()      # no cycle is kept on purpose
 
 
 def test_no_import_cycles():

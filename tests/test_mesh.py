@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minipar import comm, groups, mesh
+from minipar import comm, mesh, moe
 from minipar.runtime import dist
 from minipar.runtime.errors import UsageError
 
@@ -24,9 +24,9 @@ def _what_each_rank_sees(shapes):
             seen[axis] = dict(size=m.size(axis), coord=m.coord(axis), ranks=m.ranks(axis),
                               group_size=comm.size(g), group_rank=comm.rank(g),
                               is_none=g is None, summed=x.item())
-        out.append(dict(rank=m.rank, seen=seen, old=(m.dp_rank, m.pp_rank, m.tp_rank,
-                                                     m.dp_ranks, m.pp_ranks, m.tp_ranks,
-                                                     comm.size(m.dp_group))))
+            a = m.axis(axis)                          # the same line, as the value engines take
+            seen[axis]["axis"] = (a.group is g, a.size, a.rank, a.lines.tolist() == m.lines(axis).tolist())
+        out.append(dict(rank=m.rank, seen=seen))
     return out
 
 
@@ -56,9 +56,7 @@ def _check(shapes, results):
                 assert s["is_none"] == (len(ranks) == 1), where
                 assert s["group_rank"] == (coord if len(ranks) > 1 else 0), where
                 assert s["summed"] == float(sum(ranks)), where
-            dp_ranks = want["dp"][0]
-            assert got["old"] == (want["dp"][1], want["pp"][1], want["tp"][1], dp_ranks,
-                                  want["pp"][0], want["tp"][0], len(dp_ranks))
+                assert s["axis"] == (True, len(ranks), coord, True), where
 
 
 def test_mesh_axes_match_arange_view_8_ranks():
@@ -73,7 +71,6 @@ def test_mesh_single_process_and_bad_shapes():
     m = mesh.Mesh()
     assert all(m.size(a) == 1 and m.coord(a) == 0 and m.group(a) is None and m.ranks(a) == [0]
                for a in mesh.AXES + mesh.DERIVED)
-    assert dist.Grid is mesh.Mesh
     with pytest.raises(UsageError, match="must divide"):
         mesh.Mesh(dp=1, ep=2)
     with pytest.raises(UsageError, match="the world has 1"):
@@ -93,12 +90,12 @@ def test_param_groups_split_experts_from_dense():
     from minipar.model import build, config
     cfg = config("nano", moe_experts=4, moe_top_k=2)
     model = build(cfg, seed=0)
-    gs = groups.param_groups(model)
+    gs = mesh.param_groups(model, experts=moe.expert_parameters(model))
     assert [g.name for g in gs] == ["dense", "expert"]
     assert [g.reduce_axis for g in gs] == ["dp_cp", "edp"]
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(".experts." in names[id(p)] for p in gs[1].params)
     assert not any(".experts." in names[id(p)] for p in gs[0].params)
     assert sum(len(g) for g in gs) == len(list(model.parameters()))
-    dense = groups.param_groups(build(config("nano"), seed=0))
+    dense = mesh.param_groups(build(config("nano"), seed=0))
     assert [g.name for g in dense] == ["dense"]

@@ -18,6 +18,7 @@ from minipar.runtime import dist
 from minipar.model import build, config
 from minipar.plan import moe as plan_moe
 from minipar.plan.shapes import trainer_presets
+from minipar.mesh import Mesh
 from minipar.train import run_state
 
 E, K = 4, 2
@@ -149,16 +150,15 @@ def _serial(cf):
 
 def _ep_rank(ep, cf):
     from minipar import dp
-    from minipar.groups import param_groups
-    from minipar.mesh import Mesh
+    from minipar.mesh import Mesh, param_groups
     grid = Mesh(dp=4, ep=ep)
     model = moe.expert_parallel(build(config("nano", moe_experts=E, moe_top_k=K,
                                              capacity_factor=cf), seed=0), grid, ep)
-    dense = grid.group("dp")     # experts reduce over their own group, edp (the trainer's way)
-    engine = dp.DataParallel(model, dense, mode="bucketed",
-                             own_groups=[g for g in param_groups(model, grid) if g.group is not dense])
+    # experts reduce over their own group, edp (the trainer's way)
+    engine = dp.DataParallel(model, group=grid.group("dp"), mode="bucketed",
+                             groups=param_groups(model, grid, moe.expert_parameters(model)))
     x, y = _batch()
-    rows = slice(2 * grid.dp_rank, 2 * grid.dp_rank + 2)
+    rows = slice(2 * grid.coord("dp"), 2 * grid.coord("dp") + 2)
     comm.reset()
     engine.zero_grad()
     loss = model(x[rows], y[rows])
@@ -359,7 +359,7 @@ def test_tp_moe_state_bytes_equal_the_planner():
 def _tp_layer_bytes(sp: bool, ep: int):
     """On 4 ranks (tp=2, dp=2): one MoE layer's forward and backward, its bytes by op."""
     from minipar import tp
-    grid = dist.Grid(dp=2, tp=2)
+    grid = Mesh(dp=2, tp=2)
     model = build(config("nano", moe_experts=E, moe_top_k=K, capacity_factor=1.0), seed=0)
     tp.parallelize(model, grid, sequence_parallel=sp)
     moe.expert_parallel(model, grid, ep)

@@ -125,7 +125,7 @@ def _held_and_sent(t, configs, b):
     """On each of t ranks: the parameters this TP rank holds, and the bytes one SP forward
     and backward of b sequences sends, for each config."""
     from minipar import comm, tp
-    from minipar.runtime.dist import Grid
+    from minipar.mesh import Mesh as Grid
     from minipar.model import GPTConfig
     torch.set_num_threads(1)
     grid, out = Grid(1, 1, t), []

@@ -5,6 +5,7 @@ import time
 import pytest
 from conftest import NANO, assert_same_training, cli, quick_tier, serial_state
 
+from minipar.mesh import Mesh
 from minipar.runtime import dist
 from minipar import pp
 from minipar.pp import Instr, backward, forward
@@ -179,7 +180,7 @@ def _deadlocking_schedule(p, m, r):
 
 
 def _run_with(schedule):
-    grid = dist.Grid(dp=1, pp=2, tp=1)
+    grid = Mesh(dp=1, pp=2, tp=1)
     from minipar.model import build
     pp.PipelineRunner(build("nano"), grid, schedule, 4)
 

@@ -19,6 +19,7 @@ small side tensors: 3 to 5% below the planner at nano's h = 32, and less the wid
 import pytest
 import torch
 
+from minipar.mesh import Mesh
 from minipar.runtime import dist
 from minipar import plan
 from minipar.train.memory import activation_bytes_per_layer
@@ -119,7 +120,7 @@ def test_measured_activation_bytes_against_the_planner(mode, dtype, e, plan_dtyp
 def _tp_bytes(sp):
     """One TP rank's per-layer bytes for each mode (same process group, nano, fp32)."""
     from minipar import tp
-    grid = dist.Grid(dp=1, pp=1, tp=2)
+    grid = Mesh(dp=1, pp=1, tp=2)
     out = {}
     for mode in MODES:
         model = tp.parallelize(build(config("nano", recompute=mode)), grid, sequence_parallel=sp)

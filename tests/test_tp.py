@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from conftest import NANO, assert_same_training, cli, serial_state
 from minipar import comm, model, plan, tp
+from minipar.mesh import Mesh
 from minipar.runtime import dist
 from minipar.train import run_state
 
@@ -28,8 +29,8 @@ def _full(param_or_grad, split, group):
 # Each layer alone against torch's serial layer, forward and backward
 # --------------------------------------------------------------------------------------
 def _layers(t):
-    grid = dist.Grid(1, 1, t)
-    group, r = grid.tp_group, grid.tp_rank
+    grid = Mesh(1, 1, t)
+    group, r = grid.group("tp"), grid.coord("tp")
     b, s, d_in, d_out = 2, 8, 12, 16
     x = _rand(b, s, d_in, seed=1)
     up = _rand(b, s, d_out, seed=2)              # the upstream gradient of the output
@@ -162,7 +163,7 @@ def test_trainer_matches_serial(t, sp, d):
 def _padded_vocab(t, vocab, sp):
     cfg = model.GPTConfig(vocab_size=vocab, seq_len=8, n_layer=2, n_head=4, d_model=16)
     serial = model.build(cfg, seed=3)
-    grid = dist.Grid(1, 1, t)
+    grid = Mesh(1, 1, t)
     par = tp.parallelize(model.build(cfg, seed=3), grid, sequence_parallel=sp)
     gen = torch.Generator().manual_seed(11)
     x, y = torch.randint(0, vocab, (2, 8), generator=gen), torch.randint(0, vocab, (2, 8), generator=gen)
@@ -177,8 +178,8 @@ def _padded_vocab(t, vocab, sp):
         assert full_p.shape == ref.shape, name
         worst = max(worst, (full_g - ref.grad).abs().max().item(), (full_p - ref).abs().max().item())
         split = tp.split_of(name, par)
-        if split is not None and split.full == vocab and grid.tp_rank == t - 1:
-            padding_grad = max(padding_grad, p.grad[vocab - grid.tp_rank * p.shape[0]:].abs().max().item())
+        if split is not None and split.full == vocab and grid.coord("tp") == t - 1:
+            padding_grad = max(padding_grad, p.grad[vocab - grid.coord("tp") * p.shape[0]:].abs().max().item())
     return abs(loss.item() - ref_loss.item()), worst, padding_grad
 
 
@@ -202,12 +203,11 @@ def test_indivisible_heads_or_sequence_exit_2_with_a_clear_line():
     assert out.returncode == 2 and "sequence length 15" in out.stderr, out.stderr
 
 
-def test_validate_names_the_shape_that_does_not_divide():
-    with pytest.raises(dist.UsageError, match="MLP width 90"):
-        tp.validate(model.GPTConfig(n_head=4, d_model=32, d_ff=90), tp=4)
-    with pytest.raises(dist.UsageError, match="attention heads"):
-        tp.validate(model.GPTConfig(n_head=6, d_model=48), tp=4)
-    tp.validate(model.GPTConfig(vocab_size=255, n_head=4, d_model=32), tp=4)  # padded, fine
+def test_the_tp_rule_names_the_shape_that_does_not_divide():
+    from minipar import rules
+    assert "MLP width 90" in rules.tp_violation(4, 32, 90, tp=4)
+    assert "attention heads" in rules.tp_violation(6, 48, 192, tp=4)
+    assert rules.tp_violation(4, 32, 128, tp=4) is None    # the vocabulary is padded: fine
 
 
 # --------------------------------------------------------------------------------------
@@ -218,15 +218,15 @@ def _against_dtensor():
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    grid = dist.Grid(1, 1, 2)
+    grid = Mesh(1, 1, 2)
     cfg = model.GPTConfig(d_model=16)
     torch.manual_seed(0)
     serial = model.MLP(cfg)
     native = parallelize_module(copy.deepcopy(serial), init_device_mesh("cpu", (2,)),
                                 {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     ours = copy.deepcopy(serial)
-    ours.fc = tp.ColumnParallelLinear.from_serial(ours.fc, grid.tp_group)
-    ours.proj = tp.RowParallelLinear.from_serial(ours.proj, grid.tp_group)
+    ours.fc = tp.ColumnParallelLinear.from_serial(ours.fc, grid.group("tp"))
+    ours.proj = tp.RowParallelLinear.from_serial(ours.proj, grid.group("tp"))
     x, up = _rand(3, 5, 16, seed=1), _rand(3, 5, 16, seed=2)
     outs = {}
     for name, m in (("serial", serial), ("dtensor", native), ("minipar", ours)):
@@ -260,13 +260,13 @@ def test_same_as_dtensor_colwise_rowwise():
 # Measured bytes per block against the formula
 # --------------------------------------------------------------------------------------
 def _block_bytes(t, sp):
-    grid = dist.Grid(1, 1, t)
+    grid = Mesh(1, 1, t)
     cfg = model.config("nano")
     b, s = 3, cfg.seq_len
     torch.manual_seed(0)
-    block = tp.parallelize_block(model.Block(cfg), grid.tp_group, sequence_parallel=sp)
+    block = tp.parallelize_block(model.Block(cfg), grid.group("tp"), sequence_parallel=sp)
     x = _rand(b, s, cfg.d_model, seed=1)
-    x = (x.chunk(t, dim=1)[grid.tp_rank] if sp else x).requires_grad_()
+    x = (x.chunk(t, dim=1)[grid.coord("tp")] if sp else x).requires_grad_()
     comm.reset()
     y = block(x)
     forward = {op: comm.stats.sent[(op, "tp")] for op, group in comm.stats.sent if group == "tp"}

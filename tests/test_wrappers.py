@@ -164,7 +164,7 @@ def _zero_runs():
             model = make(kind, SEED + r)
             engine = zero.ShardedEngine(model, None, zero.zero_spec(3, d), adamw)
             train(kind, model, engine, micro, r, d, before=engine.zero_grad, after=engine.step)
-            out[(kind, micro, "zero3")] = ({n: p for n, (p, _) in engine.full_named_parameters().items()}, None)
+            out[(kind, micro, "zero3")] = (engine.full_parameters(), None)
             ddp = nn.parallel.DistributedDataParallel(make(kind, SEED + r))
             zro = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
             train(kind, ddp, zro, micro, r, d, ddp.no_sync)
@@ -252,22 +252,13 @@ def _misuse():
     x, y = batch("mlp", 0)
     out = {}
 
-    # 1. every backward inside no_sync, then the optimizer: the gradients are this rank's alone
-    model = dp.DataParallel(make("mlp", SEED + r))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with model.no_sync():
-        loss_fn("mlp", model(x.chunk(d)[r]), y.chunk(d)[r]).backward()
-    out["no_sync then step"] = _raises(opt.step, RuntimeError)
-    model.finish_grad_sync()                    # the explicit fix: now it steps
-    out["after finish"] = _raises(opt.step, RuntimeError)
-
     # 2. the engine's way, one more backward than begin_step announced, into a bucket in flight
     model = make("mlp", SEED + r)
     engine = dp.DataParallel(model, mode="overlapped", bucket_mb=0.0005)
     engine.zero_grad(); engine.begin_step(1)
     loss_fn("mlp", model(x), y).backward()
     out["extra micro-batch"] = _raises(lambda: loss_fn("mlp", model(x), y).backward(), RuntimeError)
-    engine.step()
+    engine.finish_grad_sync()
 
     # 3. ZeRO: a parameter without a gradient, a non-element-wise optimizer, DP + ZeRO
     model = make("mlp", SEED + r)
@@ -277,22 +268,16 @@ def _misuse():
     if hasattr(torch.optim, "Adafactor"):
         out["adafactor"] = _raises(lambda: zero.ShardedOptimizer(
             make("mlp", 0).parameters(), torch.optim.Adafactor), UsageError)
-    wrapped = dp.DataParallel(make("mlp", SEED + r))
-    out["dp + zero"] = _raises(lambda: zero.ShardedOptimizer(
-        wrapped.parameters(), torch.optim.AdamW), UsageError)
     out["solo"] = dp.DataParallel(make("mlp", 0), group=comm.SOLO).d
     return out
 
 
 def test_a_missing_average_is_an_error_never_a_silent_gradient():
     for out in launched("misuse", _misuse):
-        assert "not averaged" in out["no_sync then step"]
-        assert out["after finish"] is None
         assert "already being averaged" in out["extra micro-batch"]
         assert "no gradient" in out["unused parameter"]
         if "adafactor" in out:
             assert "element-wise" in out["adafactor"]
-        assert "a second time" in out["dp + zero"]
         assert out["solo"] == 1
 
 
@@ -461,14 +446,12 @@ def serial_clipped(kind):
 
 def _clip_runs():
     from minipar import fsdp
-    from minipar.train import optim
     r, d = tdist.get_rank(), tdist.get_world_size()
     out = {}
     for kind in MODELS:
-        for how in ("torch", "minipar", "method"):
+        for how in ("torch", "method"):
             model = dp.DataParallel(make(kind, SEED + r))
             clip = {"torch": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
-                    "minipar": lambda: optim.clip_grad_norm_(model.parameters(), MAX_NORM),
                     "method": lambda: model.clip_grad_norm_(MAX_NORM)}[how]
             norms = train_clipped(kind, model, sgd(model.parameters()), clip, r, d)
             out[(kind, f"dp-{how}")] = (params_of(model), norms)
@@ -477,31 +460,15 @@ def _clip_runs():
             opt = zero.ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.5)
             norms = train_clipped(kind, model, opt, lambda: opt.clip_grad_norm_(MAX_NORM), r, d)
             out[(kind, f"zero{stage}")] = (params_of(model), norms)
-        for how in ("minipar", "method"):
+        for how in ("method",):
             model = fsdp.fully_shard(make(kind, SEED + r))
-            clip = {"minipar": lambda: optim.clip_grad_norm_(model.parameters(), MAX_NORM),
-                    "method": lambda: model.clip_grad_norm_(MAX_NORM)}[how]
+            clip = {"method": lambda: model.clip_grad_norm_(MAX_NORM)}[how]
             norms = train_clipped(kind, model, sgd(model.parameters()), clip, r, d)
             out[(kind, f"fsdp-{how}")] = (model.state_dict(), norms)
-    # the wrong calls raise, naming the right one
-    x, y = batch("mlp", 0)
-    for stage in (1, 2):
-        model = make("mlp", SEED + r)
-        opt = zero.ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.5)
-        loss_fn("mlp", model(x), y).backward()
-        out[f"wrong zero{stage}"] = _raises(
-            lambda: optim.clip_grad_norm_(model.parameters(), MAX_NORM), RuntimeError)
-        opt.step()
-    model = dp.DataParallel(make("mlp", SEED + r))
-    with model.no_sync():
-        loss_fn("mlp", model(x), y).backward()
-    out["wrong no_sync"] = _raises(lambda: optim.clip_grad_norm_(model.parameters(), MAX_NORM),
-                                   RuntimeError)
-    model.finish_grad_sync()
     return out
 
 
-CLIPPED = ["dp-torch", "dp-minipar", "dp-method", "zero1", "zero2", "fsdp-minipar", "fsdp-method"]
+CLIPPED = ["dp-torch", "dp-method", "zero1", "zero2", "fsdp-method"]
 
 
 @pytest.mark.parametrize("how", CLIPPED)
@@ -515,25 +482,17 @@ def test_clipping_equals_clip_grad_norm_on_one_process(kind, how):
         assert norms == pytest.approx(ref_norms, rel=1e-5)
 
 
-def test_clipping_the_wrong_tensor_raises():
-    for out in launched("clip", _clip_runs):
-        assert "None" in out["wrong zero2"] and "opt.clip_grad_norm_" in out["wrong zero2"]
-        assert "not the average" in out["wrong zero1"]
-        assert "not averaged" in out["wrong no_sync"]
-
-
 # --------------------------------------------------------------------------------------
 # The trainer's engine under fp16: loss scaling, and a step skipped on every rank
 # --------------------------------------------------------------------------------------
 def _engine_fp16_runs():
-    from minipar.precision import DynamicLossScaler, MixedPrecision, PrecisionPolicy
+    from minipar.precision import DynamicLossScaler, PrecisionPolicy
     r, d = tdist.get_rank(), tdist.get_world_size()
     out = {}
     for spec in ((1, 1, d), (d, d, d)):
         model = make("mlp", SEED + r).to(torch.float16)
         scaler = DynamicLossScaler(init_scale=1024.0)
-        engine = zero.ShardedEngine(model, None, spec,
-                                    lambda ps: MixedPrecision(ps, adamw, loss_scaler=scaler),
+        engine = zero.ShardedEngine(model, None, spec, adamw,
                                     policy=PrecisionPolicy(torch.float16, torch.float32,
                                                            torch.float32, scaler))
         for step in range(STEPS + 1):
@@ -544,12 +503,9 @@ def _engine_fp16_runs():
                 loss = loss * float("inf")          # this rank alone overflows
             (loss * scaler.scale).backward()
             if step == STEPS:
-                before = {n: p for n, (p, _) in engine.full_named_parameters().items()}
-                before = {n: p.clone() for n, p in before.items()}
-                out[(spec, "trained")] = before
+                out[(spec, "trained")] = engine.full_parameters()
             engine.step()
-        after = {n: p.clone() for n, (p, _) in engine.full_named_parameters().items()}
-        out[(spec, "after overflow")] = after
+        out[(spec, "after overflow")] = engine.full_parameters()
         out[(spec, "scaler")] = (scaler.skipped_steps, scaler.scale)
     return out
 

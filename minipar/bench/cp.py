@@ -27,7 +27,8 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from ..runtime import cli, dist
-from .. import comm, cp
+from .. import comm, cp, rules
+from ..runtime.errors import UsageError
 from ..plan.cp import cp_attention_bytes
 from . import machine, median
 
@@ -105,7 +106,9 @@ def main(argv=None):
     p.add_argument("--reps", type=cli.positive_int, default=10)
     p.add_argument("--warmup", type=cli.nonnegative_int, default=2)
     args = p.parse_args(argv)
-    cp.validate(args.seq_len, args.nproc)
+    why = rules.cp_violation(args.seq_len, args.nproc)
+    if why:
+        raise UsageError(why)
     print(f"minipar.bench cp: causal attention, b={args.batch} s={args.seq_len} "
           f"a={args.heads} d={args.head_dim} fp32, forward+backward, median of {args.reps} "
           f"repetitions after {args.warmup} warm-up")

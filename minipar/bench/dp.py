@@ -24,9 +24,8 @@ VARIANTS = ("naive", "bucketed", "overlapped", "ddp")
 def _step(model, opt, engine, x, y):
     if engine is not None:
         engine.zero_grad()
-        engine.begin_step(1)
-        model(x, y).backward()
-        engine.step()
+        model(x, y).backward()        # averaged by the end of backward
+        opt.step()
     else:
         opt.zero_grad(set_to_none=False)
         model(x, y).backward()
@@ -47,9 +46,8 @@ def measure(model_name="tiny", steps=12, warmup=3, batch_per_rank=8, bucket_mb=1
             wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
             setups[v] = (wrapped, torch.optim.AdamW(model.parameters(), lr=1e-3), None)
         else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            setups[v] = (model, None, dp.DataParallel(model, comm.WORLD, mode=v,
-                                                      bucket_mb=bucket_mb, optimizer=opt))
+            setups[v] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                         dp.DataParallel(model, group=comm.WORLD, mode=v, bucket_mb=bucket_mb))
     times = {v: [] for v in variants}
     sent = {v: [] for v in variants}
     for step in range(warmup + steps):

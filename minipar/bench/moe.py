@@ -21,6 +21,7 @@ from ..runtime import cli, dist
 from .. import comm, moe
 from ..model import MLP, GPTConfig
 from ..plan import moe as plan_moe
+from ..mesh import Mesh
 from . import machine, median
 
 
@@ -46,7 +47,7 @@ def measure(d_model: int = 128, experts: int = 8, top_k: int = 2, batch: int = 4
             seq_len: int = 64, reps: int = 20, warmup: int = 3):
     """On every rank: median step times of the EP layer and of the single-process twin."""
     n, r = tdist.get_world_size(), tdist.get_rank()
-    grid = dist.Grid(dp=n)
+    grid = Mesh(dp=n)
     serial = make_layer(d_model, experts, top_k, seq_len)
     holder = torch.nn.Sequential(copy.deepcopy(serial))
     moe.expert_parallel(holder, grid, n)

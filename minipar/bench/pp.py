@@ -24,6 +24,7 @@ from ..runtime import cli, dist
 from .. import comm, pp
 from ..model import PRESETS, CrossEntropy, build, config
 from ..plan import bubble_fraction
+from ..mesh import Mesh
 from . import machine, median
 
 
@@ -78,7 +79,7 @@ def compare_with_torch(schedule="1f1b", microbatches=4, model_name="nano", micro
     grad_diff=max |grad difference| after the last step)``; losses live on the last stage.
     """
     p, r = tdist.get_world_size(), tdist.get_rank()
-    grid = dist.Grid(dp=1, pp=p, tp=1)
+    grid = Mesh(dp=1, pp=p, tp=1)
     cfg = config(model_name)
     model = build(cfg, seed)
     runner = pp.PipelineRunner(model, grid, schedule, microbatches)
@@ -122,7 +123,7 @@ def measure_pipeline(model_name: str = "tiny", schedule: str = "1f1b", microbatc
     Returns on rank 0 ``dict(timeline=..., bubble=..., step_times=[...], timelines=[...])``:
     the timed steps' timelines, the median bubble and the median step's timeline.
     """
-    grid = dist.Grid(dp=1, pp=tdist.get_world_size(), tp=1)
+    grid = Mesh(dp=1, pp=tdist.get_world_size(), tp=1)
     cfg = config(model_name)
     runner = pp.PipelineRunner(build(cfg, seed), grid, schedule, microbatches, chunks)
     g = torch.Generator().manual_seed(seed)
@@ -131,7 +132,7 @@ def measure_pipeline(model_name: str = "tiny", schedule: str = "1f1b", microbatc
     timelines = []
     for _ in range(warmup + steps):
         runner.module.zero_grad(set_to_none=True)
-        comm.barrier(grid.pp_group)   # every stage starts the step together: t = 0
+        comm.barrier(grid.group("pp"))   # every stage starts the step together: t = 0
         runner.forward_backward(batch[:, :-1], batch[:, 1:])
         timelines.append(runner.gather_timeline())
     if grid.rank != 0:

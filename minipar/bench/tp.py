@@ -23,6 +23,7 @@ from .. import comm, tp
 from ..runtime.errors import UsageError
 from ..model import Block, GPTConfig, MLP
 from ..plan.network import ring_bytes, tp_block_comm_bytes
+from ..mesh import Mesh
 from . import machine, median
 
 
@@ -80,11 +81,11 @@ def measure(kind: str = "mlp", d_model: int = 256, batch: int = 8, seq_len: int 
             reps: int = 30, warmup: int = 3):
     """On every rank: median step times of minipar and DTensor TP, bytes, agreement."""
     t, r = tdist.get_world_size(), tdist.get_rank()
-    grid = dist.Grid(1, 1, t)
+    grid = Mesh(1, 1, t)
     cfg = GPTConfig(d_model=d_model, n_head=bench_heads(d_model, t), seq_len=seq_len)
     torch.manual_seed(0)
     serial = MLP(cfg) if kind == "mlp" else Block(cfg)
-    twins = {"minipar": minipar_twin(serial, grid.tp_group), "dtensor": dtensor_twin(serial, t)}
+    twins = {"minipar": minipar_twin(serial, grid.group("tp")), "dtensor": dtensor_twin(serial, t)}
     gen = torch.Generator().manual_seed(1)
     # the input wants a gradient too (as inside a model): f's backward all-reduce then runs
     x = torch.randn(batch, seq_len, d_model, generator=gen).requires_grad_()

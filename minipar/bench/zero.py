@@ -28,6 +28,7 @@ from .. import comm, data, zero
 from ..model import PRESETS, build, config
 from ..plan.memory import model_state_bytes
 from ..plan.network import zero_comm_bytes
+from ..mesh import Mesh
 from . import launch, machine, median
 
 TWINS = {"zero0": "ddp", "zero1": "zro", "zero2": "zro", "zero3": "fsdp2",
@@ -96,9 +97,9 @@ class Variant:
         else:
             spec = (zero.parse_shard(name[len("shard"):]) if name.startswith("shard")
                     else zero.zero_spec(int(name[4]), d))
-            grid = dist.Grid(dp=d)
+            grid = Mesh(dp=d)
             self.net = self.model
-            self.engine = zero.ShardedEngine(self.model, grid, spec, lambda ps: _adamw(ps, lr),
+            self.engine = zero.ShardedEngine(self.model, grid.axis("dp"), spec, lambda ps: _adamw(ps, lr),
                                              units=self.model.parts(),   # as FSDP2's above
                                              prefetch=not name.endswith("noprefetch"))
         self.peak = 0

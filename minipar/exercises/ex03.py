@@ -1,5 +1,6 @@
 """ex03: column- and row-parallel linear layers with Megatron's f and g operators."""
 import torch
+from ..mesh import Mesh
 
 TITLE = "Column and row parallel linear layers"
 MODULE = "minipar.tp"
@@ -43,8 +44,8 @@ def _run(student, t):
     from minipar import comm, tp
     from minipar.runtime import dist
     from minipar.plan import ring_bytes
-    grid = dist.Grid(1, 1, t)
-    group, r = grid.tp_group, grid.tp_rank
+    grid = Mesh(1, 1, t)
+    group, r = grid.group("tp"), grid.coord("tp")
     out = {}
 
     def gathered(local, split):

@@ -1,5 +1,6 @@
 """ex04: cross-entropy over a vocabulary split across the tensor-parallel ranks."""
 import torch
+from ..mesh import Mesh
 
 TITLE = "Vocab parallel cross entropy"
 MODULE = "minipar.tp"
@@ -27,8 +28,8 @@ def _run(student, t, vocab, scale):
     from minipar import comm, tp
     from minipar.runtime import dist
     from minipar.plan import ring_bytes
-    grid = dist.Grid(1, 1, t)
-    group, r = grid.tp_group, grid.tp_rank
+    grid = Mesh(1, 1, t)
+    group, r = grid.group("tp"), grid.coord("tp")
     n = 24
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(vocab)) * scale
     targets = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1))

@@ -23,7 +23,8 @@ def _run_two_stages(student, m):
     from minipar.runtime import dist
     from minipar import pp
     from minipar.model import build
-    grid = dist.Grid(dp=1, pp=2, tp=1)
+    from minipar.mesh import Mesh
+    grid = Mesh(dp=1, pp=2, tp=1)
     g = torch.Generator().manual_seed(1)
     batch = torch.randint(0, 256, (8, 17), generator=g)
     x, y = batch[:, :-1], batch[:, 1:]

@@ -49,8 +49,7 @@ def dp_timelines(model_name: str = "tiny", modes=dp.MODES, bucket_mb: float = 0.
         for mode in modes:
             model = build(cfg, seed=0)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            engine = dp.DataParallel(model, comm.WORLD, mode=mode, bucket_mb=bucket_mb,
-                                     optimizer=opt)
+            engine = dp.DataParallel(model, group=comm.WORLD, mode=mode, bucket_mb=bucket_mb)
             for step in range(steps):
                 comms.clear()
                 x, y = batches.local_batch(step, r, d)

@@ -15,7 +15,8 @@ import torch.distributed as tdist
 from .. import comm, plan, tp
 from ..runtime import dist
 from ..bench import median
-from ..dp import optimizer_state_bytes, tensor_bytes
+from ..mesh import Mesh
+from ..precision import PrecisionPolicy
 from ..model import Block, GPTConfig, build, config
 from ..plan import ring_bytes, tp_block_comm_bytes
 
@@ -55,13 +56,13 @@ def draw_splits():
 def block_bytes_experiment(shapes: list[tuple[int, int, int]]):
     """For each (b, s, h), without and with SP: bytes and calls of one block's collectives."""
     t = tdist.get_world_size()
-    grid = dist.Grid(1, 1, t)
+    grid = Mesh(1, 1, t)
     rows = []
     for sp in (False, True):
         for b, s, h in shapes:
             cfg = GPTConfig(d_model=h, n_head=t, seq_len=s)
             torch.manual_seed(0)
-            block = tp.parallelize_block(Block(cfg), grid.tp_group, sequence_parallel=sp)
+            block = tp.parallelize_block(Block(cfg), grid.group("tp"), sequence_parallel=sp)
             x = torch.randn(b, s // t if sp else s, h, requires_grad=True)
             comm.reset()
             y = block(x)
@@ -83,7 +84,7 @@ def memory_experiment(model_name: str = "tiny", batch: int = 8, sps=(False, True
     storage once, parameters excluded.
     """
     t = tdist.get_world_size() if tdist.is_initialized() else 1
-    grid = dist.Grid(1, 1, t)
+    grid = Mesh(1, 1, t)
     cfg = config(model_name)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len),
                       generator=torch.Generator().manual_seed(0))
@@ -107,9 +108,10 @@ def memory_experiment(model_name: str = "tiny", batch: int = 8, sps=(False, True
         loss.backward()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         opt.step()
-        rows.append(dict(t=t, sp=sp, params=tensor_bytes(model.parameters()),
-                         grads=tensor_bytes(p.grad for p in model.parameters()),
-                         optimizer=optimizer_state_bytes(opt), activations=saved[0]))
+        nbytes = lambda ts: sum(x.numel() * x.element_size() for x in ts)   # noqa: E731
+        rows.append(dict(t=t, sp=sp, params=nbytes(model.parameters()),
+                         grads=nbytes(p.grad for p in model.parameters()),
+                         optimizer=PrecisionPolicy().state_bytes(opt), activations=saved[0]))
     return rows
 
 
@@ -117,7 +119,7 @@ def step_time_experiment(model_name: str = "tiny", batch: int = 8, reps: int = 5
                          sequence_parallel: bool = False):
     """Median training-step time (forward + backward) and the part spent in TP collectives."""
     t = tdist.get_world_size()
-    grid = dist.Grid(1, 1, t)
+    grid = Mesh(1, 1, t)
     cfg = config(model_name)
     model = tp.parallelize(build(cfg, seed=0), grid, sequence_parallel=sequence_parallel)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len),

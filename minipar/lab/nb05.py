@@ -126,13 +126,13 @@ def config(argv: list[str]) -> train.RunConfig:
     return dataclasses.replace(train.parse_config(argv), quiet=True)
 
 
-def first_batch(cfg: train.RunConfig, grid: dist.Grid | None = None):
+def first_batch(cfg: train.RunConfig, grid: Mesh | None = None):
     """Step 1's batch: the whole of it (serial) or this replica's share."""
     tokens = data.ByteTokenizer().encode(data.load_text(cfg.data))
     batches = data.Batches(tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     if grid is None:
         return batches.local_batch(1, 0, 1)
-    return batches.local_batch(1, grid.dp_rank, grid.dp)
+    return batches.local_batch(1, grid.coord("dp"), grid.dp)
 
 
 def serial_loss(cfg: train.RunConfig) -> float:
@@ -149,7 +149,7 @@ def _traffic() -> list[dict]:
 
 def seam_model(cfg: train.RunConfig) -> dict:
     """On every rank: ``build_model`` (the TP slice), one forward and backward of the batch."""
-    grid = dist.Grid(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
+    grid = mesh.Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
     model = train.build_model(cfg, grid, torch.device("cpu"))
     x, y = first_batch(cfg, grid)
     comm.reset()
@@ -161,13 +161,13 @@ def seam_model(cfg: train.RunConfig) -> dict:
 
 def seam_runner(cfg: train.RunConfig) -> dict:
     """On every rank: ``build_runner`` around the TP model: one pipelined forward-backward."""
-    grid = dist.Grid(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
+    grid = mesh.Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
     model = train.build_model(cfg, grid, torch.device("cpu"))
     runner = train.build_runner(cfg, grid, model)
     x, y = first_batch(cfg, grid)
     comm.reset()
     loss = runner.forward_backward(x, y)
-    return dict(rank=grid.rank, stage=grid.pp_rank, loss=loss,
+    return dict(rank=grid.rank, stage=grid.coord("pp"), loss=loss,
                 params=sum(p.numel() for p in runner.module.parameters()),
                 traffic=_traffic())
 
@@ -175,7 +175,7 @@ def seam_runner(cfg: train.RunConfig) -> dict:
 def seam_step(cfg: train.RunConfig) -> dict:
     """On every rank: ``build_engine`` around the runner, and one whole optimizer step,
     with the traffic of the forward-backward (TP, PP) and of the engine (DP/ZeRO) apart."""
-    grid = dist.Grid(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
+    grid = mesh.Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
     model = train.build_model(cfg, grid, torch.device("cpu"))
     runner = train.build_runner(cfg, grid, model)
     engine = train.build_engine(cfg, grid, runner.module)
@@ -187,7 +187,7 @@ def seam_step(cfg: train.RunConfig) -> dict:
     forward_backward = _traffic()
     comm.reset()
     engine.step()
-    holds_loss = grid.is_last_stage and grid.tp_rank == 0
+    holds_loss = grid.is_last_stage and grid.coord("tp") == 0
     total, = comm.all_reduce_scalars([loss if holds_loss else 0.0], comm.WORLD)
     return dict(rank=grid.rank, loss=total / grid.dp, forward_backward=forward_backward,
                 engine=_traffic(), model_state_bytes=engine.model_state_bytes())

@@ -18,6 +18,7 @@ import torch
 
 from .. import comm, data, moe
 from ..runtime import dist
+from ..mesh import Mesh
 from ..model import build, config
 from ..plan import moe as plan_moe
 
@@ -130,15 +131,15 @@ def ep_traffic(ep: int, name: str = "tiny", experts: int = 8, top_k: int = 2,
     """
     import torch.distributed as tdist
     n = tdist.get_world_size()
-    grid = dist.Grid(dp=n)
+    grid = Mesh(dp=n)
     cfg = moe_config(name, experts, top_k, capacity_factor=capacity)
     model = moe.expert_parallel(build(cfg, seed=0), grid, ep)
     tokens = data.ByteTokenizer().encode(data.load_text(None))
-    x, y = data.Batches(tokens, cfg.seq_len, batch_per_rank * n, seed=0).local_batch(1, grid.dp_rank, n)
+    x, y = data.Batches(tokens, cfg.seq_len, batch_per_rank * n, seed=0).local_batch(1, grid.coord("dp"), n)
     comm.reset()
     model(x, y).backward()
     sent = comm.stats.bytes_by_op()
-    per_rank, me = experts // ep, grid.dp_rank % ep
+    per_rank, me = experts // ep, grid.coord("dp") % ep
     a_out = a_in = 0
     for layer in moe.moe_layers(model):
         chosen, keep = layer.routing
@@ -150,11 +151,11 @@ def ep_traffic(ep: int, name: str = "tiny", experts: int = 8, top_k: int = 2,
         chosen, keep = layer.routing
         dest = chosen[keep] // per_rank
         for j in range(ep):
-            counts[grid.dp_rank, grid.dp_rank - me + j] += int((dest == j).sum())
+            counts[grid.coord("dp"), grid.coord("dp") - me + j] += int((dest == j).sum())
     with comm.untracked():
         tdist.all_reduce(counts)
-    a_in = int(counts[:, grid.dp_rank].sum() - counts[grid.dp_rank, grid.dp_rank])
-    return dict(rank=grid.dp_rank, ep=ep, measured=sent.get("all_to_all", 0),
+    a_in = int(counts[:, grid.coord("dp")].sum() - counts[grid.coord("dp"), grid.coord("dp")])
+    return dict(rank=grid.coord("dp"), ep=ep, measured=sent.get("all_to_all", 0),
                 counts_bytes=sent.get("all_to_all_counts", 0), a_out=a_out, a_in=a_in,
                 formula=plan_moe.all_to_all_bytes(a_out, a_in, cfg.d_model, 4),
                 balanced=len(moe.moe_layers(model)) * plan_moe.all_to_all_bytes_balanced(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from .errors import PlanError
 from .shapes import RECOMPUTE_MODES, ModelShape
 from .sharding import Shard, check_shard
+from ..rules import cp_violation  # noqa: F401  (the planner's name for it)
 
 ORDERS = ("tp,pp,dp", "tp,dp,pp")
 
@@ -95,25 +96,6 @@ def dp_per_node(layout: Layout, gpus_per_node: int, order: str = "tp,pp,dp") -> 
     """How many ranks of one data-parallel group (the dp x cp replicas) share a node."""
     stride = layout.replica_stride(order, gpus_per_node)
     return max(1, min(layout.replicas, gpus_per_node // stride)) if stride < gpus_per_node else 1
-
-
-def cp_violation(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> str | None:
-    """Why a sequence of ``seq_len`` tokens cannot be split over ``cp`` ranks (None if it
-    can): it must cut into 2 cp equal chunks (rank i holds chunks i and 2cp-1-i, the causal
-    balance), and with sequence parallelism each rank's s/cp tokens split again over tp.
-    The trainer (``minipar.cp.validate``) and the planner (``check_layout``) share it."""
-    if cp < 1:
-        return f"--cp must be >= 1, got {cp}"
-    if cp > 1 and seq_len % (2 * cp):
-        return (f"--cp {cp} cuts each sequence into 2 x {cp} = {2 * cp} equal chunks (rank i "
-                f"holds chunks i and {2 * cp - 1}-i, for causal balance), but the sequence "
-                f"length {seq_len} is not divisible by {2 * cp}; use a --seq-len that is a "
-                f"multiple of {2 * cp}")
-    if cp > 1 and sp and (seq_len // cp) % tp:
-        return (f"--cp {cp} with --sp: each rank's {seq_len // cp} tokens are split again over "
-                f"--tp {tp}, which does not divide them; use a --seq-len that is a multiple "
-                f"of {cp * tp * 2}")
-    return None
 
 
 def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,

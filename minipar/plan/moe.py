@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from .errors import PlanError
 from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
 from .shapes import ModelShape
+from ..rules import moe_tp_violation as tp_violation
 
 COUNT_BYTES = 8     # int64 routing counts
 
@@ -95,19 +96,6 @@ def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> N
         raise PlanError(f"--moe-experts {moe.experts} must be a multiple of --ep {ep}")
     if dp is not None and dp % ep:
         raise PlanError(f"--ep {ep} must divide the data-parallel degree {dp}")
-
-
-def tp_violation(seq_len: int, tp: int = 1, cp: int = 1) -> str | None:
-    """Why an MoE layer cannot route under ``tp`` (None if it can): each TP rank routes 1/tp of
-    a cp rank's s/cp tokens. ``minipar.moe.validate`` applies the same rule (importing it
-    from here would close an import cycle through ``plan.shapes`` and the model)."""
-    if tp > 1 and (seq_len // cp) % tp:
-        where = f"the sequence length {seq_len}" if cp == 1 else \
-            f"a cp rank's share {seq_len // cp} of the sequence"
-        return (f"an MoE layer under --tp {tp} routes 1/{tp} of each sequence's tokens on each "
-                f"TP rank, but {where} is not divisible by {tp}; use a --seq-len that is a "
-                f"multiple of {tp * cp * (2 if cp > 1 else 1)}")
-    return None
 
 
 # --------------------------------------------------------------------------------------

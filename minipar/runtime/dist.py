@@ -1,4 +1,4 @@
-"""Start-up, the process grid, and a fail-fast local launcher.
+"""Start-up and a fail-fast local launcher.
 
 Three ways in, one result (an initialised default process group):
 
@@ -13,8 +13,7 @@ Three ways in, one result (an initialised default process group):
   node list (this is how minipar runs on Frontier's MI250X
   nodes, where the NCCL backend is RCCL).
 
-The process grid is ``minipar.mesh.Mesh`` (named axes dp, pp, cp, tp and the derived ep, edp,
-dp_cp); ``Grid`` is its old name, kept with its old attributes (``dp_group``, ``tp_rank``, ...).
+The process grid, once the group is up, is ``minipar.mesh.Mesh``.
 """
 from __future__ import annotations
 
@@ -216,11 +215,6 @@ def init(backend: str = "auto") -> tuple[str, torch.device]:
                             device_id=device if backend == "nccl" else None)
     return backend, device
 
-
-# --------------------------------------------------------------------------------------
-# The process grid: minipar.mesh.Mesh under its first name
-# --------------------------------------------------------------------------------------
-from ..mesh import Mesh as Grid  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # The local launcher
@@ -469,7 +463,7 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return every rank's result, by rank.
 
     ``fn`` must be importable (a module-level function in a .py file, not a notebook cell).
-    The default process group is initialised before ``fn`` runs, so it can build a ``Grid``
+    The default process group is initialised before ``fn`` runs, so it can build a ``Mesh``
     or call collectives. If a rank raises or dies, all ranks are stopped and ``RankFailed``
     names the root cause first (the rank that died and how, or the one that raised, with its
     traceback), then what the others saw. Past ``timeout`` seconds every rank is killed and

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 
 from ..runtime import cli, dist
-from .. import data, dp, moe
+from .. import data, dp
 from . import optim
-from ..plan import sharding
+from .. import rules
 from ..runtime.errors import UsageError
 from ..model import PRESETS, RECOMPUTE, GPTConfig, config
 
@@ -233,8 +233,6 @@ def parse_config(argv: list[str]) -> RunConfig:
     if a.batch_size % (d * m):
         raise UsageError(f"--batch-size {a.batch_size} is not divisible by dp={d} x "
                          f"microbatches={m}; use a multiple of {d * m}")
-    if a.zero is not None and a.shard is not None:
-        raise UsageError("give --zero or --shard, not both (--zero Z is a preset of --shard)")
     if a.metrics:
         folder = os.path.dirname(os.path.abspath(a.metrics))
         if os.path.isdir(a.metrics):
@@ -264,15 +262,13 @@ def parse_config(argv: list[str]) -> RunConfig:
     model_cfg = dataclasses.replace(model_cfg, moe_experts=a.moe_experts, moe_top_k=a.moe_top_k,
                                     moe_every=a.moe_every, capacity_factor=a.capacity_factor,
                                     moe_aux_coef=a.moe_aux_coef, moe_z_coef=a.moe_z_coef)
-    moe.validate(model_cfg, a.ep, d, a.tp, a.cp)
+    _check_moe(model_cfg, a.ep, d, a.tp, a.cp)
     if a.compile and model_cfg.moe_experts and a.recompute == "full":
         raise UsageError("--compile with MoE and --recompute full: the recomputed MoE layer replays "
                          "its first forward's routing through a checkpoint context, and torch.compile "
                          "accepts only TorchDispatchMode contexts there; drop --compile or use "
                          "--recompute selective")
-    if a.cp > 1:
-        from .. import cp
-        cp.validate(model_cfg.seq_len, a.cp, a.tp, a.sp)
+    _refuse(rules.cp_violation(model_cfg.seq_len, a.cp, a.tp, a.sp))
     corpus = _corpus_bytes(a.data)
     if int(corpus * data.HELD_OUT) < model_cfg.seq_len + 2:   # the held-out tenth is the shorter
         raise UsageError(f"the corpus has {corpus} bytes, too few for sequences of "
@@ -282,26 +278,17 @@ def parse_config(argv: list[str]) -> RunConfig:
     if a.backend == "nccl" or (a.backend == "auto" and a.nproc is not None):
         dist.resolve_backend(a.backend, a.nproc if a.nproc is not None else 1)
     if a.tp > 1:
-        from .. import tp
-        tp.validate(model_cfg, a.tp, a.sp)
+        _refuse(rules.tp_violation(model_cfg.n_head, model_cfg.d_model, model_cfg.ffn, a.tp,
+                                   model_cfg.seq_len, a.sp))
     elif a.sp:
         raise UsageError("--sp splits the sequence inside the tensor-parallel group; it needs --tp > 1")
     if a.pp > 1:
-        from .. import pp
-        pp.validate(model_cfg, a.pp, m, a.chunks, a.schedule)
+        _refuse(rules.pp_violation(model_cfg.n_layer, a.pp, a.chunks, m, a.schedule == "interleaved"))
     elif a.schedule == "interleaved":
         raise UsageError("--schedule interleaved needs --pp > 1")
-    spec = None
-    replicas = d * a.cp      # the ranks holding the same parameters: ZeRO shards over all of them
-    if a.shard is not None:
-        spec = sharding.parse_shard(a.shard)
-    elif a.zero is not None:
-        spec = sharding.zero_shard(a.zero, replicas)
-    if spec is not None:
-        reason = sharding.shard_violation(tuple(spec), replicas)
-        if reason:
-            raise UsageError(reason)
-        spec = tuple(int(s) for s in spec)
+    # ZeRO shards over every rank holding the same parameters: dp x cp; plain DP: no spec
+    spec = (None if a.zero is None and a.shard is None else
+            tuple(int(s) for s in rules.resolve_shard(d * a.cp, a.shard, a.zero)))
     return RunConfig(nproc=a.nproc, tp=a.tp, pp=a.pp, dp=d, zero=a.zero, shard=a.shard,
                      spec=spec, sp=a.sp, backend=a.backend, schedule=a.schedule,
                      chunks=a.chunks, microbatches=m, dp_mode=a.dp_mode, bucket_mb=a.bucket_mb,
@@ -316,6 +303,40 @@ def parse_config(argv: list[str]) -> RunConfig:
                      keep=a.keep, resume=resume, start_step=start, ep=a.ep,
                      loss_scale_init=a.loss_scale_init, loss_scale_window=a.loss_scale_window,
                      cp=a.cp, trace=a.trace)
+
+
+def _refuse(why: str | None) -> None:
+    if why:
+        raise UsageError(why)
+
+
+def _check_moe(cfg: GPTConfig, ep: int, dp: int, tp: int = 1, cp: int = 1) -> None:
+    """An MoE/EP layout minipar can run (``minipar.moe``), or UsageError (one line)."""
+    E = cfg.moe_experts
+    if E < 0:
+        raise UsageError(f"--moe-experts must be >= 0, got {E}")
+    if ep < 1:
+        raise UsageError(f"--ep must be >= 1, got {ep}")
+    if E == 0:
+        if ep > 1:
+            raise UsageError("--ep splits the experts of an MoE model; give --moe-experts E too")
+        return
+    if not 1 <= cfg.moe_top_k <= E:
+        raise UsageError(f"--moe-top-k must be between 1 and --moe-experts {E}, got {cfg.moe_top_k}")
+    if not 1 <= cfg.moe_every <= cfg.n_layer:
+        raise UsageError(f"--moe-every must be between 1 and the model's {cfg.n_layer} layers, "
+                         f"got {cfg.moe_every}")
+    for name, value in (("capacity-factor", cfg.capacity_factor), ("moe-aux-coef", cfg.moe_aux_coef),
+                        ("moe-z-coef", cfg.moe_z_coef)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"--{name} must be a finite number >= 0, got {value}")
+    _refuse(rules.moe_tp_violation(cfg.seq_len, tp, cp))
+    if dp % ep:
+        raise UsageError(f"--ep {ep} must divide the data-parallel degree {dp} (EP groups are "
+                         f"consecutive data-parallel ranks); use an --ep that divides {dp}")
+    if E % ep:
+        raise UsageError(f"--moe-experts {E} must be a multiple of --ep {ep} (each EP rank holds "
+                         f"E/ep experts)")
 
 
 def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:

@@ -36,12 +36,12 @@ import torch
 
 from .. import comm, data, dp, moe
 from ..runtime import dist, trace
-from . import mfu, optim, steplog
+from . import engines, mfu, optim, steplog
 from .config import RunConfig, parse_config, parser, world_size_from  # noqa: F401  (re-exported)
-from ..groups import ParamGroup, param_groups
+from ..mesh import ParamGroup, param_groups
 from ..mesh import Mesh
 from ..model import Block, build
-from ..precision import MixedPrecision, PrecisionPolicy
+from ..precision import PrecisionPolicy
 from .report import Progress, banner, engine_name, layout_words, note_changed_training, step_line, summary  # noqa: F401,E501
 
 
@@ -179,52 +179,13 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
                              **({"fused": True} if fused else {}))
 
 
-def DataAxis(grid: Mesh):
-    """The mesh as the sharded engine sees it with ``--cp``: dp x cp (``"dp_cp"``) as its one
-    data-parallel axis. Every cp rank holds the whole model, so its gradients are averaged, and
-    its states sharded, over dp x cp ranks exactly as over data-parallel ones."""
-    from .. import zero
-
-    class _DataAxis(zero.GroupGrid):
-        def __init__(self):
-            super().__init__(grid.group("dp_cp"))
-            self.dp, self.dp_rank = grid.size("dp_cp"), grid.coord("dp_cp")
-
-        def lines(self, axis: str):
-            return grid.lines("dp_cp")
-
-        def new_groups(self, rank_lists, name):
-            return grid.new_groups(rank_lists, name)
-
-    return _DataAxis()
-
-
 def build_engine(cfg: RunConfig, grid: Mesh, module, policy: PrecisionPolicy | None = None,
                  groups: list[ParamGroup] | None = None) -> Engine:
-    """The one place a layout becomes engines: DP (over the ``dp_cp`` axis, experts over
-    ``edp``) or ZeRO/AMSP; under a 16-bit policy the optimizer updates fp32 masters
-    (``minipar.precision``) and gradients are reduced in the policy's reduce dtype."""
+    """The model-state engine of this layout (``minipar.train.engines``)."""
     policy = policy or build_policy(cfg)
-    groups = groups if groups is not None else param_groups(module, grid)
-
-    def optimizer(params):
-        if not policy.mixed:
-            return make_optimizer(params, cfg.lr)
-        return MixedPrecision(params, lambda masters: make_optimizer(masters, cfg.lr),
-                              loss_scaler=policy.loss_scaler)
-
-    reduce_dtype = policy.reduce_dtype if policy.mixed else None
-    if cfg.spec is not None:
-        from .. import zero
-        data_axis = grid if cfg.cp == 1 else DataAxis(grid)
-        return zero.ShardedEngine(module, data_axis, cfg.spec, optimizer, units=module.parts(),
-                                  reduce_dtype=reduce_dtype, groups=groups)
-    dense = grid.group("dp_cp")
-    return dp.DataParallel(module, comm.SOLO if dense is None else dense, mode=cfg.dp_mode,
-                           bucket_mb=cfg.bucket_mb, optimizer=optimizer(module.parameters()),
-                           reduce_dtype=reduce_dtype,
-                           # experts with ep = 1 reduce over the dense group itself: no group of their own
-                           own_groups=[g for g in groups if g.group is not dense])
+    groups = groups if groups is not None else param_groups(module, grid, moe.expert_parameters(module))
+    return engines.build_engine(cfg, grid, module, policy, groups,
+                                lambda params: make_optimizer(params, cfg.lr))
 
 
 # --------------------------------------------------------------------------------------
@@ -256,7 +217,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
 
     model = build_model(cfg, mesh, device, policy)
     runner = build_runner(cfg, mesh, model, policy=policy)
-    engine = build_engine(cfg, mesh, runner.module, policy, param_groups(runner.module, mesh))
+    engine = build_engine(cfg, mesh, runner.module, policy)
 
     faults = Faults(mesh.rank, runner.module)
     log = print if (is_rank0 and not cfg.quiet) else (lambda *a, **k: None)
@@ -307,7 +268,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
                 engine.step()
 
             # the loss lives on the last stage and every TP rank has it: one per replica counts
-            holds_loss = mesh.is_last_stage and mesh.tp_rank == 0
+            holds_loss = mesh.is_last_stage and mesh.coord("tp") == 0
             if tracer:                                # host time: no sync for the trace
                 tracer.complete(f"step {step}", t_step, time.perf_counter(), cat="step")
             records = steps.end_step(step, lr, local_loss, holds_loss, logging, engine,
@@ -362,7 +323,7 @@ def evaluate(cfg: RunConfig, grid: Mesh, runner: Runner, batches: data.Batches,
     for i in range(1, cfg.eval_batches + 1):
         x, y = local_tokens(batches, i, grid)
         total += runner.evaluate(x.to(device), y.to(device))
-    holds_loss = grid.is_last_stage and grid.tp_rank == 0
+    holds_loss = grid.is_last_stage and grid.coord("tp") == 0
     loss_sum, = comm.all_reduce_scalars([total if holds_loss else 0.0], comm.WORLD)
     return loss_sum / (grid.dp * grid.cp * cfg.eval_batches)
 
@@ -371,7 +332,7 @@ def local_tokens(batches: data.Batches, step: int, mesh: Mesh):
     """This rank's sequences of the global batch (its dp slice) and, with ``--cp``, its two
     load-balanced chunks of each (``minipar.cp``). Every cp rank holds as many tokens, so the
     mean of the ranks' mean losses is the mean over every token of the global batch."""
-    x, y = batches.local_batch(step, mesh.dp_rank, mesh.dp)
+    x, y = batches.local_batch(step, mesh.coord("dp"), mesh.dp)
     if mesh.cp > 1:
         from .. import cp
         x, y = (cp.shard_sequence(t, mesh.cp, mesh.coord("cp")) for t in (x, y))

@@ -30,35 +30,12 @@ than through Adam's parameter groups (Adam itself runs with weight_decay = 0).
 
 All three run in the optimizer's step pre-hook (``install``): the one moment at which every
 engine holds the averaged gradients of exactly what it is about to update.
-
-**Clipping in a plain loop** (outside the trainer), with the wrappers, which call to make:
-
-=========================================  =================================================
-wrapper                                     clip with
-=========================================  =================================================
-``dp.DataParallel``                         ``torch.nn.utils.clip_grad_norm_`` or
-                                            ``clip_grad_norm_`` below (every rank holds the
-                                            averaged gradient after backward)
-``fsdp.fully_shard`` (ZeRO-3)               ``model.clip_grad_norm_(max_norm)`` or
-                                            ``clip_grad_norm_(model.parameters(), ...)``: the
-                                            shards' squares are summed over the group
-``zero.ShardedOptimizer`` stage 1 and 2     ``opt.clip_grad_norm_(max_norm)`` before
-                                            ``opt.step()``: the averaged gradient exists only
-                                            inside the step, where the clip is applied
-=========================================  =================================================
-
-``clip_grad_norm_`` refuses what would clip the wrong tensor: the parameters of a
-``ShardedOptimizer`` (stage 1's ``.grad`` is this rank's unaveraged gradient, stage 2's is
-None after backward) and those of a ``DataParallel`` whose accumulated gradients are not
-averaged yet (``no_sync``). torch's own function cannot check this: with those two it
-silently clips the wrong thing (or nothing).
 """
 from __future__ import annotations
 
 import math
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import comm
 from .pieces import pieces
@@ -168,57 +145,3 @@ def install(grid, runner, engine, clip: float | None = None,
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-# --------------------------------------------------------------------------------------
-# Clipping for the wrappers in a plain loop (see the table in the module's docstring)
-# --------------------------------------------------------------------------------------
-_SHARDED = WeakIdKeyDictionary()     # shard -> the group its siblings are spread over
-_ELSEWHERE = WeakIdKeyDictionary()   # parameter -> why its .grad is not the gradient to clip
-
-
-def register_sharded(params, group) -> None:
-    """``params`` are disjoint pieces of one model spread over ``group`` (``fsdp``'s shards)."""
-    for p in params:
-        _SHARDED[p] = group
-
-
-def register_elsewhere(params, reason: str) -> None:
-    """The averaged gradient of ``params`` is not in their ``.grad``: ``reason`` says where."""
-    for p in params:
-        _ELSEWHERE[p] = reason
-
-
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for gradients that may be sharded over ranks.
-
-    The norm is the whole model's: the contributions of shards (``fsdp``) are summed over
-    their group (one scalar all-reduce), replicated gradients are counted once. Every rank
-    scales its gradients by the same ``min(1, max_norm / (norm + 1e-6))``; returns the norm.
-    """
-    from .. import dp
-    params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-    for p in params:
-        if p in _ELSEWHERE:
-            raise RuntimeError(_ELSEWHERE[p])
-    dp.refuse_unsynced(params, "clip_grad_norm_")
-    groups = {id(_SHARDED[p]): _SHARDED[p] for p in params if p in _SHARDED}
-    if len(groups) > 1:
-        raise ValueError("clip_grad_norm_: the parameters are sharded over different groups; "
-                         "clip each wrapper's parameters by itself")
-    group = next(iter(groups.values()), None)
-    sharded = [p.grad for p in params if p.grad is not None and p in _SHARDED]
-    local = [p.grad for p in params if p.grad is not None and p not in _SHARDED]
-    p_norm = float(norm_type)
-    if math.isinf(p_norm):
-        part = lambda gs: max((float(g.abs().max()) for g in gs if g.numel()), default=0.0)  # noqa: E731
-        total = max(comm.all_reduce_scalars([part(sharded)], group, op="max")[0], part(local))
-    else:
-        part = lambda gs: sum(float(g.double().abs().pow(p_norm).sum()) for g in gs)  # noqa: E731
-        total = (comm.all_reduce_scalars([part(sharded)], group)[0] + part(local)) ** (1 / p_norm)
-    coef = max_norm / (total + 1e-6)
-    if coef < 1.0:
-        with torch.no_grad():
-            for g in sharded + local:
-                g.mul_(coef)
-    return torch.tensor(total)

@@ -87,7 +87,7 @@ def pieces(grid, runner, engine) -> list[Piece]:
     out = []
     for name, shape, start, views, owner in engine.flat_ranges():
         split = tp_mod.split_of(name, runner.module) if grid.tp > 1 else None
-        if split is None and grid.tp_rank != 0:
+        if split is None and grid.coord("tp") != 0:
             owner = False                           # TP replicates it: TP rank 0 owns it
         serial = runner.serial_name(name)
         shape2 = (1, shape[0]) if len(shape) == 1 else tuple(shape)
@@ -106,7 +106,7 @@ def pieces(grid, runner, engine) -> list[Piece]:
                 d, segments = 0, [(r, r, rows)]
             else:
                 d = dim
-                segments = _tp_segments(split, lo[d], lo[d] + size[d], grid.tp_rank, grid.tp)
+                segments = _tp_segments(split, lo[d], lo[d] + size[d], grid.coord("tp"), grid.tp)
             for local_lo, serial_lo, length in segments:
                 o, s = list(lo), list(size)
                 o[d], s[d] = serial_lo, length

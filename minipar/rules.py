@@ -1,0 +1,157 @@
+"""What a layout must obey, each rule written once: the trainer checks them before any process
+starts (``minipar.train.config``), the planner before it prices a layout (``minipar.plan``),
+and ZeRO's engine when a plain loop builds one. Torch-free.
+
+Each ``*_violation`` returns None, or one line: what is wrong and what would fix it (the
+trainer and the planner's commands print it and exit 2).
+
+ZeRO as AMSP's shard spec (s_p, s_g, s_os) over d data-parallel ranks (Rajbhandari et al.
+2020; Chen et al. 2023)::
+
+    ZeRO-0 = (1, 1, 1)    ZeRO-1 = (1, 1, d)    ZeRO-2 = (1, d, d)    ZeRO-3 = (d, d, d)
+
+A spec is legal when 1 <= s_p | s_g | s_os | d: the shards nest (an optimizer shard lies inside
+a gradient shard, inside a parameter shard), and, when the devices per node are known, each
+group is contiguous (it fills a node before it spans nodes). AMSP's own search adds s_g in
+{s_p, s_os} (``amsp=True``).
+"""
+from __future__ import annotations
+
+from .runtime.errors import PlanError
+
+Shard = tuple[int, int, int]
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+# --------------------------------------------------------------------------------------
+# ZeRO / AMSP shard specs
+# --------------------------------------------------------------------------------------
+def zero_shard(stage: int, dp: int) -> Shard:
+    """ZeRO stage 0-3 over ``dp`` ranks as (s_p, s_g, s_os)."""
+    specs = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}
+    if stage not in specs:
+        raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}; "
+                        f"use --shard P,G,OS for other layouts")
+    return specs[stage]
+
+
+def parse_shard(text: str) -> Shard:
+    """'1,2,4' -> (1, 2, 4)."""
+    try:
+        parts = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 3:
+        raise PlanError(f"--shard wants three integers P,G,OS such as 1,8,8; got {text!r}")
+    return parts  # type: ignore[return-value]
+
+
+def contiguous(size: int, per_node: int) -> bool:
+    """A group of ``size`` ranks fills a node (``per_node`` ranks) before spanning nodes."""
+    return per_node % size == 0 if size <= per_node else size % per_node == 0
+
+
+def shard_violation(shard: Shard, dp: int, per_node: int | None = None,
+                    amsp: bool = False) -> str | None:
+    """Why ``shard`` cannot shard ``dp`` ranks (None if it can)."""
+    s_p, s_g, s_os = shard
+    if not 1 <= s_p <= s_g <= s_os <= dp:
+        return (f"shard {s_p},{s_g},{s_os} breaks 1 <= s_p <= s_g <= s_os <= dp={dp}; "
+                f"order the factors and keep them at most the data-parallel size")
+    bad = [s for s in shard if dp % s]
+    if bad:
+        return (f"shard factor {bad[0]} does not divide dp={dp}; use divisors of {dp} "
+                f"({', '.join(map(str, divisors(dp)))})")
+    if s_g % s_p or s_os % s_g:
+        return (f"shard {s_p},{s_g},{s_os}: the shards nest, so s_p must divide s_g and s_g "
+                f"must divide s_os; try {s_p},{s_p},{s_os} or {s_p},{s_os},{s_os}")
+    if amsp and s_g not in (s_p, s_os):
+        return (f"shard {s_p},{s_g},{s_os}: AMSP's search space needs s_g equal to s_p or "
+                f"s_os; try {s_p},{s_p},{s_os} or {s_p},{s_os},{s_os}")
+    if per_node is not None:
+        for s in shard:
+            if not contiguous(s, per_node):
+                return (f"shard group of {s} ranks is not contiguous with {per_node} "
+                        f"data-parallel ranks per node; use a divisor or a multiple of {per_node}")
+    return None
+
+
+def resolve_shard(dp: int, shard: Shard | str | None = None, zero: int | None = None) -> Shard:
+    """The (s_p, s_g, s_os) spec from a shard spec or a ZeRO stage (default 0), not both."""
+    if shard is not None and zero is not None:
+        raise PlanError("give --zero or --shard, not both (a ZeRO stage is a preset of the "
+                        "shard spec)")
+    if isinstance(shard, str):
+        shard = parse_shard(shard)
+    spec = zero_shard(zero or 0, dp) if shard is None else tuple(shard)
+    why = shard_violation(spec, dp)
+    if why:
+        raise PlanError(why)
+    return spec  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------
+# Tensor, pipeline and context parallelism; MoE under them
+# --------------------------------------------------------------------------------------
+def tp_violation(heads: int, hidden: int, ffn: int, tp: int, seq_len: int = 0,
+                 sp: bool = False) -> str | None:
+    """Megatron's split: each TP rank owns whole heads and 1/tp of the MLP's width; with
+    sequence parallelism 1/tp of every sequence."""
+    for what, n in ((f"the {heads} attention heads of the model (each rank owns whole heads)",
+                     heads), (f"the hidden size {hidden}", hidden), (f"the MLP width {ffn}", ffn)):
+        if n % tp:
+            return f"--tp {tp} does not divide {what}; use a --tp that divides {n}"
+    if sp and seq_len % tp:
+        return (f"--sp splits each sequence over the {tp} tensor-parallel ranks, but the sequence "
+                f"length {seq_len} is not divisible by {tp}; use a --seq-len that is a multiple "
+                f"of {tp}, or drop --sp")
+    return None
+
+
+def pp_violation(layers: int, pp: int, chunks: int = 1, microbatches: int | None = None,
+                 interleaved: bool = False) -> str | None:
+    """minipar's stages are equal slices of the blocks (v chunks a stage when interleaved), and
+    the interleaved schedule runs micro-batches in groups of pp (Megatron-LM's rule)."""
+    v = chunks if interleaved else 1
+    if interleaved and microbatches is not None and microbatches % pp:
+        near = [k for k in (microbatches - microbatches % pp, microbatches - microbatches % pp + pp)
+                if k >= pp]
+        return (f"--schedule interleaved runs micro-batches in groups of pp={pp}, so "
+                f"--microbatches {microbatches} must be a multiple of {pp}; use --microbatches "
+                f"{' or '.join(map(str, near))}, or --schedule 1f1b")
+    if layers % (pp * v):
+        what = f"pp={pp} x chunks={v} = {pp * v}" if v > 1 else f"pp={pp}"
+        return (f"the model has {layers} layers, which do not split into {what} equal stages; "
+                f"use a pp{' x chunks' if v > 1 else ''} that divides {layers}")
+    return None
+
+
+def cp_violation(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> str | None:
+    """A sequence cuts into 2 cp equal chunks (rank i holds chunks i and 2cp-1-i, the causal
+    balance), and with sequence parallelism each rank's s/cp tokens split again over tp."""
+    if cp < 1:
+        return f"--cp must be >= 1, got {cp}"
+    if cp > 1 and seq_len % (2 * cp):
+        return (f"--cp {cp} cuts each sequence into 2 x {cp} = {2 * cp} equal chunks (rank i "
+                f"holds chunks i and {2 * cp - 1}-i, for causal balance), but the sequence "
+                f"length {seq_len} is not divisible by {2 * cp}; use a --seq-len that is a "
+                f"multiple of {2 * cp}")
+    if cp > 1 and sp and (seq_len // cp) % tp:
+        return (f"--cp {cp} with --sp: each rank's {seq_len // cp} tokens are split again over "
+                f"--tp {tp}, which does not divide them; use a --seq-len that is a multiple "
+                f"of {cp * tp * 2}")
+    return None
+
+
+def moe_tp_violation(seq_len: int, tp: int = 1, cp: int = 1) -> str | None:
+    """An MoE layer under TP routes 1/tp of a cp rank's s/cp tokens on each TP rank."""
+    if tp > 1 and (seq_len // cp) % tp:
+        where = (f"the sequence length {seq_len}" if cp == 1 else
+                 f"a cp rank's share {seq_len // cp} of the sequence")
+        return (f"an MoE layer under --tp {tp} routes 1/{tp} of each sequence's tokens on each "
+                f"TP rank, but {where} is not divisible by {tp}; use a --seq-len that is a "
+                f"multiple of {tp * cp * (2 if cp > 1 else 1)}")
+    return None
