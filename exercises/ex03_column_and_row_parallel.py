@@ -74,7 +74,7 @@ def g(x: torch.Tensor, group) -> torch.Tensor:
     return ReduceFromTP.apply(x, group)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(SplitLinear):
     """``Y = X A^T + b`` with A (out, in) split by output features: this rank computes out/t.
 
     The input enters through f (all-gather along the sequence with SP); the output stays split
@@ -93,20 +93,6 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
 
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, group, **kwargs) -> "ColumnParallelLinear":
-        """This rank's slice of a full ``nn.Linear`` (same seed, same model)."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    **kwargs)
-        layer.load_serial(dict(linear.named_parameters()))
-        return layer
-
-    def load_serial(self, full: dict[str, torch.Tensor]) -> None:
-        t, r = comm.size(self.group), comm.rank(self.group)
-        with torch.no_grad():
-            for name, p in self.named_parameters(recurse=False):
-                p.copy_(shard(full[name].detach(), self.tp_splits[name], r, t))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # TODO ex03: write this part
         # enter with f(x, group) (all_gather_seq under SP), F.linear with the local rows, gather_from_tp if gather_output
@@ -117,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}, sp={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(SplitLinear):
     """``Y = X A^T + b`` with A (out, in) split by input features: this rank holds in/t columns.
 
     The input arrives split along its features (a ColumnParallelLinear's output), or is split
@@ -135,21 +121,6 @@ class RowParallelLinear(nn.Module):
         self.tp_splits = {"weight": Split(1, in_features)}
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, group, **kwargs) -> "RowParallelLinear":
-        """This rank's slice of a full ``nn.Linear`` (same seed, same model)."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    **kwargs)
-        layer.load_serial(dict(linear.named_parameters()))
-        return layer
-
-    def load_serial(self, full: dict[str, torch.Tensor]) -> None:
-        t, r = comm.size(self.group), comm.rank(self.group)
-        with torch.no_grad():
-            self.weight.copy_(shard(full["weight"].detach(), self.tp_splits["weight"], r, t))
-            if self.bias is not None:
-                self.bias.copy_(full["bias"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -15,10 +15,10 @@ Fill in every block marked `# TODO ex05`, then run:
 
     python -m minipar.exercises check ex05
 
-Generated from minipar.pp by `python -m minipar.exercises make ex05`; the
+Generated from minipar.schedules by `python -m minipar.exercises make ex05`; the
 solution is the package's own code, so peek only when stuck.
 """
-from minipar.pp import *  # noqa: F401,F403  everything else, as the package has it
+from minipar.schedules import *  # noqa: F401,F403  everything else, as the package has it
 
 
 def one_f_one_b_order(p: int, m: int, r: int) -> list[Instr]:

@@ -377,10 +377,8 @@ class RingSelfAttention(CausalSelfAttention):
 
 def parallelize(model: GPT, group, seq_len: int, balanced: bool = True) -> GPT:
     """In place: every block's attention becomes ring attention over ``group`` (the cp axis),
-    and the embedding adds the global positions of this rank's tokens; MoE layers learn the
-    group and every rank's positions (they gather their routing choices over it, in true
-    order: ``minipar.moe``). Parameter names and shapes stay: the parameters are replicated
-    over cp. Apply after ``tp.parallelize``."""
+    and the embedding adds the global positions of this rank's tokens. Parameter names and
+    shapes stay: the parameters are replicated over cp. Apply after ``tp.parallelize``."""
     ring = Ring.of(group, balanced)
     if ring.n == 1:
         return model
@@ -391,10 +389,5 @@ def parallelize(model: GPT, group, seq_len: int, balanced: bool = True) -> GPT:
         block.attn = RingSelfAttention.from_attention(block.attn, ring)
     model.embed.positions = local_positions(seq_len, ring.n, ring.index, balanced).to(
         next(model.parameters()).device)
-    from .moe import moe_layers     # MoE: capacity and f_e count whole sequences in true order
-    for layer in moe_layers(model):
-        layer.cp_group = group
-        layer.cp_positions = torch.stack([local_positions(seq_len, ring.n, r, balanced)
-                                          for r in range(ring.n)])
     return model
 

@@ -13,9 +13,9 @@ Block's input for the backward pass and runs the Block's forward again there; ``
 does that for the attention core alone (the softmax(Q K^T) V that holds the s x s scores,
 when the kernel stores them). Both use ``torch.utils.checkpoint`` (non-reentrant), so they
 compose with whatever the parallel versions swap in and with hooks on the Block: the
-recomputed forward runs the same code on the same (gathered) parameters. An MoE layer's
-recomputation replays the routing and the all-to-alls' results of the first forward
-(``minipar.moe.recompute_contexts``): no routing counted twice, no all-to-all run again.
+recomputed forward runs the same code on the same (gathered) parameters. A layout may give a
+Block the contexts its recomputation runs in (``recompute_context``, checkpoint's
+``context_fn``): ``minipar.parallelize`` does, so that an MoE layer replays its decisions.
 
 Every layout builds this full model first with the same seed and then slices it, so the same
 seed gives the same initial weights whatever the layout. The head is untied from the token
@@ -30,11 +30,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+from .moe import MoE, penalty
 
 RECOMPUTE = ("none", "selective", "full")
-
-from .moe import MoE, penalty, recompute_contexts
 
 
 @dataclass(frozen=True)
@@ -168,14 +168,12 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, MLP) if moe else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute = cfg.recompute == "full"
-        self.replays_routing = bool(moe)
+        self.recompute_context = noop_context_fn   # a layout's (checkpoint's context_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            if self.replays_routing:   # an MoE layer replays its routing (minipar.moe)
-                return checkpoint(self.layer, x, use_reentrant=False,
-                                  context_fn=recompute_contexts)
-            return checkpoint(self.layer, x, use_reentrant=False)   # torch.compile traces this
+            return checkpoint(self.layer, x, use_reentrant=False,
+                              context_fn=self.recompute_context)
         return self.layer(x)
 
     def layer(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,72 +1,52 @@
 """Tensor parallelism (Megatron-LM): every weight matrix split over the t ranks of a TP group.
 
-The idea: a linear layer ``Y = X A`` can be cut two ways without changing its result.
+A linear layer ``Y = X A`` can be cut two ways without changing its result:
 
-* Column split, ``A = [A_1 | ... | A_t]``: rank r computes ``Y_r = X A_r``, its own slice of
-  the output features. Forward needs no communication; every rank needs all of X.
-* Row split, ``A = [A_1; ...; A_t]`` with ``X = [X_1 | ... | X_t]``: rank r computes the partial
-  sum ``X_r A_r`` and ``Y = sum_r X_r A_r`` is an all-reduce.
+* column split, ``A = [A_1 | ... | A_t]``: rank r computes ``Y_r = X A_r``, its slice of the
+  output features; forward needs no communication, every rank needs all of X;
+* row split, ``A = [A_1; ...; A_t]``, ``X = [X_1 | ... | X_t]``: rank r computes the partial
+  sum ``X_r A_r``, and ``Y = sum_r X_r A_r`` is an all-reduce.
 
-A column layer followed by a row layer needs no communication in between: the column layer's
-split output is exactly the row layer's split input. So a transformer block is
+A column layer followed by a row layer needs no communication in between, so a block is::
 
     x -> LN -> f -> qkv (column, by heads) -> attention on h/t heads -> proj (row) -> g -> + x
       -> LN -> f -> fc (column) -> GELU -> proj (row) -> g -> + x
 
-with the two conjugate operators of the paper: **f** is the identity forward and an all-reduce
-of the gradient backward (every rank's branch used all of X, so the gradient of X is a sum);
-**g** is an all-reduce forward and the identity backward.
+with the paper's conjugate operators: **f** is the identity forward and an all-reduce of the
+gradient backward (every rank's branch used all of X); **g** the reverse. Per block and
+micro-batch of b sequences of s tokens, width h, e bytes an element, each rank sends::
 
-Communication per block and micro-batch of b sequences of s tokens, width h, e bytes an element,
-ring accounting (``minipar.comm``), per rank::
+    forward   2 all-reduces (the two g)     2 x 2(t-1)/t x b s h e bytes
+    backward  2 all-reduces (the two f)     2 x 2(t-1)/t x b s h e bytes
 
-    forward   2 all-reduces of b*s*h elements (the two g)      2 x 2(t-1)/t x b*s*h*e bytes
-    backward  2 all-reduces of b*s*h elements (the two f)      2 x 2(t-1)/t x b*s*h*e bytes
+The vocab-parallel embedding ends in a g; the vocab-parallel cross-entropy all-reduces 3 b s
+fp32 values forward (max, sum of exp, target logit), so the b x s x V logits never exist on
+one rank. Vocabularies that do not divide by t are padded with rows the loss never sees.
 
-Outside the blocks: the vocab-parallel embedding ends in a g (one all-reduce of b*s*h forward),
-the head's projection starts with an f (one backward), and the vocab-parallel cross-entropy
-all-reduces 3 x b*s fp32 values forward (max, sum of exp, target logit) and nothing backward,
-so the full b x s x V logits never exist on one rank. The closed forms live in the planner
-(torch-free): ``minipar.plan.tp_block_comm_bytes`` per block, ``tp_comm_bytes(..., ends=True)``
-for the whole GPT; the tests hold ``comm.stats`` against them.
+**Sequence parallelism** (``sp``, Korthikanti et al. 2022): between a g and the next f every
+rank holds the same activations (LayerNorm, dropout, residual); split them along the sequence
+instead. f becomes an all-gather along the sequence (backward: reduce-scatter), g a
+reduce-scatter (backward: all-gather): the same bytes as one all-reduce, and those activations
+shrink t-fold. A replicated parameter that sees only this rank's s/t tokens (LayerNorm,
+positions, a row-parallel bias) enters through f, whose backward sums its gradient over the
+group, so the DP and ZeRO engines need no TP knowledge.
 
-**Sequence parallelism** (``--sp``, Korthikanti et al. 2022): between the g of one layer and
-the f of the next, every TP rank holds the same activations (LayerNorm, dropout, residual).
-Split them along the sequence instead: f becomes an all-gather along the sequence (backward:
-reduce-scatter) and g a reduce-scatter (backward: all-gather). An all-gather plus a
-reduce-scatter move the same bytes as one all-reduce, so the volume is unchanged, while those
-activations shrink t-fold. (Each column-parallel layer still keeps its all-gathered input for
-its weight gradient; Megatron-LM keeps the s/t slice and all-gathers it again in backward,
-one more all-gather per layer, which minipar leaves out to stay simple.) The price: a replicated parameter that now sees only this rank's
-s/t tokens (LayerNorm, position embedding, row-parallel bias) has a partial gradient; it enters
-its computation through f, whose backward sums the gradient over the TP group
-(2(t-1)/t x its bytes per micro-batch), so the DP and ZeRO engines need no TP knowledge.
-
-An MoE layer (``minipar.moe``) is not split by weights: its router and experts stay whole on
-every TP rank and each rank routes its own s/t of every sequence (``parallelize_moe``,
-``TokenSplitLinear``; ``minipar.seqsplit``'s operators without SP), so no
-token is routed or sent by all-to-all twice.
-
-``parallelize(model, grid)`` swaps these parts into the full serial GPT, slicing the full
-weights, so the same seed gives the same model; ``full_tensor`` undoes the slicing.
-Vocabularies that do not divide by t are padded with zero rows that the loss never sees.
+``parallelize(model, group, sp)`` swaps these parts into the serial GPT, slicing its weights
+(the same seed gives the same model); ``full_tensor`` glues a slice back. The closed-form
+volumes are the planner's (``minipar.plan.tp_block_comm_bytes``); the tests hold
+``comm.stats`` against them. Derivations: ``docs/reference.md`` (TP).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from . import comm, moe
-from .runtime.dist import UsageError
-from .seqsplit import all_gather_stacked as _all_gather_stacked, gather_seq as _gather_seq
-
-if TYPE_CHECKING:     # minipar.model imports minipar.moe, which uses the operators here
-    from .model import GPT, Block, GPTConfig
+from . import comm
+from .model import MLP
 
 
 # --------------------------------------------------------------------------------------
@@ -78,7 +58,20 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
-    return rearrange(_all_gather_stacked(x, group), "t ... n -> ... (t n)")
+    return rearrange(comm.all_gather_stacked(x, group), "t ... n -> ... (t n)")
+
+
+def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s/t, ...) on each rank -> (b, s, ...), rank r's tokens at [r s/t, (r+1) s/t)."""
+    if comm.size(group) == 1:
+        return x
+    return rearrange(comm.all_gather_stacked(x, group), "t b s ... -> b (t s) ...")
+
+
+def slice_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's (b, s/t, ...) of a (b, s, ...) tensor."""
+    t = comm.size(group)
+    return rearrange(x, "b (t s) ... -> t b s ...", t=t)[comm.rank(group)].contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -150,82 +143,58 @@ def g(x: torch.Tensor, group) -> torch.Tensor:
     return ReduceFromTP.apply(x, group)
 
 
-class ScatterToTP(torch.autograd.Function):
-    """Keep this rank's slice of the last dimension; backward: all-gather, (t-1)/t N bytes."""
+class Conjugate(torch.autograd.Function):
+    """``forward_fn`` forward and ``backward_fn`` backward: the gradient of a split is a gather,
+    of a gather a split, of a reduce-scatter an all-gather (each (t-1)/t N bytes, N the full
+    tensor)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
-
-
-class GatherFromTP(torch.autograd.Function):
-    """All-gather along the last dimension, (t-1)/t N bytes; backward: keep this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
+    def forward(ctx, x, group, forward_fn, backward_fn):
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-class GatherFromSP(torch.autograd.Function):
-    """Sequence parallelism's f: all-gather along the sequence forward, reduce-scatter backward.
-
-    Volume: (t-1)/t N bytes each way, N the full (b, s, h) tensor: together one all-reduce.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
-class ReduceScatterToSP(torch.autograd.Function):
-    """Sequence parallelism's g: reduce-scatter along the sequence forward, all-gather backward.
-
-    Volume: (t-1)/t N bytes each way, N the full (b, s, h) tensor.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+def _conjugate(x, group, forward_fn, backward_fn):
+    return Conjugate.apply(x, group, forward_fn, backward_fn) if comm.size(group) > 1 else x
 
 
 def scatter_to_tp(x, group):
-    return ScatterToTP.apply(x, group) if comm.size(group) > 1 else x
+    """Keep this rank's slice of the last dimension; backward: all-gather."""
+    return _conjugate(x, group, _split_last, _gather_last)
 
 
 def gather_from_tp(x, group):
-    return GatherFromTP.apply(x, group) if comm.size(group) > 1 else x
+    """All-gather along the last dimension; backward: keep this rank's slice."""
+    return _conjugate(x, group, _gather_last, _split_last)
 
 
 def all_gather_seq(x, group):
-    return GatherFromSP.apply(x, group) if comm.size(group) > 1 else x
+    """Sequence parallelism's f: all-gather along the sequence; backward: reduce-scatter."""
+    return _conjugate(x, group, gather_seq, _reduce_scatter_seq)
 
 
 def reduce_scatter_seq(x, group):
-    return ReduceScatterToSP.apply(x, group) if comm.size(group) > 1 else x
+    """Sequence parallelism's g: reduce-scatter along the sequence; backward: all-gather."""
+    return _conjugate(x, group, _reduce_scatter_seq, gather_seq)
+
+
+def scatter_seq(x, group):
+    """Keep this rank's s/t of a sequence every rank holds alike; backward: all-gather."""
+    return _conjugate(x, group, slice_seq, gather_seq)
+
+
+def gather_seq_replicated(x, group):
+    """All-gather along the sequence into a tensor every rank uses alike; backward: keep this
+    rank's slice (the copies' gradients are the same: no sum)."""
+    return _conjugate(x, group, gather_seq, slice_seq)
 
 
 # --------------------------------------------------------------------------------------
-# How a parameter is cut from its serial tensor (and glued back by full_tensor)
+# How a parameter is cut from its serial tensor (``minipar.train.pieces`` glues it back)
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Split:
@@ -254,17 +223,26 @@ def shard(full: torch.Tensor, split: Split, rank: int, t: int) -> torch.Tensor:
     return x.movedim(0, split.dim).contiguous()
 
 
-def unshard(parts: torch.Tensor, split: Split) -> torch.Tensor:
-    """The serial tensor from every rank's part, stacked as (t, *part)."""
-    x = parts.movedim(split.dim + 1, 1)
-    x = rearrange(x, "t (g n) ... -> (g t n) ...", g=split.groups)
-    return x[:split.full].movedim(0, split.dim).contiguous()
-
-
 # --------------------------------------------------------------------------------------
 # The layers
 # --------------------------------------------------------------------------------------
-class ColumnParallelLinear(nn.Module):
+class SplitLinear(nn.Module):
+    """What the column and row layers share: built as this rank's slice of a serial layer."""
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, group, **kwargs):
+        """This rank's slice of a full ``nn.Linear`` (same seed, same model)."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    **kwargs)
+        t, r = comm.size(group), comm.rank(group)
+        with torch.no_grad():
+            for name, p in layer.named_parameters(recurse=False):    # a split, or a copy
+                full = getattr(linear, name).detach()
+                p.copy_(shard(full, layer.tp_splits[name], r, t) if name in layer.tp_splits else full)
+        return layer
+
+
+class ColumnParallelLinear(SplitLinear):
     """``Y = X A^T + b`` with A (out, in) split by output features: this rank computes out/t.
 
     The input enters through f (all-gather along the sequence with SP); the output stays split
@@ -283,20 +261,6 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
 
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, group, **kwargs) -> "ColumnParallelLinear":
-        """This rank's slice of a full ``nn.Linear`` (same seed, same model)."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    **kwargs)
-        layer.load_serial(dict(linear.named_parameters()))
-        return layer
-
-    def load_serial(self, full: dict[str, torch.Tensor]) -> None:
-        t, r = comm.size(self.group), comm.rank(self.group)
-        with torch.no_grad():
-            for name, p in self.named_parameters(recurse=False):
-                p.copy_(shard(full[name].detach(), self.tp_splits[name], r, t))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # EXERCISE ex03 begin
         # enter with f(x, group) (all_gather_seq under SP), F.linear with the local rows, gather_from_tp if gather_output
@@ -312,7 +276,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}, sp={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(SplitLinear):
     """``Y = X A^T + b`` with A (out, in) split by input features: this rank holds in/t columns.
 
     The input arrives split along its features (a ColumnParallelLinear's output), or is split
@@ -330,21 +294,6 @@ class RowParallelLinear(nn.Module):
         self.tp_splits = {"weight": Split(1, in_features)}
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, group, **kwargs) -> "RowParallelLinear":
-        """This rank's slice of a full ``nn.Linear`` (same seed, same model)."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    **kwargs)
-        layer.load_serial(dict(linear.named_parameters()))
-        return layer
-
-    def load_serial(self, full: dict[str, torch.Tensor]) -> None:
-        t, r = comm.size(self.group), comm.rank(self.group)
-        with torch.no_grad():
-            self.weight.copy_(shard(full["weight"].detach(), self.tp_splits["weight"], r, t))
-            if self.bias is not None:
-                self.bias.copy_(full["bias"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -401,10 +350,6 @@ class VocabParallelEmbedding(nn.Module):
         return g(local, self.group)
 
 
-# The modules whose parameters are split (each says how in ``tp_splits``); the rest replicate.
-SPLIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-
-
 class ParallelEmbedding(nn.Module):
     """The GPT's ``embed`` with a vocab-parallel token table; same parameter names.
 
@@ -428,22 +373,6 @@ class ParallelEmbedding(nn.Module):
         first = comm.rank(self.group) * x.shape[1]
         positions = every[first:first + x.shape[1]]
         return self.drop(x + F.embedding(positions, f(self.pos.weight, self.group)))
-
-
-class TokenSplitLinear(nn.Linear):
-    """A Linear replicated over the TP group while each rank feeds it different tokens (an
-    MoE router or expert, ``parallelize_moe``): weight and bias enter through f, so their
-    gradients are summed over the group, 2(t-1)/t x their bytes per micro-batch."""
-
-    def __init__(self, linear: nn.Linear, group):
-        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                         device=linear.weight.device, dtype=linear.weight.dtype)
-        self.group = group
-        self.load_state_dict(linear.state_dict())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else f(self.bias, self.group)
-        return F.linear(x, f(self.weight, self.group), bias)
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):
@@ -534,7 +463,7 @@ class VocabParallelCrossEntropy(nn.Module):
 # --------------------------------------------------------------------------------------
 # The serial GPT -> the tensor-parallel GPT
 # --------------------------------------------------------------------------------------
-def parallelize_block(block: Block, group, sequence_parallel: bool = False) -> Block:
+def parallelize_block(block, group, sequence_parallel: bool = False):
     """One transformer block, in place: qkv and fc column-parallel, both proj row-parallel.
 
     Attention needs no change: it reads its number of heads (h/t here) from qkv's width.
@@ -542,9 +471,7 @@ def parallelize_block(block: Block, group, sequence_parallel: bool = False) -> B
     attn, mlp, sp = block.attn, block.mlp, sequence_parallel
     attn.qkv = ColumnParallelLinear.from_serial(attn.qkv, group, groups=3, sequence_parallel=sp)
     attn.proj = RowParallelLinear.from_serial(attn.proj, group, sequence_parallel=sp)
-    if isinstance(mlp, moe.MoE):
-        parallelize_moe(mlp, group, sequence_parallel=sp)
-    else:
+    if isinstance(mlp, MLP):        # another MLP (a mixture of experts) is the layout's to split
         mlp.fc = ColumnParallelLinear.from_serial(mlp.fc, group, sequence_parallel=sp)
         mlp.proj = RowParallelLinear.from_serial(mlp.proj, group, sequence_parallel=sp)
     if sp:
@@ -553,32 +480,15 @@ def parallelize_block(block: Block, group, sequence_parallel: bool = False) -> B
     return block
 
 
-def parallelize_moe(layer: "moe.MoE", group, sequence_parallel: bool = False) -> "moe.MoE":
-    """An MoE layer under TP, in place: experts and router replicated, tokens split.
-
-    Each TP rank routes its own s/t of every sequence (``minipar.moe`` explains the choice
-    and its volumes), so the router and every expert Linear become ``TokenSplitLinear``:
-    their gradients are summed over the group, as SP's LayerNorm's are.
-    """
-    layer.router = TokenSplitLinear(layer.router, group)
-    for expert in layer.experts.values():
-        for name, child in list(expert.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(expert, name, TokenSplitLinear(child, group))
-    layer.tp_group, layer.sequence_parallel = group, sequence_parallel
-    return layer
-
-
-def parallelize(model: GPT, grid, sequence_parallel: bool = False) -> GPT:
+def parallelize(model, group, sequence_parallel: bool = False):
     """Swap the TP parts into the full serial ``model`` in place; returns it.
 
     Every rank built the same full model from the seed; each keeps its slice. The structure
     (``embed``, ``blocks``, ``head``, ``parts()``) and parameter names stay, so a pipeline can
     cut a TP model into stages. With SP the activations between blocks are (b, s/t, h): a
-    pipeline over it is told so (``PipelineRunner(seq_split=t)``, ``activation_seq_split``).
+    pipeline over it is told so (``PipelineRunner(seq_split=t)``).
     """
-    group, t = grid.group("tp"), grid.tp
-    sp = sequence_parallel and t > 1
+    sp = sequence_parallel and comm.size(group) > 1
     embed = model.embed
     model.embed = ParallelEmbedding(
         VocabParallelEmbedding.from_serial(embed.tok, group, sequence_parallel=sp),
@@ -591,34 +501,3 @@ def parallelize(model: GPT, grid, sequence_parallel: bool = False) -> GPT:
     head.proj = ColumnParallelLinear.from_serial(head.proj, group, sequence_parallel=sp)
     head.loss = VocabParallelCrossEntropy(group, model.cfg.vocab_size)
     return model
-
-
-def activation_seq_split(tp: int, sequence_parallel: bool) -> int:
-    """By how much the activations between blocks are cut along the sequence: t under SP."""
-    return tp if sequence_parallel and tp > 1 else 1
-
-
-def split_of(name: str, module: nn.Module) -> Split | None:
-    """How the parameter ``name`` of ``module`` is split over TP (None: replicated)."""
-    owner_name, _, leaf = name.rpartition(".")
-    try:
-        owner = module.get_submodule(owner_name) if owner_name else module
-    except AttributeError:
-        return None
-    if not isinstance(owner, SPLIT_MODULES):
-        return None
-    return owner.tp_splits.get(leaf)
-
-
-def full_tensor(name: str, tensor: torch.Tensor, module: nn.Module, grid) -> torch.Tensor:
-    """The serial-shaped tensor of TP parameter (or gradient) ``name``: gather and unpad.
-
-    Collective over the TP group (every rank of it must call it in the same order);
-    replicated parameters come back as they are.
-    """
-    split = split_of(name, module)
-    if split is None or comm.size(grid.group("tp")) == 1:
-        return tensor
-    with comm.untracked():
-        parts = _all_gather_stacked(tensor.detach(), grid.group("tp"))
-    return unshard(parts, split)

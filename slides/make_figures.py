@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE))             # measured_runs.py, beside this file
 
 import torch  # noqa: E402
 
-from minipar import mesh, plan, pp
+from minipar import mesh, plan, pp, schedules
 from minipar.lab import plots  # noqa: E402
 import measured_runs  # noqa: E402
 
@@ -83,14 +83,14 @@ def memory_zero():
 
 
 # --------------------------------------------------------------------------------------
-# 2. Pipeline schedules as ideal timelines (pp.ideal_timeline)
+# 2. Pipeline schedules as ideal timelines (schedules.ideal_timeline)
 # --------------------------------------------------------------------------------------
 def pipeline_schedules():
     p, m = 4, 8
     rows = [("naive (m = 1)", "gpipe", 1, 1), ("GPipe, m = 8", "gpipe", m, 1),
             ("1F1B, m = 8", "1f1b", m, 1), ("interleaved 1F1B, v = 2, m = 8", "interleaved", m, 2)]
     # ideal_timeline divides t_fwd, t_bwd by v itself: a chunk of L/(p v) layers takes 1/v, 2/v
-    timelines = [(label, v, pp.ideal_timeline(name, p, mm, v)) for label, name, mm, v in rows]
+    timelines = [(label, v, schedules.ideal_timeline(name, p, mm, v)) for label, name, mm, v in rows]
     span = max(tl.makespan for _, _, tl in timelines)
     fig, axes = plt.subplots(len(rows), 1, figsize=(11, 5.0), sharex=True)
     for ax, (label, v, tl) in zip(axes, timelines):
@@ -110,7 +110,7 @@ def pipeline_schedules():
                labels=["forward (number: micro-batch)", "backward", "forward, chunk 1",
                        "backward, chunk 1"], loc="upper right",
                fontsize=8, ncol=4, frameon=False, bbox_to_anchor=(0.98, 1.02))
-    fig.suptitle("p = 4 stages: pp.ideal_timeline, drawn by plots.pipeline_timeline",
+    fig.suptitle("p = 4 stages: schedules.ideal_timeline, drawn by plots.pipeline_timeline",
                  fontsize=9, x=0.02, ha="left", y=1.0)
     fig.tight_layout()
     save(fig, "pipeline_schedules.png")
@@ -122,17 +122,17 @@ def bubble():
     for p, color in ((2, "C0"), (4, "C1"), (8, "C2")):
         ax.plot(ms, [100 * plan.bubble_fraction(p, m) for m in ms], color=color, label=f"p = {p}")
         dots = [1, 2, 4, 8, 16, 32]
-        ax.plot(dots, [100 * pp.ideal_timeline("1f1b", p, m).bubble for m in dots], "o",
+        ax.plot(dots, [100 * schedules.ideal_timeline("1f1b", p, m).bubble for m in dots], "o",
                 color=color, ms=4)
     dots = [4, 8, 16, 32]
-    ax.plot(dots, [100 * pp.ideal_timeline("interleaved", 4, m, 2).bubble for m in dots],
+    ax.plot(dots, [100 * schedules.ideal_timeline("interleaved", 4, m, 2).bubble for m in dots],
             "s--", color="C1", ms=4, lw=1, label="p = 4, interleaved v = 2")
     ax.set_xscale("log", base=2)
     ax.set_xticks([1, 2, 4, 8, 16, 32], ["1", "2", "4", "8", "16", "32"])
     ax.set_xlabel("micro-batches per step, m")
     ax.set_ylabel("idle share of the step, %")
     ax.set_title("bubble (p-1)/(v m + p-1): lines plan.bubble_fraction, "
-                 "dots pp.ideal_timeline(...).bubble", fontsize=8.5)
+                 "dots schedules.ideal_timeline(...).bubble", fontsize=8.5)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, frameon=False)
     save(fig, "bubble.png")

@@ -112,10 +112,11 @@ def test_interrupted_save_is_never_resumed(saved, tmp_path):
     no step-4 checkpoint exists, and --resume takes step 2."""
     root = tmp_path / "run"
     # a fresh process: the launcher's process server keeps the environment it started with
-    env = dict(os.environ, MINIPAR_CRASH_AT="0:save4", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-m", "minipar.train", "--nproc", "2", *NANO, "--steps",
-                        "4", "--save", str(root), "--save-every", "2"], capture_output=True,
-                       text=True, timeout=180, cwd=ROOT, env=env)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "faults.py"), "save", "0:4",
+                        "--", "--nproc", "2", *NANO, "--steps", "4", "--save", str(root),
+                        "--save-every", "2"], capture_output=True, text=True, timeout=180,
+                       cwd=ROOT, env=env)
     assert r.returncode != 0 and "injected crash on rank 0 while saving step 4" in r.stderr
     assert sorted(os.listdir(root)) == [".step-000004.tmp", "step-000002"]
     assert checkpoint.find(str(root)) == checkpoint.step_dir(str(root), 2)

@@ -28,6 +28,9 @@ import torch
 from conftest import assert_same_training
 from minipar.runtime import dist
 from minipar.model import build
+from minipar.train.loop import Hooks, with_state
+
+STATE = Hooks(end=with_state)   # every rank returns its history, parameters and gradients
 
 STEPS = 4
 BASE = ["--model", "nano", "--batch-size", "8", "--steps", str(STEPS), "--quiet", "--lr", "3e-3"]
@@ -113,7 +116,7 @@ def _cells_worker(argvs, world):
     out = []
     for argv in argvs:
         cfg = dataclasses.replace(train.parse_config(argv + ["--nproc", str(world)]), quiet=True)
-        out.append(train.worker(cfg, return_state=True))
+        out.append(train.worker(cfg, hooks=STATE))
     return out
 
 
@@ -268,7 +271,7 @@ def _save_resume_worker(tmp, world):
     out = {}
     for name, argv in runs:
         cfg = dataclasses.replace(train.parse_config(argv + ["--nproc", str(world)]), quiet=True)
-        out[name] = train.worker(cfg, return_state=True)
+        out[name] = train.worker(cfg, hooks=STATE)
     return out
 
 

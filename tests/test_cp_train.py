@@ -14,6 +14,9 @@ from minipar.runtime import dist
 from minipar import train
 from minipar.runtime.errors import UsageError
 from minipar import plan
+from minipar.train.loop import Hooks, with_state
+
+STATE = Hooks(end=with_state)   # every rank returns its history, parameters and gradients
 
 STEPS = ["--steps", "6"]
 
@@ -23,7 +26,7 @@ def _cases(cases, tmp):
     out = []
     for flags in cases:
         argv = NANO + STEPS + [f.format(tmp=tmp) for f in flags]
-        out.append(train.worker(train.parse_config(argv), return_state=True))
+        out.append(train.worker(train.parse_config(argv), hooks=STATE))
     return out
 
 

@@ -10,7 +10,7 @@ from minipar.train import mfu
 from minipar import plan
 from minipar.model import build, config
 from minipar.train import run
-from minipar.train.loop import LocalRunner
+from minipar.parallelize import LocalRunner
 from minipar.train.report import summary
 
 from conftest import cli

@@ -20,6 +20,9 @@ from minipar.plan import moe as plan_moe
 from minipar.plan.shapes import trainer_presets
 from minipar.mesh import Mesh
 from minipar.train import run_state
+from minipar.train.loop import Hooks, with_state
+
+STATE = Hooks(end=with_state)   # every rank returns its history, parameters and gradients
 
 E, K = 4, 2
 MOE = ["--moe-experts", str(E), "--moe-top-k", str(K), "--capacity-factor", "1.0",
@@ -153,7 +156,7 @@ def _ep_rank(ep, cf):
     from minipar.mesh import Mesh, param_groups
     grid = Mesh(dp=4, ep=ep)
     model = moe.expert_parallel(build(config("nano", moe_experts=E, moe_top_k=K,
-                                             capacity_factor=cf), seed=0), grid, ep)
+                                             capacity_factor=cf), seed=0), grid.group("ep"))
     # experts reduce over their own group, edp (the trainer's way)
     engine = dp.DataParallel(model, group=grid.group("dp"), mode="bucketed",
                              groups=param_groups(model, grid, moe.expert_parameters(model)))
@@ -312,7 +315,7 @@ def _train_cases(cases: dict, nproc: int) -> dict:
     """On every rank: the trainer once per layout (one launch for them all)."""
     from minipar.train import parse_config, worker
     return {name: worker(parse_config(NANO + SHORT + flags + ["--nproc", str(nproc)]),
-                         return_state=True) for name, flags in cases.items()}
+                         hooks=STATE) for name, flags in cases.items()}
 
 
 def composed(cases: dict, name: str) -> dict:
@@ -358,11 +361,10 @@ def test_tp_moe_state_bytes_equal_the_planner():
 
 def _tp_layer_bytes(sp: bool, ep: int):
     """On 4 ranks (tp=2, dp=2): one MoE layer's forward and backward, its bytes by op."""
-    from minipar import tp
-    grid = Mesh(dp=2, tp=2)
+    from minipar import parallelize
+    grid = Mesh(dp=2, tp=2, ep=ep)
     model = build(config("nano", moe_experts=E, moe_top_k=K, capacity_factor=1.0), seed=0)
-    tp.parallelize(model, grid, sequence_parallel=sp)
-    moe.expert_parallel(model, grid, ep)
+    parallelize.parallelize(model, grid, sp=sp)     # MoE under TP: the composition's
     layer = model.blocks[0].mlp
     b, s = 2, 16
     x = torch.randn(b, s // 2 if sp else s, 32, generator=torch.Generator().manual_seed(grid.rank // 2))
@@ -404,8 +406,9 @@ def test_recompute_draws_the_same_router_noise():
     recomputation (same seed), and the statistics count each forward once."""
     grads = {}
     for mode in ("none", "full"):
-        model = build(config("nano", moe_experts=E, moe_top_k=K, moe_noise=1.0, recompute=mode),
-                      seed=0)
+        from minipar import parallelize           # the layer replays its decisions there
+        model = parallelize.parallelize(build(config("nano", moe_experts=E, moe_top_k=K,
+                                                     moe_noise=1.0, recompute=mode), seed=0), Mesh())
         x, y = _batch()
         torch.manual_seed(5)
         model(x, y).backward()

@@ -19,6 +19,9 @@ from minipar.runtime import dist
 from minipar import train
 from minipar.model import config
 from minipar.plan import moe as plan_moe
+from minipar.train.loop import Hooks, with_state
+
+STATE = Hooks(end=with_state)   # every rank returns its history, parameters and gradients
 
 # MoE under cp: every test here shares 4-rank launches, so the module is in the full suite only
 pytestmark = pytest.mark.slow
@@ -44,7 +47,7 @@ def _train_cases(cases: dict, tmp: str) -> dict:
     """On every rank: the trainer once per layout (one launch for them all)."""
     from minipar.train import parse_config, worker
     return {name: worker(parse_config(NANO + FLAGS + [f.format(tmp=tmp) for f in flags] +
-                                      ["--nproc", "4"]), return_state=True)
+                                      ["--nproc", "4"]), hooks=STATE)
             for name, (flags, _, _) in cases.items()}
 
 

@@ -131,7 +131,7 @@ def _held_and_sent(t, configs, b):
     grid, out = Grid(1, 1, t), []
     for kw in configs:
         cfg = GPTConfig(**kw)
-        model = tp.parallelize(build(cfg, seed=0), grid, sequence_parallel=True)
+        model = tp.parallelize(build(cfg, seed=0), grid.group("tp"), sequence_parallel=True)
         idx = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1),
                             generator=torch.Generator().manual_seed(0))
         comm.reset()

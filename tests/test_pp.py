@@ -7,8 +7,8 @@ from conftest import NANO, assert_same_training, cli, quick_tier, serial_state
 
 from minipar.mesh import Mesh
 from minipar.runtime import dist
-from minipar import pp
-from minipar.pp import Instr, backward, forward
+from minipar import pp, schedules
+from minipar.schedules import Instr, backward, forward
 from minipar.train import run_state
 
 
@@ -19,11 +19,11 @@ from minipar.train import run_state
 def test_schedules_pass_the_checker_with_the_textbook_bubble_and_stash(name):
     for p in range(1, 7):
         for m in range(1, 13):
-            lists = pp.schedule_lists(name, p, m)
-            assert pp.validate_schedule(lists, m) == [], (name, p, m)
-            timeline = pp.ideal_timeline(name, p, m)
+            lists = schedules.schedule_lists(name, p, m)
+            assert schedules.validate_schedule(lists, m) == [], (name, p, m)
+            timeline = schedules.ideal_timeline(name, p, m)
             assert timeline.bubble == pytest.approx((p - 1) / (m + p - 1)), (name, p, m)
-            stash = [pp.peak_stash(lst) for lst in lists]
+            stash = [schedules.peak_stash(lst) for lst in lists]
             assert stash == ([m] * p if name == "gpipe" else [min(p - r, m) for r in range(p)])
 
 
@@ -31,9 +31,9 @@ def test_interleaved_passes_the_checker_and_shrinks_the_bubble_v_fold():
     for p in range(2, 6):
         for m in range(p, 3 * p + 1, p):
             for v in (1, 2, 3):
-                lists = pp.schedule_lists("interleaved", p, m, v)
-                assert pp.validate_schedule(lists, m, v) == [], (p, m, v)
-                assert pp.ideal_timeline("interleaved", p, m, v).bubble == \
+                lists = schedules.schedule_lists("interleaved", p, m, v)
+                assert schedules.validate_schedule(lists, m, v) == [], (p, m, v)
+                assert schedules.ideal_timeline("interleaved", p, m, v).bubble == \
                     pytest.approx((p - 1) / (v * m + p - 1)), (p, m, v)
                 # chunk c of stage r is virtual stage c p + r: the wrap-around goes p-1 -> 0
                 sends = [i for i in lists[p - 1] if i.op == "send_act"]
@@ -60,12 +60,12 @@ def _naive_p2p(orders):
 
 
 def test_checker_finds_the_send_send_deadlock_of_naive_1f1b():
-    orders = [pp.one_f_one_b_order(2, 4, r) for r in range(2)]
-    problems = pp.validate_schedule(_naive_p2p(orders))
+    orders = [schedules.one_f_one_b_order(2, 4, r) for r in range(2)]
+    problems = schedules.validate_schedule(_naive_p2p(orders))
     assert len(problems) == 1 and problems[0].startswith("deadlock")
     assert "send_act(1)->1" in problems[0] and "send_grad(0)->0" in problems[0]
     # GPipe has no such exchange: the same naive placement runs
-    assert pp.validate_schedule(_naive_p2p([pp.gpipe_order(2, 4, r) for r in range(2)])) == []
+    assert schedules.validate_schedule(_naive_p2p([schedules.gpipe_order(2, 4, r) for r in range(2)])) == []
 
 
 def _edit(lists, r, fn):
@@ -92,8 +92,8 @@ def _edit(lists, r, fn):
     (lambda L: [L[0], [i for i in L[1] if i.op != "backward"]], "needs one forward and one backward"),
 ])
 def test_checker_rejects_broken_lists(breakage, expected):
-    lists = pp.schedule_lists("1f1b", 2, 4)
-    problems = pp.validate_schedule(breakage(lists), m=4)
+    lists = schedules.schedule_lists("1f1b", 2, 4)
+    problems = schedules.validate_schedule(breakage(lists), m=4)
     assert any(expected in p for p in problems), problems
 
 
@@ -101,10 +101,10 @@ def test_checker_finds_a_wait_cycle():
     # stage 0 waits for the gradient before sending the activation it depends on
     lists = [[forward(0), Instr("recv_grad", 0, 0, 1), Instr("send_act", 0, 0, 1), backward(0)],
              [Instr("recv_act", 0, 0, 0), forward(0), backward(0), Instr("send_grad", 0, 0, 0)]]
-    problems = pp.validate_schedule(lists)
+    problems = schedules.validate_schedule(lists)
     assert problems and "deadlock" in problems[0] and "recv_grad(0)<-1" in problems[0]
     with pytest.raises(ValueError, match="cannot run"):   # an impossible compute order
-        pp.with_p2p([[backward(0), forward(0)], [forward(0), backward(0)]])
+        schedules.with_p2p([[backward(0), forward(0)], [forward(0), backward(0)]])
 
 
 # --------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_measured_timeline_and_stashed_activations(schedule):
     tl = res["timeline"]
     expected = [m] * p if schedule == "gpipe" else [min(p - r, m) for r in range(p)]
     assert tl.peak_stash == expected
-    lists = pp.schedule_lists(schedule, p, m)
+    lists = schedules.schedule_lists(schedule, p, m)
     for r in range(p):   # every instruction, in the schedule's order, with start <= end
         assert [(e.op, e.mb) for e in tl.stages[r]] == [(i.op, i.mb) for i in lists[r]]
         assert all(0 <= e.start <= e.end for e in tl.stages[r])
@@ -176,13 +176,13 @@ def test_measured_timeline_and_stashed_activations(schedule):
 
 
 def _deadlocking_schedule(p, m, r):
-    return _naive_p2p([pp.one_f_one_b_order(p, m, s) for s in range(p)])[r]
+    return _naive_p2p([schedules.one_f_one_b_order(p, m, s) for s in range(p)])[r]
 
 
 def _run_with(schedule):
     grid = Mesh(dp=1, pp=2, tp=1)
     from minipar.model import build
-    pp.PipelineRunner(build("nano"), grid, schedule, 4)
+    pp.PipelineRunner(build("nano"), grid.group("pp"), schedule, 4)
 
 
 def test_a_deadlocking_schedule_is_refused_on_every_rank_not_run():

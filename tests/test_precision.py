@@ -210,12 +210,9 @@ def test_fp16_model_state_bytes_equal_the_planners_mixed_layout():
 
 
 def _overflow_run(flags, nproc, at):
-    import os
-    os.environ["MINIPAR_OVERFLOW_AT"] = at
-    try:
-        return run_state(FP16 + flags, nproc=nproc)
-    finally:
-        del os.environ["MINIPAR_OVERFLOW_AT"]
+    from faults import Overflow
+    rank, step = map(int, at.split(":"))
+    return run_state(FP16 + flags, nproc=nproc, hooks=Overflow(rank, step).hooks())
 
 
 @pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])

@@ -26,6 +26,9 @@ from minipar.train.memory import activation_bytes_per_layer
 from minipar.train.mfu import shape_of
 from minipar.model import build, config
 from minipar.train import parse_config, worker
+from minipar.train.loop import Hooks, with_state
+
+STATE = Hooks(end=with_state)   # every rank returns its history, parameters and gradients
 
 ARGS = ["--model", "nano", "--batch-size", "8", "--steps", "2", "--quiet", "--lr", "3e-3"]
 MODES = ("none", "selective", "full")
@@ -34,7 +37,7 @@ B = 2                   # sequences per micro-batch in the memory tests
 
 def _train_each_mode(argv, modes):
     """On every rank: the trainer once per recompute mode, same layout (one launch)."""
-    return {m: worker(parse_config(argv + ["--recompute", m]), return_state=True) for m in modes}
+    return {m: worker(parse_config(argv + ["--recompute", m]), hooks=STATE) for m in modes}
 
 
 def _merged(results, mode):
@@ -123,7 +126,7 @@ def _tp_bytes(sp):
     grid = Mesh(dp=1, pp=1, tp=2)
     out = {}
     for mode in MODES:
-        model = tp.parallelize(build(config("nano", recompute=mode)), grid, sequence_parallel=sp)
+        model = tp.parallelize(build(config("nano", recompute=mode)), grid.group("tp"), sequence_parallel=sp)
         x = torch.randint(0, 256, (B, 16), generator=torch.Generator().manual_seed(0))
         out[mode] = activation_bytes_per_layer(model, x, x)["blocks.1"]
     return out

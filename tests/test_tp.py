@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from conftest import NANO, assert_same_training, cli, serial_state
 from minipar import comm, model, plan, tp
+from minipar.train import pieces
 from minipar.mesh import Mesh
 from minipar.runtime import dist
 from minipar.train import run_state
@@ -22,7 +23,7 @@ def _rand(*shape, seed):
 def _full(param_or_grad, split, group):
     """Gather a split tensor from every rank (the test's own glue, through the TP group)."""
     with comm.untracked():
-        return tp.unshard(tp._all_gather_stacked(param_or_grad.detach(), group), split)
+        return pieces.unshard(comm.all_gather_stacked(param_or_grad.detach(), group), split)
 
 
 # --------------------------------------------------------------------------------------
@@ -164,7 +165,7 @@ def _padded_vocab(t, vocab, sp):
     cfg = model.GPTConfig(vocab_size=vocab, seq_len=8, n_layer=2, n_head=4, d_model=16)
     serial = model.build(cfg, seed=3)
     grid = Mesh(1, 1, t)
-    par = tp.parallelize(model.build(cfg, seed=3), grid, sequence_parallel=sp)
+    par = tp.parallelize(model.build(cfg, seed=3), grid.group("tp"), sequence_parallel=sp)
     gen = torch.Generator().manual_seed(11)
     x, y = torch.randint(0, vocab, (2, 8), generator=gen), torch.randint(0, vocab, (2, 8), generator=gen)
     ref_loss, loss = serial(x, y), par(x, y)
@@ -172,12 +173,12 @@ def _padded_vocab(t, vocab, sp):
     loss.backward()
     worst, padding_grad = 0.0, 0.0
     for name, p in par.named_parameters():
-        full_g = tp.full_tensor(name, p.grad, par, grid)
-        full_p = tp.full_tensor(name, p.detach(), par, grid)
+        full_g = pieces.full_tensor(name, p.grad, par, grid.group("tp"))
+        full_p = pieces.full_tensor(name, p.detach(), par, grid.group("tp"))
         ref = serial.get_parameter(name)
         assert full_p.shape == ref.shape, name
         worst = max(worst, (full_g - ref.grad).abs().max().item(), (full_p - ref).abs().max().item())
-        split = tp.split_of(name, par)
+        split = pieces.split_of(name, par)
         if split is not None and split.full == vocab and grid.coord("tp") == t - 1:
             padding_grad = max(padding_grad, p.grad[vocab - grid.coord("tp") * p.shape[0]:].abs().max().item())
     return abs(loss.item() - ref_loss.item()), worst, padding_grad
@@ -239,7 +240,7 @@ def _against_dtensor():
             if hasattr(g, "full_tensor"):
                 g = g.full_tensor()
             elif name == "minipar":
-                g = tp.full_tensor(pname, g, m, grid)
+                g = pieces.full_tensor(pname, g, m, grid.group("tp"))
             grads[pname] = g
         outs[name] = (y.detach(), xi.grad, grads)
     return outs

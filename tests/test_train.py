@@ -109,11 +109,11 @@ def test_nccl_without_gpu_is_a_clear_error():
 
 @pytest.mark.slow
 def test_crashing_rank_ends_the_run_with_its_traceback():
-    env = dict(os.environ, MINIPAR_CRASH_AT="1:3")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]))
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "minipar.train", "--nproc", "2", "--steps", "50",
-                        "--model", "nano"], capture_output=True, text=True, timeout=120,
-                       cwd=ROOT, env=env)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "faults.py"), "crash", "1:3",
+                        "--", "--nproc", "2", "--steps", "50", "--model", "nano"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert r.returncode != 0
     assert "injected crash on rank 1 at step 3" in r.stderr and "Traceback" in r.stderr
     assert time.monotonic() - t < 60

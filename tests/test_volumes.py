@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from minipar import plan, pp
+from minipar import plan, pp, schedules
 from minipar.plan.sharding import divisors, shard_violation
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minipar"
@@ -65,7 +65,7 @@ def test_tp_block_bytes_are_the_layers_of_the_whole_model(sp):
 def test_bubble_fraction_is_the_simulated_bubble(schedule, v):
     for p in (2, 4):
         for m in (p, 2 * p, 4 * p):
-            simulated = pp.ideal_timeline(schedule, p, m, v).bubble
+            simulated = schedules.ideal_timeline(schedule, p, m, v).bubble
             assert simulated == pytest.approx(plan.bubble_fraction(p, m, v))
             assert plan.bubble_fraction(p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
 
@@ -77,13 +77,13 @@ def test_a_timeline_converted_twice_is_caught():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from minipar.lab import plots
-    seconds = pp.ideal_timeline("1f1b", 2, 4, t_fwd=0.010, t_bwd=0.020)
+    seconds = schedules.ideal_timeline("1f1b", 2, 4, t_fwd=0.010, t_bwd=0.020)
     fig, ax = plt.subplots()
     plots.pipeline_timeline(seconds, ax, unit="ms")
     plots.check_timeline_drawn(ax, seconds, unit="ms")
     with pytest.raises(AssertionError):              # a box is missing or misplaced
-        plots.check_timeline_drawn(ax, pp.ideal_timeline("1f1b", 2, 8), unit="ms")
-    millis = pp.ideal_timeline("1f1b", 2, 4, t_fwd=10.0, t_bwd=20.0)
+        plots.check_timeline_drawn(ax, schedules.ideal_timeline("1f1b", 2, 8), unit="ms")
+    millis = schedules.ideal_timeline("1f1b", 2, 4, t_fwd=10.0, t_bwd=20.0)
     fig2, ax2 = plt.subplots()
     plots.pipeline_timeline(millis, ax2, unit="ms")
     ax2.set_xlim(0, seconds.makespan * 1e3)

@@ -47,10 +47,10 @@ def measure(d_model: int = 128, experts: int = 8, top_k: int = 2, batch: int = 4
             seq_len: int = 64, reps: int = 20, warmup: int = 3):
     """On every rank: median step times of the EP layer and of the single-process twin."""
     n, r = tdist.get_world_size(), tdist.get_rank()
-    grid = Mesh(dp=n)
+    grid = Mesh(dp=n, ep=n)
     serial = make_layer(d_model, experts, top_k, seq_len)
     holder = torch.nn.Sequential(copy.deepcopy(serial))
-    moe.expert_parallel(holder, grid, n)
+    moe.expert_parallel(holder, grid.group("ep"))
     layer = holder[0]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(batch * n, seq_len, d_model, generator=gen)

@@ -82,7 +82,7 @@ def compare_with_torch(schedule="1f1b", microbatches=4, model_name="nano", micro
     grid = Mesh(dp=1, pp=p, tp=1)
     cfg = config(model_name)
     model = build(cfg, seed)
-    runner = pp.PipelineRunner(model, grid, schedule, microbatches)
+    runner = pp.PipelineRunner(model, grid.group("pp"), schedule, microbatches)
     theirs = copy.deepcopy(runner.module.chunks[0])
     sched = torch_schedule(theirs, p, r, microbatches, schedule)
     opt_mine = torch.optim.AdamW(runner.module.parameters(), lr=lr, betas=(0.9, 0.95))
@@ -125,7 +125,7 @@ def measure_pipeline(model_name: str = "tiny", schedule: str = "1f1b", microbatc
     """
     grid = Mesh(dp=1, pp=tdist.get_world_size(), tp=1)
     cfg = config(model_name)
-    runner = pp.PipelineRunner(build(cfg, seed), grid, schedule, microbatches, chunks)
+    runner = pp.PipelineRunner(build(cfg, seed), grid.group("pp"), schedule, microbatches, chunks)
     g = torch.Generator().manual_seed(seed)
     batch = torch.randint(0, cfg.vocab_size, (micro_batch * microbatches, cfg.seq_len + 1),
                           generator=g)

@@ -150,7 +150,7 @@ class Variant:
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on every rank (collective)."""
         if self.engine is not None:
-            return {n: p.clone() for n, (p, _) in self.engine.full_named_parameters().items()}
+            return self.engine.full_parameters()
         with comm.untracked():
             return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                     for n, p in self.model.named_parameters()}

@@ -42,6 +42,7 @@ def _run(student, t):
     import torch.nn as nn
     import torch.nn.functional as F
     from minipar import comm, tp
+    from minipar.train import pieces
     from minipar.runtime import dist
     from minipar.plan import ring_bytes
     grid = Mesh(1, 1, t)
@@ -50,7 +51,7 @@ def _run(student, t):
 
     def gathered(local, split):
         with comm.untracked():
-            return tp.unshard(tp._all_gather_stacked(local.detach(), group), split)
+            return pieces.unshard(comm.all_gather_stacked(local.detach(), group), split)
 
     # f and g alone, with a different tensor on every rank
     x = _rand(4, seed=10 + r).requires_grad_()

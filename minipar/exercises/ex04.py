@@ -26,6 +26,7 @@ and `VocabParallelCE.backward`.
 def _run(student, t, vocab, scale):
     import torch.nn.functional as F
     from minipar import comm, tp
+    from minipar.train import pieces
     from minipar.runtime import dist
     from minipar.plan import ring_bytes
     grid = Mesh(1, 1, t)
@@ -45,7 +46,7 @@ def _run(student, t, vocab, scale):
     loss.backward()
     sent_backward = comm.stats.bytes_by_op()
     with comm.untracked():
-        grad = tp.unshard(tp._all_gather_stacked(local.grad, group), split)
+        grad = pieces.unshard(comm.all_gather_stacked(local.grad, group), split)
     return dict(loss=loss.item(), ref=ref.item(), grad_err=(grad - ref_in.grad).abs().max().item(),
                 finite=bool(torch.isfinite(loss)), sent=sent, sent_backward=sent_backward,
                 budget=3 * ring_bytes("all_reduce", n * 4, t))

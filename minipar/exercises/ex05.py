@@ -1,6 +1,6 @@
 """ex05: the 1F1B pipeline schedule."""
 TITLE = "The 1F1B pipeline schedule"
-MODULE = "minipar.pp"
+MODULE = "minipar.schedules"
 NAMES = ["one_f_one_b_order", "one_f_one_b"]
 INTRO = """
 A pipeline schedule is data: for each of the p stages, the order in which it runs the
@@ -21,7 +21,7 @@ def _run_two_stages(student, m):
     import torch
     import torch.distributed as tdist
     from minipar.runtime import dist
-    from minipar import pp
+    from minipar import pp, schedules
     from minipar.model import build
     from minipar.mesh import Mesh
     grid = Mesh(dp=1, pp=2, tp=1)
@@ -30,7 +30,7 @@ def _run_two_stages(student, m):
     x, y = batch[:, :-1], batch[:, 1:]
     serial = build("nano", seed=0)
     serial(x, y).backward()
-    runner = pp.PipelineRunner(build("nano", seed=0), grid, student.one_f_one_b, m)
+    runner = pp.PipelineRunner(build("nano", seed=0), grid.group("pp"), student.one_f_one_b, m)
     loss = runner.forward_backward(x, y)
     ref = dict(serial.named_parameters())
     grads_ok = all(torch.allclose(q.grad, ref[runner.serial_name(n)].grad, atol=1e-5)
@@ -44,7 +44,7 @@ def _run_two_stages(student, m):
 
 
 def check(student) -> list[str]:
-    from minipar import pp
+    from minipar import pp, schedules
     from minipar.exercises import launch_student
     from minipar.plan import bubble_fraction
     failures = []
@@ -56,18 +56,18 @@ def check(student) -> list[str]:
             except ValueError as e:   # with_p2p: some forward or backward can never start
                 failures.append(f"{where}: {e}")
                 return failures
-            problems = pp.validate_schedule(lists, m)
+            problems = schedules.validate_schedule(lists, m)
             if problems:
                 failures.append(f"{where}: {problems[0]}")
                 return failures
             for r, lst in enumerate(lists):
-                held, most = pp.peak_stash(lst), min(p - r, m)
+                held, most = schedules.peak_stash(lst), min(p - r, m)
                 if held != most:
                     failures.append(f"{where}: stage {r} holds {held} micro-batches' activations "
                                     f"at once; 1F1B holds min(p - r, m) = {most} (warm-up "
                                     f"p - r - 1 forwards, then one forward, one backward)")
                     return failures
-            bubble = pp.Timeline(pp.simulate(lists)).bubble
+            bubble = schedules.Timeline(schedules.simulate(lists)).bubble
             if abs(bubble - bubble_fraction(p, m)) > 1e-9:
                 failures.append(f"{where}: the ideal bubble is {bubble:.3f}, not (p-1)/(m+p-1) = "
                                 f"{bubble_fraction(p, m):.3f}: some stage waits longer than "

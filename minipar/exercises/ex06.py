@@ -26,7 +26,7 @@ def _train(student, argv, patch):
     from minipar import train, zero
     setattr(zero, patch, getattr(student, patch))
     with contextlib.redirect_stdout(io.StringIO()):
-        return train.worker(train.parse_config(argv), True)
+        return train.worker(train.parse_config(argv), train.Hooks(end=train.with_state))
 
 
 def check_training(student, patch: str, runs) -> list[str]:

@@ -92,7 +92,7 @@ def memory_experiment(model_name: str = "tiny", batch: int = 8, sps=(False, True
     for sp in sps if t > 1 else (False,):
         model = build(cfg, seed=0)
         if t > 1:
-            model = tp.parallelize(model, grid, sequence_parallel=sp)
+            model = tp.parallelize(model, grid.group("tp"), sequence_parallel=sp)
         params = set(map(id, model.parameters()))
         seen, saved = set(), [0]
 
@@ -121,7 +121,7 @@ def step_time_experiment(model_name: str = "tiny", batch: int = 8, reps: int = 5
     t = tdist.get_world_size()
     grid = Mesh(1, 1, t)
     cfg = config(model_name)
-    model = tp.parallelize(build(cfg, seed=0), grid, sequence_parallel=sequence_parallel)
+    model = tp.parallelize(build(cfg, seed=0), grid.group("tp"), sequence_parallel=sequence_parallel)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len),
                       generator=torch.Generator().manual_seed(0))
     steps, comm_s = [], []

@@ -1,7 +1,7 @@
 """Notebook 03_pipeline_parallel: timelines, bubbles and the activations a schedule holds.
 
 ``measure_pipeline`` (``minipar.bench.pp``'s, re-exported) runs on every rank inside
-``minipar.dist.launch`` (one rank per stage) and returns measured timelines (``pp.Timeline``,
+``minipar.dist.launch`` (one rank per stage) and returns measured timelines (``schedules.Timeline``,
 seconds); ``ideal_like`` is the ideal
 schedule with the measured mean forward and backward times; ``explore`` draws any schedule's
 ideal timeline; ``bubble_vs_microbatches`` and ``stash_bars`` draw the rest. Timelines are
@@ -14,20 +14,20 @@ from __future__ import annotations
 import statistics
 
 from . import plots
-from .. import pp
+from .. import pp, schedules
 from ..bench.pp import measure_pipeline  # noqa: F401  (the notebook calls nb03.measure_pipeline)
 from ..plan import bubble_fraction
 
 
-def mean_time(timeline: pp.Timeline, op: str) -> float:
+def mean_time(timeline: schedules.Timeline, op: str) -> float:
     """Mean duration of the ``op`` ("forward" or "backward") boxes of a timeline."""
     return statistics.mean(e.end - e.start for evs in timeline.stages for e in evs if e.op == op)
 
 
-def ideal_like(schedule: str, measured: pp.Timeline, m: int, v: int = 1) -> pp.Timeline:
+def ideal_like(schedule: str, measured: schedules.Timeline, m: int, v: int = 1) -> schedules.Timeline:
     """The ideal timeline of ``schedule`` on as many stages as ``measured`` has, with its
     mean forward and backward times: in the measured timeline's unit (seconds)."""
-    return pp.ideal_timeline(schedule, len(measured.stages), m, v,
+    return schedules.ideal_timeline(schedule, len(measured.stages), m, v,
                              t_fwd=mean_time(measured, "forward") * v,
                              t_bwd=mean_time(measured, "backward") * v)
 
@@ -39,7 +39,7 @@ def explore(schedule: str = "gpipe", p: int = 4, m: int = 8, v: int = 2):
         print(f"interleaved runs micro-batches in groups of p: choose m a multiple of p = {p} (p >= 2)")
         return
     v = v if schedule == "interleaved" else 1
-    tl = pp.ideal_timeline(schedule, p, m, v)
+    tl = schedules.ideal_timeline(schedule, p, m, v)
     fig, ax = plt.subplots(figsize=(11, 0.9 + 0.45 * p))
     plots.pipeline_timeline(tl, ax, labels=m * v <= 32, title=(
         f"{schedule}, p={p}, m={m}{f', v={v}' if v > 1 else ''}: bubble {tl.bubble:.1%} "

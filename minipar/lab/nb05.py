@@ -126,7 +126,7 @@ def config(argv: list[str]) -> train.RunConfig:
     return dataclasses.replace(train.parse_config(argv), quiet=True)
 
 
-def first_batch(cfg: train.RunConfig, grid: Mesh | None = None):
+def first_batch(cfg: train.RunConfig, grid: "mesh.Mesh | None" = None):
     """Step 1's batch: the whole of it (serial) or this replica's share."""
     tokens = data.ByteTokenizer().encode(data.load_text(cfg.data))
     batches = data.Batches(tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed)

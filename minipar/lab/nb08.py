@@ -131,9 +131,9 @@ def ep_traffic(ep: int, name: str = "tiny", experts: int = 8, top_k: int = 2,
     """
     import torch.distributed as tdist
     n = tdist.get_world_size()
-    grid = Mesh(dp=n)
+    grid = Mesh(dp=n, ep=ep)
     cfg = moe_config(name, experts, top_k, capacity_factor=capacity)
-    model = moe.expert_parallel(build(cfg, seed=0), grid, ep)
+    model = moe.expert_parallel(build(cfg, seed=0), grid.group("ep"))
     tokens = data.ByteTokenizer().encode(data.load_text(None))
     x, y = data.Batches(tokens, cfg.seq_len, batch_per_rank * n, seed=0).local_batch(1, grid.coord("dp"), n)
     comm.reset()

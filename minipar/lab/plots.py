@@ -1,7 +1,7 @@
 """Pictures shared by several notebooks and the slides, drawn from the package's own data.
 
 * ``pipeline_timeline``: a pipeline step as a Gantt chart, one row per stage, from an ideal
-  schedule (``pp.ideal_timeline``, unit times) or a measured run (``PipelineRunner``'s
+  schedule (``schedules.ideal_timeline``, unit times) or a measured run (``PipelineRunner``'s
   gathered ``Timeline``, seconds). Forward boxes are blue, backward boxes orange (lighter
   for later model chunks), with the micro-batch number inside; white space is the bubble;
   grey ticks under a row are its sends and receives.
@@ -23,7 +23,7 @@ P2P_COLOR = "#8c8c8c"
 
 def pipeline_timeline(timeline, ax=None, title: str | None = None, unit: str = "ticks",
                       labels: bool = True, p2p: bool = True):
-    """Draw a ``pp.Timeline``; ``unit="ms"`` for a measured one (its times are seconds)."""
+    """Draw a ``schedules.Timeline``; ``unit="ms"`` for a measured one (its times are seconds)."""
     p = len(timeline.stages)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 + 0.55 * p))

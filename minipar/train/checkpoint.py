@@ -135,13 +135,13 @@ def _adam_step(optimizer) -> torch.Tensor:
     return next(iter(optimizer.state.values()))["step"]
 
 
-def rank_state_dict(grid, runner, engine, owned_only: bool) -> dict:
+def rank_state_dict(mesh, runner, engine, owned_only: bool) -> dict:
     """{DCP key: SerialPart | tensor} for what this rank holds (saving: only what it owns)."""
     ensure_adam_state(engine.optimizer)
     boxes: dict[str, tuple[tuple, list]] = {}
     step = _adam_step(engine.optimizer)
     out = {}
-    for pc in pieces(grid, runner, engine):
+    for pc in pieces(mesh, runner, engine):
         if owned_only and not pc.owner:
             continue
         for kind, key in [("param", f"model.{pc.name}")] + [
@@ -188,23 +188,22 @@ def _fsync_write(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def save(root: str, step: int, manifest: dict, grid, runner, engine, keep: int = 0) -> str:
+def save(root: str, step: int, manifest: dict, mesh, runner, engine, keep: int = 0) -> str:
     """Every rank writes its part of step ``step`` under ``root``; returns the folder."""
     final, tmp = step_dir(root, step), os.path.join(root, f".step-{step:06d}.tmp")
-    if grid.rank == 0:
+    if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    state = rank_state_dict(grid, runner, engine, owned_only=True)
-    if grid.rank == 0:
+    state = rank_state_dict(mesh, runner, engine, owned_only=True)
+    if mesh.rank == 0:
         group = dict(engine.optimizer.param_groups[0])
         group["params"] = list(serial_shapes(model_config_of(manifest)))
         state["optim.param_groups"] = [group]
         state["trainer.rng"] = torch.get_rng_state()
     with _dcp_call():
         dcp.save(state, checkpoint_id=tmp, planner=DefaultSavePlanner())
-    _maybe_crash(grid.rank, step)
-    if grid.rank == 0:
+    if mesh.rank == 0:
         _fsync_write(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=2) + "\n")
         _fsync_write(os.path.join(tmp, COMPLETE), f"step {step}\n")
         shutil.rmtree(final, ignore_errors=True)
@@ -223,14 +222,6 @@ def _dcp_call():
     with comm.untracked(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _maybe_crash(rank: int, step: int) -> None:
-    """Fault injection for the tests: MINIPAR_CRASH_AT="rank:saveK" kills the save of step K
-    after the DCP files are written, before the manifest and the marker."""
-    if os.environ.get("MINIPAR_CRASH_AT") == f"{rank}:save{step}":
-        raise RuntimeError(f"injected crash on rank {rank} while saving step {step} "
-                           f"(MINIPAR_CRASH_AT)")
 
 
 def _barrier():
@@ -327,10 +318,10 @@ def check(path: str, model_cfg: GPTConfig | None = None) -> dict:
     return manifest
 
 
-def load(path: str, grid, runner, engine) -> dict:
+def load(path: str, mesh, runner, engine) -> dict:
     """Fill this rank's parameters and Adam state from the checkpoint at ``path`` (any layout
     wrote it); returns its manifest. Collective."""
-    state = rank_state_dict(grid, runner, engine, owned_only=False)
+    state = rank_state_dict(mesh, runner, engine, owned_only=False)
     state["trainer.rng"] = torch.get_rng_state()
     with _dcp_call():
         dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner())

@@ -1,90 +1,98 @@
-"""The GPT trainer: ``python -m minipar.train`` (flags and metrics: docs/reference.md).
+"""The GPT trainer's loop, ``python -m minipar.train`` (flags and metrics: docs/reference.md).
 
-One training step, whatever the layout::
-
-    engine.zero_grad(); engine.begin_step(m)
-    loss = runner.forward_backward(x, y)     # m micro-batches; a pipeline if --pp > 1
-    engine.step()                            # gradient sync (DP, ZeRO/AMSP) + optimizer
-
-The flags are parsed and checked once (``minipar.config.parse_config``) into a frozen
-``RunConfig`` that every rank receives; what a run prints is ``minipar.report``'s. The
-paradigms meet here and nowhere else, through values:
-
-  * ``Mesh``          the named axes dp, pp, cp, tp (and ep inside dp): every process group;
-  * ``PrecisionPolicy`` parameter/reduce/master dtypes and the fp16 loss scaler;
-  * ``param_groups``  which parameters reduce over which axis (dense: dp_cp; experts: edp);
-  * ``build_model``  the full serial GPT from the seed, then tensor-parallel (``minipar.tp``),
-                     then expert-parallel (``minipar.moe``), in the policy's dtype;
-  * ``build_runner`` forward/backward over micro-batches: local, or a pipeline stage (``minipar.pp``);
-  * ``build_engine`` the model-state engine: data parallel (``minipar.dp``) or sharded (``minipar.zero``).
-
-Three ways to start: ``--nproc N`` (local processes), ``torchrun``, Slurm ``srun``.
-Bad input exits with status 2 and one line, before any process starts.
+nanoGPT's loop, whatever the layout: each step sets the learning rate, takes this rank's part
+of the global batch, zeroes the gradients, runs forward and backward over the micro-batches
+(one device, or a pipeline stage), and steps the engine (gradient sync, then the update).
+Around it, named calls: ``build_*`` (the layout, ``minipar.parallelize``; the engine,
+``engines``), a ``steplog.Recorder`` (what is printed and recorded), ``evaluate``,
+``checkpoint.save``. The flags are checked once (``config.parse_config``) into the frozen
+``RunConfig`` every rank receives. Three ways to start: ``--nproc N``, ``torchrun``, ``srun``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import math
-import os
 import sys
-import time
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 
-from .. import comm, data, dp, moe
-from ..runtime import dist, trace
-from . import engines, mfu, optim, steplog
-from .config import RunConfig, parse_config, parser, world_size_from  # noqa: F401  (re-exported)
-from ..mesh import ParamGroup, param_groups
-from ..mesh import Mesh
-from ..model import Block, build
+from .. import comm, cp, data, moe, parallelize
+from ..mesh import Mesh, param_groups
+from ..model import build
 from ..precision import PrecisionPolicy
-from .report import Progress, banner, engine_name, layout_words, note_changed_training, step_line, summary  # noqa: F401,E501
+from ..runtime import dist, trace
+from . import checkpoint, engines, optim, report, steplog
+from .config import RunConfig, parse_config
+
+
+def _nothing(*args) -> None:
+    return None
+
+
+def _rank0_history(mesh, runner, engine, history):
+    return history if mesh.rank == 0 else None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a caller adds to a run, as values (the tests inject faults and read the final
+    state; the exercise checkers too): ``begin(mesh, runner, engine)`` once built,
+    ``before_step(step)``, ``after_backward(step)``, and ``end(mesh, runner, engine, history)``,
+    whose result ``worker`` returns (default: rank 0's history, None elsewhere). Module-level
+    functions or picklable objects: ``--nproc`` sends them to every rank."""
+
+    begin: Callable = _nothing
+    before_step: Callable = _nothing
+    after_backward: Callable = _nothing
+    end: Callable = _rank0_history
+
+
+def worker(cfg: RunConfig, hooks: Hooks | None = None):
+    """One rank's training run (see ``Hooks`` for what it returns)."""
+    hooks = hooks or Hooks()
+    backend, device = _start(cfg)
+    mesh, policy = build_mesh(cfg), build_policy(cfg)
+    torch.manual_seed(cfg.seed)
+    corpus = batches(cfg)
+    model = build_model(cfg, mesh, device, policy)
+    runner = build_runner(cfg, mesh, model, policy)
+    engine = build_engine(cfg, mesh, runner.module, policy)
+    log = steplog.Recorder(cfg, mesh, policy, device, runner, report.banner(
+        cfg, backend, device, serial_params(cfg), sum(p.numel() for p in runner.module.parameters())))
+    if cfg.resume:
+        resume(cfg, mesh, runner, engine, policy, log.say)
+    clip = optim.install(mesh, runner, engine, clip=cfg.clip_grad, weight_decay=cfg.weight_decay)
+    hooks.begin(mesh, runner, engine)
+    with log:
+        for step in range(cfg.start_step + 1, cfg.steps + 1):
+            lr = optim.lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule, cfg.min_lr)
+            optim.set_lr(engine.optimizer, lr)
+            x, y = local_tokens(corpus.train, step, mesh, device)
+            log.begin_step(step, clip)
+            hooks.before_step(step)
+
+            engine.zero_grad()
+            engine.begin_step(cfg.microbatches)
+            with trace.span("forward + backward"):
+                loss = runner.forward_backward(x, y)
+            hooks.after_backward(step)
+            with trace.span("optimizer step (gradient sync + update)"):
+                engine.step()
+
+            record = log.end_step(step, lr, loss, engine, clip)   # None between logging steps
+            if record is not None and log.evaluates(step):
+                record["val_loss"] = evaluate(cfg, mesh, runner, corpus.held_out, device)
+            log.write()
+            if log.saves(step):
+                log.say(f"saved {save(cfg, step, mesh, runner, engine, policy, corpus.tokens)}")
+    return hooks.end(mesh, runner, engine, log.history)
 
 
 # --------------------------------------------------------------------------------------
-# The seams: what a layout is made of
+# What the loop is built from
 # --------------------------------------------------------------------------------------
-class Runner(Protocol):
-    """Forward and backward of one step's micro-batches on this rank's part of the model."""
-
-    module: torch.nn.Module
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | float:
-        """The sum of the micro-batches' loss / m, as a 0-d tensor left on the device (read
-        once per step, for the metrics) or 0.0 where this rank holds no loss. Under a loss
-        scaler the backward starts from loss * scale; the returned loss is unscaled."""
-
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float: ...
-
-    def serial_name(self, local_name: str) -> str: ...
-
-
-class Engine(Protocol):
-    """The model states (parameters, gradients, optimizer) and their synchronisation."""
-
-    def zero_grad(self) -> None: ...
-
-    def begin_step(self, microbatches: int) -> None: ...
-
-    def step(self) -> None: ...
-
-    def model_state_bytes(self) -> dict[str, int]: ...
-
-    def full_named_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]: ...
-
-    # what its optimizer updates, as flat ranges of local parameters (minipar.pieces: the
-    # global gradient norm, checkpoints); and re-gathering parameters set outside step()
-    optimizer: torch.optim.Optimizer
-
-    def flat_ranges(self) -> list[tuple[str, torch.Size, int, dict[str, torch.Tensor], bool]]: ...
-
-    def sync_params(self) -> None: ...
-
-
 def build_mesh(cfg: RunConfig) -> Mesh:
     return Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep)
 
@@ -95,80 +103,24 @@ def build_policy(cfg: RunConfig) -> PrecisionPolicy:
                                      loss_scale_window=cfg.loss_scale_window)
 
 
-def serial_params(cfg: RunConfig) -> int:
-    """The serial model's parameter count (from shapes alone, nothing allocated)."""
-    from .checkpoint import serial_shapes
-    return sum(math.prod(shape) for shape in serial_shapes(cfg.model_cfg).values())
+def build_model(cfg: RunConfig, mesh: Mesh, device, policy: PrecisionPolicy | None = None):
+    """The full serial model from the seed (the same on every rank), then this rank's part of
+    it (``minipar.parallelize``), in the policy's parameter dtype on ``device``."""
+    return parallelize.parallelize(build(cfg.model_cfg, seed=cfg.seed), mesh, sp=cfg.sp,
+                                   policy=policy or build_policy(cfg), device=device,
+                                   compile=cfg.compile)
 
 
-def build_model(cfg: RunConfig, grid: Mesh, device,
-                policy: PrecisionPolicy | None = None) -> torch.nn.Module:
-    """The full serial model from the seed (same on every rank), then the TP slice of it, then
-    this rank's experts, in the policy's parameter dtype (16-bit: the parameters themselves;
-    ``build_engine`` adds fp32 masters).
-
-    With ``--cp`` every block's attention becomes ring attention over the cp axis and the
-    embedding adds the positions of this rank's two chunks (``minipar.cp``).
-    ``cfg.model_cfg.recompute`` is honoured by the Blocks themselves; ``--compile`` compiles
-    each Block's forward (module hooks, such as ZeRO-3's gathers, stay outside the graph)."""
-    policy = policy or build_policy(cfg)
-    model = build(cfg.model_cfg, seed=cfg.seed)
-    if grid.tp > 1:
-        from .. import tp
-        model = tp.parallelize(model, grid, sequence_parallel=cfg.sp)
-    if cfg.model_cfg.moe_experts:
-        model = moe.expert_parallel(model, grid, cfg.ep)
-    model = model.to(device=device, dtype=policy.param_dtype)
-    if cfg.cp > 1:
-        from .. import cp
-        model = cp.parallelize(model, grid.group("cp"), cfg.seq_len)
-    if cfg.compile:
-        for block in model.blocks:
-            block.forward = torch.compile(block.forward)
-    return model
+def build_runner(cfg: RunConfig, mesh: Mesh, model, policy: PrecisionPolicy | None = None):
+    return parallelize.build_runner(model, mesh, cfg.microbatches, cfg.schedule, cfg.chunks,
+                                    cfg.sp, policy)
 
 
-class LocalRunner:
-    """Forward and backward of m micro-batches on one device (gradient accumulation)."""
-
-    def __init__(self, model, microbatches: int, autocast=contextlib.nullcontext,
-                 loss_scaler=None):
-        self.module, self.m, self.autocast = model, microbatches, autocast
-        self.loss_scaler = loss_scaler      # fp16: backward from loss * scale
-
-    def forward_backward(self, x, y) -> torch.Tensor:
-        total = torch.zeros((), device=x.device)
-        for xb, yb in data.microbatches(x, y, self.m):
-            with self.autocast():
-                loss = self.module(xb, yb) / self.m
-            (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
-            # report the cross-entropy: less what MoE's aux and z losses added (0.0 if dense);
-            # on the device: no host sync per micro-batch
-            total += (loss - moe.penalty(self.module) / self.m).detach()
-        return total
-
-    @torch.no_grad()
-    def evaluate(self, x, y) -> float:
-        total = 0.0
-        for xb, yb in data.microbatches(x, y, self.m):
-            with self.autocast():    # the held-out loss is the cross-entropy: MoE's losses out
-                total += ((self.module(xb, yb) - moe.penalty(self.module)) / self.m).item()
-        return total
-
-    def serial_name(self, local_name: str) -> str:
-        return local_name
-
-
-def build_runner(cfg: RunConfig, grid: Mesh, model, autocast=contextlib.nullcontext,
-                 policy: PrecisionPolicy | None = None) -> Runner:
-    scaler = policy.loss_scaler if policy is not None else None
-    if grid.pp > 1:
-        from .. import pp, tp
-        return pp.PipelineRunner(model, grid, schedule=cfg.schedule,
-                                 microbatches=cfg.microbatches, chunks=cfg.chunks,
-                                 autocast=autocast, loss_scaler=scaler,
-                                 seq_split=tp.activation_seq_split(cfg.tp, cfg.sp))
-    return LocalRunner(model, cfg.microbatches, autocast, loss_scaler=scaler)
+def build_engine(cfg: RunConfig, mesh: Mesh, module, policy: PrecisionPolicy | None = None):
+    """The model-state engine of this layout (``minipar.train.engines``)."""
+    groups = param_groups(module, mesh, moe.expert_parameters(module))
+    return engines.build_engine(cfg, mesh, module, policy or build_policy(cfg), groups,
+                                lambda params: make_optimizer(params, cfg.lr))
 
 
 def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
@@ -179,18 +131,25 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
                              **({"fused": True} if fused else {}))
 
 
-def build_engine(cfg: RunConfig, grid: Mesh, module, policy: PrecisionPolicy | None = None,
-                 groups: list[ParamGroup] | None = None) -> Engine:
-    """The model-state engine of this layout (``minipar.train.engines``)."""
-    policy = policy or build_policy(cfg)
-    groups = groups if groups is not None else param_groups(module, grid, moe.expert_parameters(module))
-    return engines.build_engine(cfg, grid, module, policy, groups,
-                                lambda params: make_optimizer(params, cfg.lr))
+def serial_params(cfg: RunConfig) -> int:
+    """The serial model's parameter count (from shapes alone, nothing allocated)."""
+    return sum(math.prod(shape) for shape in checkpoint.serial_shapes(cfg.model_cfg).values())
 
 
-# --------------------------------------------------------------------------------------
-# The loop (runs on every rank)
-# --------------------------------------------------------------------------------------
+class Corpus(NamedTuple):
+    train: data.Batches
+    held_out: data.Batches       # the corpus's last tenth
+    tokens: int
+
+
+def batches(cfg: RunConfig) -> Corpus:
+    """The training and held-out batches of the corpus."""
+    tokens = data.ByteTokenizer().encode(data.load_text(cfg.data))
+    train, held_out = data.split(tokens)
+    return Corpus(data.Batches(train, cfg.seq_len, cfg.batch_size, seed=cfg.seed),
+                  data.Batches(held_out, cfg.seq_len, cfg.batch_size, seed=cfg.seed), tokens.numel())
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch to the device; on a GPU from pinned memory, without blocking the host."""
     if device.type == "cuda":
@@ -198,179 +157,67 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def worker(cfg: RunConfig, return_state: bool = False):
-    """One rank's training run. Returns the metrics list on rank 0, None elsewhere.
-
-    With ``return_state`` every rank returns ``dict(history=..., params=..., grads=...)``:
-    its part of the final parameters and last step's gradients (see ``collect_state``).
-    """
-    backend, device = _start(cfg)
-    mesh = build_mesh(cfg)
-    policy = build_policy(cfg)
-    is_rank0 = mesh.rank == 0
-    torch.manual_seed(cfg.seed)
-
-    tokens = data.ByteTokenizer().encode(data.load_text(cfg.data))
-    train_tokens, val_tokens = data.split(tokens)
-    batches = data.Batches(train_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
-    val_batches = data.Batches(val_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
-
-    model = build_model(cfg, mesh, device, policy)
-    runner = build_runner(cfg, mesh, model, policy=policy)
-    engine = build_engine(cfg, mesh, runner.module, policy)
-
-    faults = Faults(mesh.rank, runner.module)
-    log = print if (is_rank0 and not cfg.quiet) else (lambda *a, **k: None)
-    log(banner(cfg, backend, device, serial_params(cfg),
-               sum(p.numel() for p in runner.module.parameters())))
-    if cfg.resume:
-        _resume(cfg, mesh, runner, engine, policy, log)
-    hook = optim.install(mesh, runner, engine, clip=cfg.clip_grad, weight_decay=cfg.weight_decay)
-    flops = mfu.step_flops(cfg.model_cfg, cfg.batch_size, cfg.recompute)
-    peak = cfg.peak_tflops or (mfu.peak_tflops(torch.cuda.get_device_name(device), cfg.dtype)
-                               if device.type == "cuda" else None)
-    progress = Progress(cfg.start_step, cfg.steps, show_eta=is_rank0 and sys.stdout.isatty())
-    # host syncs and metric collectives on logging steps only (minipar.steplog)
-    steps = steplog.StepLog(cfg.log_every, cfg.steps, cfg.batch_size * cfg.seq_len, flops, peak,
-                            cfg.world, mesh.dp * mesh.cp, device)
-    # a resumed run appends to its metrics file; a fresh one starts it
-    metrics_file = (open(cfg.metrics, "a" if cfg.resume else "w")
-                    if (cfg.metrics and is_rank0) else None)
-    history = []
-    tracer = trace.start(mesh.rank) if cfg.trace else None
-    if tracer:
-        trace.instrument(runner.module, Block)
-    try:
-        for step in range(cfg.start_step + 1, cfg.steps + 1):
-            lr = optim.lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule, cfg.min_lr)
-            optim.set_lr(engine.optimizer, lr)
-            x, y = local_tokens(batches, step, mesh)
-            x, y = to_device(x, device), to_device(y, device)
-            evaluating = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
-            saving = bool(cfg.save) and (step == cfg.steps or
-                                         bool(cfg.save_every and step % cfg.save_every == 0))
-            logging = steps.is_logging(step, also=evaluating or saving)
-            hook.measure = logging                    # the norm: only when clipping or logging
-            comm.reset()
-            steps.begin_step()
-            t_step = time.perf_counter()
-            scale = policy.loss_scaler.scale if policy.loss_scaler else None
-            hook.grad_norm = None                     # a skipped step measures none
-            faults.arm(step)
-
-            engine.zero_grad()
-            engine.begin_step(cfg.microbatches)
-            with trace.span("forward + backward"):
-                local_loss = runner.forward_backward(x, y)
-            routing = moe.step_stats(runner.module)   # MoE: aux loss and drops; 0 when dense
-            faults.crash(step)
-            with trace.span("optimizer step (gradient sync + update)"):
-                engine.step()
-
-            # the loss lives on the last stage and every TP rank has it: one per replica counts
-            holds_loss = mesh.is_last_stage and mesh.coord("tp") == 0
-            if tracer:                                # host time: no sync for the trace
-                tracer.complete(f"step {step}", t_step, time.perf_counter(), cat="step")
-            records = steps.end_step(step, lr, local_loss, holds_loss, logging, engine,
-                                     lambda: hook.grad_norm)
-            if not logging:
-                continue
-            record = records[-1]
-            if cfg.model_cfg.moe_experts:
-                # each rank holds its share (its stage's layers, its TP slice of the tokens) of
-                # its replica's batch: summed over the world, averaged over the dp x cp replicas
-                aux, z, dropped, assigned = comm.all_reduce_scalars(
-                    [routing["aux_loss"], routing["z_loss"], routing["dropped"],
-                     routing["assigned"]], comm.WORLD)
-                replicas = cfg.dp * cfg.cp
-                record.update(aux_loss=aux / replicas, z_loss=z / replicas,
-                              drop_rate=dropped / assigned)
-            if policy.loss_scaler is not None:
-                record.update(loss_scale=scale, skipped_steps=policy.loss_scaler.skipped_steps)
-            if evaluating:
-                record["val_loss"] = evaluate(cfg, mesh, runner, val_batches, device)
-                moe.step_stats(runner.module)     # MoE: forget the evaluation's routing
-            if is_rank0:
-                history.extend(records)
-                if metrics_file:
-                    metrics_file.write("".join(json.dumps(r) + "\n" for r in records))
-                    metrics_file.flush()
-                log(step_line(record, cfg.steps, progress))
-            if saving:
-                from . import checkpoint
-                manifest = checkpoint.manifest_for(cfg, step, tokens.numel(), policy.loss_scaler)
-                log(f"saved {checkpoint.save(cfg.save, step, manifest, mesh, runner, engine, cfg.keep)}")
-    finally:
-        if metrics_file:
-            metrics_file.close()
-        trace.stop()
-    if tracer:
-        with comm.untracked():
-            trace.gather_and_write(cfg.trace, tracer)
-        log(f"trace of every rank written to {cfg.trace} (open it at ui.perfetto.dev)")
-    if is_rank0:
-        print(summary(history))
-    if return_state:
-        return dict(history=history, **collect_state(mesh, runner, engine))
-    return history if is_rank0 else None
-
-
-def evaluate(cfg: RunConfig, grid: Mesh, runner: Runner, batches: data.Batches,
-             device) -> float:
-    """Mean held-out loss over ``cfg.eval_batches`` global batches (always the same ones),
-    through the same runner (pipeline, TP) without gradients."""
-    total = 0.0
-    for i in range(1, cfg.eval_batches + 1):
-        x, y = local_tokens(batches, i, grid)
-        total += runner.evaluate(x.to(device), y.to(device))
-    holds_loss = grid.is_last_stage and grid.coord("tp") == 0
-    loss_sum, = comm.all_reduce_scalars([total if holds_loss else 0.0], comm.WORLD)
-    return loss_sum / (grid.dp * grid.cp * cfg.eval_batches)
-
-
-def local_tokens(batches: data.Batches, step: int, mesh: Mesh):
+def local_tokens(batches: data.Batches, step: int, mesh: Mesh, device=None):
     """This rank's sequences of the global batch (its dp slice) and, with ``--cp``, its two
     load-balanced chunks of each (``minipar.cp``). Every cp rank holds as many tokens, so the
     mean of the ranks' mean losses is the mean over every token of the global batch."""
     x, y = batches.local_batch(step, mesh.coord("dp"), mesh.dp)
     if mesh.cp > 1:
-        from .. import cp
         x, y = (cp.shard_sequence(t, mesh.cp, mesh.coord("cp")) for t in (x, y))
-    return x, y
+    return (x, y) if device is None else (to_device(x, device), to_device(y, device))
 
 
-def _resume(cfg: RunConfig, mesh: Mesh, runner: Runner, engine: Engine,
-            policy: PrecisionPolicy, log) -> None:
+# --------------------------------------------------------------------------------------
+# Evaluation, checkpoints, the state of a finished run
+# --------------------------------------------------------------------------------------
+def evaluate(cfg: RunConfig, mesh: Mesh, runner, batches: data.Batches, device) -> float:
+    """Mean held-out loss over ``cfg.eval_batches`` global batches (always the same ones),
+    through the same runner (pipeline, TP) without gradients."""
+    total = 0.0
+    for i in range(1, cfg.eval_batches + 1):
+        total += runner.evaluate(*local_tokens(batches, i, mesh, device))
+    moe.step_stats(runner.module)        # MoE: forget the evaluation's routing
+    holds_loss = mesh.is_last_stage and mesh.coord("tp") == 0
+    loss_sum, = comm.all_reduce_scalars([total if holds_loss else 0.0], comm.WORLD)
+    return loss_sum / (mesh.dp * mesh.cp * cfg.eval_batches)
+
+
+def save(cfg: RunConfig, step: int, mesh: Mesh, runner, engine, policy: PrecisionPolicy,
+         tokens: int) -> str:
+    manifest = checkpoint.manifest_for(cfg, step, tokens, policy.loss_scaler)
+    return checkpoint.save(cfg.save, step, manifest, mesh, runner, engine, cfg.keep)
+
+
+def resume(cfg: RunConfig, mesh: Mesh, runner, engine, policy: PrecisionPolicy, say) -> None:
     """Parameters (fp32 masters under mixed precision), Adam, RNG and the loss scaler."""
-    from . import checkpoint
     saved = checkpoint.load(cfg.resume, mesh, runner, engine)
     if policy.loss_scaler is not None and saved.get("loss_scaler"):
         policy.loss_scaler.load_state_dict(saved["loss_scaler"])
-    log(f"resumed from {cfg.resume} (step {saved['step']}, saved as "
-        f"{layout_words(saved['layout'])})")
-    note_changed_training(log, saved["training"], cfg)
+    say(f"resumed from {cfg.resume} (step {saved['step']}, saved as "
+        f"{report.layout_words(saved['layout'])})")
+    report.note_changed_training(say, saved["training"], cfg)
 
 
-def collect_state(grid: Mesh, runner: Runner, engine: Engine) -> dict:
-    """This rank's parameters and gradients in the serial model's names and full shapes.
-
-    Each paradigm undoes its own split, innermost first:
-      * ``engine.full_named_parameters()`` -> {local name: (param, grad)} full local tensors
-        (ZeRO gathers its shards; plain DP has them already);
-      * ``tp.full_tensor(name, tensor, module, grid)`` gathers a TP-split tensor (``minipar.tp``);
-      * ``runner.serial_name(local name)`` maps a stage's names to the serial ones (``minipar.pp``).
-    Tests merge the dicts of all ranks and compare them with the single-process run.
-    """
+def collect_state(mesh: Mesh, runner, engine) -> dict:
+    """This rank's parameters and gradients in the serial model's names and full shapes:
+    ZeRO gathers its shards (``engine.full_named_parameters``), TP glues its slices
+    (``pieces.full_tensor``), a pipeline stage maps its names (``runner.serial_name``)."""
+    from .pieces import full_tensor
     params, grads = {}, {}
     for name, (p, g) in engine.full_named_parameters().items():
-        if grid.tp > 1:
-            from .. import tp
-            p = tp.full_tensor(name, p, runner.module, grid)
-            g = tp.full_tensor(name, g, runner.module, grid) if g is not None else None
+        if mesh.tp > 1:
+            p = full_tensor(name, p, runner.module, mesh.group("tp"))
+            g = full_tensor(name, g, runner.module, mesh.group("tp")) if g is not None else None
         serial = runner.serial_name(name)
         params[serial] = p.detach().cpu().clone()
         grads[serial] = None if g is None else g.detach().cpu().clone()
     return dict(params=params, grads=grads)
+
+
+def with_state(mesh: Mesh, runner, engine, history) -> dict:
+    """``Hooks.end`` for tests and checkers: every rank returns its history (rank 0's is
+    the run's), parameters and last gradients (``collect_state``)."""
+    return dict(history=history, **collect_state(mesh, runner, engine))
 
 
 def _start(cfg: RunConfig) -> tuple[str, torch.device]:
@@ -383,60 +230,33 @@ def _start(cfg: RunConfig) -> tuple[str, torch.device]:
     return "none", device
 
 
-class Faults:
-    """Fault injection for the tests, off unless the environment names this rank.
-
-    * ``MINIPAR_CRASH_AT="rank:step"``: that rank raises after the step's backward;
-    * ``MINIPAR_OVERFLOW_AT="rank:step"``: that rank's gradient of its first parameter is inf
-      in the step's backward (before any engine sees it), as a real fp16 overflow on one
-      rank: every rank must skip the step.
-    """
-
-    def __init__(self, rank: int, module: torch.nn.Module):
-        self.rank, self.armed, self.overflow_step = rank, False, None
-        at = os.environ.get("MINIPAR_OVERFLOW_AT", "")
-        if at.startswith(f"{rank}:"):
-            self.overflow_step = int(at.split(":")[1])
-            first = next(p for p in module.parameters() if p.requires_grad)
-            first.register_hook(lambda g: torch.full_like(g, float("inf")) if self.armed else g)
-
-    def arm(self, step: int) -> None:
-        self.armed = step == self.overflow_step
-
-    def crash(self, step: int) -> None:
-        at = os.environ.get("MINIPAR_CRASH_AT")
-        if at and at == f"{self.rank}:{step}":
-            raise RuntimeError(f"injected crash on rank {self.rank} at step {step} "
-                               f"(MINIPAR_CRASH_AT)")
-
-
 # --------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------
-def run(argv: list[str]) -> list[dict]:
+def run(argv: list[str], hooks: Hooks | None = None) -> list[dict]:
     """Check the flags, then train (launching --nproc processes if asked); rank 0's metrics."""
     cfg = parse_config(argv)
     with dist.timeout_default(dist.COMPILE_TIMEOUT_S if cfg.compile else None):
         if cfg.nproc is not None and cfg.nproc > 1 and dist.env_from_os() is None:
-            return dist.launch(worker, cfg.nproc, cfg, backend=cfg.backend, timeout=cfg.timeout)[0]
-        return worker(cfg)
+            return dist.launch(worker, cfg.nproc, cfg, hooks, backend=cfg.backend,
+                               timeout=cfg.timeout)[0]
+        return worker(cfg, hooks)
 
 
-def run_state(argv: list[str], nproc: int, timeout: float = 240.0) -> dict:
+def run_state(argv: list[str], nproc: int, timeout: float = 240.0, hooks: Hooks | None = None) -> dict:
     """For tests: train, then merge every rank's final parameters and gradients.
 
     Returns ``dict(losses=[...], history=[...], params={serial name: tensor}, grads={...})``.
     """
     cfg = dataclasses.replace(parse_config(argv + ["--nproc", str(nproc)]), quiet=True)
-    if nproc == 1:
-        results = [worker(cfg, return_state=True)]
-    else:
-        results = dist.launch(worker, nproc, cfg, return_state=True, timeout=timeout)
+    hooks = dataclasses.replace(hooks or Hooks(), end=with_state)
+    results = ([worker(cfg, hooks)] if nproc == 1 else
+               dist.launch(worker, nproc, cfg, hooks, timeout=timeout))
     return merge_states(results)
 
 
 def merge_states(results: list[dict]) -> dict:
-    """Every rank's ``worker(return_state=True)`` result as one serial picture."""
+    """Every rank's ``with_state`` result as one serial picture."""
     params, grads = {}, {}
     for r in results:
         params.update(r["params"])
@@ -450,7 +270,3 @@ def main(argv=None):
     # A torchrun/srun rank ends through dist.finish (no interpreter finalization); a
     # plain process or the --nproc launcher as any CLI does.
     dist.run_main(run, argv)
-
-
-if __name__ == "__main__":
-    main()

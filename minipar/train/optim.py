@@ -63,12 +63,12 @@ def decays(serial_name: str, ndim: int) -> bool:
     return ndim >= 2 and serial_name != "embed.pos.weight"
 
 
-def _owned_grads(grid, runner, engine) -> list[torch.Tensor]:
-    return [piece.views["grad"] for piece in pieces(grid, runner, engine)
+def _owned_grads(mesh, runner, engine) -> list[torch.Tensor]:
+    return [piece.views["grad"] for piece in pieces(mesh, runner, engine)
             if piece.owner and "grad" in piece.views]
 
 
-def global_grad_norm(grid, runner, engine) -> torch.Tensor:
+def global_grad_norm(mesh, runner, engine) -> torch.Tensor:
     """The serial model's gradient norm, from the pieces this rank owns (collective).
 
     On the device and without a host sync: one ``torch._foreach_norm`` per (device, dtype)
@@ -76,7 +76,7 @@ def global_grad_norm(grid, runner, engine) -> torch.Tensor:
     all-reduce of that scalar over the world. Returns a 0-d fp64 tensor; ``float()`` of it
     is the only sync, and the trainer makes it on logging steps only.
     """
-    grads = _owned_grads(grid, runner, engine)
+    grads = _owned_grads(mesh, runner, engine)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
@@ -101,9 +101,9 @@ class StepHook:
     ``clip_grad_norm_`` does), so it costs no host sync either.
     """
 
-    def __init__(self, grid, runner, engine, clip: float | None = None,
+    def __init__(self, mesh, runner, engine, clip: float | None = None,
                  weight_decay: float = 0.0):
-        self.grid, self.runner, self.engine = grid, runner, engine
+        self.mesh, self.runner, self.engine = mesh, runner, engine
         self.clip, self.weight_decay = clip, weight_decay
         self.measure = True            # the trainer sets it per step (its logging steps)
         self._norm = None
@@ -120,7 +120,7 @@ class StepHook:
     def __call__(self, optimizer, args=(), kwargs=None):
         self._norm = None
         if self.clip is not None or self.measure:
-            self._norm = global_grad_norm(self.grid, self.runner, self.engine)
+            self._norm = global_grad_norm(self.mesh, self.runner, self.engine)
         if self.clip is not None:
             coef = (self.clip / (self._norm + 1e-6)).clamp(max=1.0)
             grads = [p.grad for group in optimizer.param_groups for p in group["params"]
@@ -129,15 +129,15 @@ class StepHook:
                 torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
         if self.weight_decay:
             lr = optimizer.param_groups[0]["lr"]
-            decayed = [piece.views["param"] for piece in pieces(self.grid, self.runner, self.engine)
+            decayed = [piece.views["param"] for piece in pieces(self.mesh, self.runner, self.engine)
                        if decays(piece.name, len(piece.shape))]
             if decayed:
                 torch._foreach_mul_(decayed, 1.0 - lr * self.weight_decay)
 
 
-def install(grid, runner, engine, clip: float | None = None,
+def install(mesh, runner, engine, clip: float | None = None,
             weight_decay: float = 0.0) -> StepHook:
-    hook = StepHook(grid, runner, engine, clip, weight_decay)
+    hook = StepHook(mesh, runner, engine, clip, weight_decay)
     engine.optimizer.register_step_pre_hook(hook)
     return hook
 

@@ -29,7 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
+from einops import rearrange
 
+from .. import comm
 from .. import tp as tp_mod
 
 
@@ -82,12 +85,12 @@ def _tp_segments(split, lo: int, hi: int, rank: int, t: int):
     return out
 
 
-def pieces(grid, runner, engine) -> list[Piece]:
+def pieces(mesh, runner, engine) -> list[Piece]:
     """This rank's pieces of the serial model (see the module docstring)."""
     out = []
     for name, shape, start, views, owner in engine.flat_ranges():
-        split = tp_mod.split_of(name, runner.module) if grid.tp > 1 else None
-        if split is None and grid.coord("tp") != 0:
+        split = split_of(name, runner.module) if mesh.tp > 1 else None
+        if split is None and mesh.coord("tp") != 0:
             owner = False                           # TP replicates it: TP rank 0 owns it
         serial = runner.serial_name(name)
         shape2 = (1, shape[0]) if len(shape) == 1 else tuple(shape)
@@ -106,7 +109,7 @@ def pieces(grid, runner, engine) -> list[Piece]:
                 d, segments = 0, [(r, r, rows)]
             else:
                 d = dim
-                segments = _tp_segments(split, lo[d], lo[d] + size[d], grid.coord("tp"), grid.tp)
+                segments = _tp_segments(split, lo[d], lo[d] + size[d], mesh.coord("tp"), mesh.tp)
             for local_lo, serial_lo, length in segments:
                 o, s = list(lo), list(size)
                 o[d], s[d] = serial_lo, length
@@ -116,3 +119,37 @@ def pieces(grid, runner, engine) -> list[Piece]:
                 out.append(Piece(serial, tuple(full[-len(shape):]), tuple(o), tuple(s), part,
                                  owner))
     return out
+
+
+# --------------------------------------------------------------------------------------
+# A TP slice glued back into its serial tensor
+# --------------------------------------------------------------------------------------
+def unshard(parts: torch.Tensor, split: tp_mod.Split) -> torch.Tensor:
+    """The serial tensor from every rank's part, stacked as (t, *part)."""
+    x = parts.movedim(split.dim + 1, 1)
+    x = rearrange(x, "t (g n) ... -> (g t n) ...", g=split.groups)
+    return x[:split.full].movedim(0, split.dim).contiguous()
+
+
+def split_of(name: str, module: nn.Module) -> tp_mod.Split | None:
+    """How the parameter ``name`` of ``module`` is split over TP (None: replicated)."""
+    owner_name, _, leaf = name.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_name) if owner_name else module
+    except AttributeError:
+        return None
+    return getattr(owner, "tp_splits", {}).get(leaf)   # the TP layers say how they split
+
+
+def full_tensor(name: str, tensor: torch.Tensor, module: nn.Module, group) -> torch.Tensor:
+    """The serial-shaped tensor of TP parameter (or gradient) ``name``: gather and unpad.
+
+    Collective over the TP group (every rank of it must call it in the same order);
+    replicated parameters come back as they are.
+    """
+    split = split_of(name, module)
+    if split is None or comm.size(group) == 1:
+        return tensor
+    with comm.untracked():
+        parts = comm.all_gather_stacked(tensor.detach(), group)
+    return unshard(parts, split)

@@ -68,7 +68,7 @@ OWNED = ("--nproc", "--dp", "--metrics", "--batch-size", "--quiet", "--log-every
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Point:
-    """One run of the sweep: N processes in a (dp, pp, tp) grid with its batch."""
+    """One run of the sweep: N processes in a (dp, pp, tp) mesh with its batch."""
     processes: int
     dp: int
     tp: int

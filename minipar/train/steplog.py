@@ -19,12 +19,16 @@ or saves. With the default ``--log-every 1`` every step is one, as before.
 """
 from __future__ import annotations
 
+import json
+import sys
 import time
 
 import torch
 
-from .. import comm
-from . import mfu
+from .. import comm, moe
+from ..model import Block
+from ..runtime import trace
+from . import mfu, report
 
 
 class StepLog:
@@ -91,3 +95,104 @@ class StepLog:
         if self.device.type == "cuda":
             records[-1]["peak_memory_bytes"] = int(peaks[5])
         return records
+
+
+class Recorder:
+    """Everything the loop reports, as a few named calls: what a run prints (the banner, a line
+    per logging step, the summary), records (``history``, ``--metrics``), traces (``--trace``)
+    and adds to a logging step's record (MoE's routing, fp16's loss scale).
+
+    ``with recorder:`` opens the metrics file and the trace and, at the end, writes the trace
+    and prints the summary; ``begin_step``/``end_step`` bracket each step."""
+
+    def __init__(self, cfg, mesh, policy, device, runner, banner: str):
+        self.cfg, self.mesh, self.policy, self.runner = cfg, mesh, policy, runner
+        self.rank0 = mesh.rank == 0
+        self.history: list[dict] = []
+        self.progress = report.Progress(cfg.start_step, cfg.steps,
+                                        show_eta=self.rank0 and sys.stdout.isatty())
+        peak = cfg.peak_tflops or (mfu.peak_tflops(torch.cuda.get_device_name(device), cfg.dtype)
+                                   if device.type == "cuda" else None)
+        self.steps = StepLog(cfg.log_every, cfg.steps, cfg.batch_size * cfg.seq_len,
+                             mfu.step_flops(cfg.model_cfg, cfg.batch_size, cfg.recompute), peak,
+                             cfg.world, mesh.dp * mesh.cp, device)
+        self.say(banner)
+
+    def say(self, line: str) -> None:
+        if self.rank0 and not self.cfg.quiet:
+            print(line)
+
+    def __enter__(self):
+        # a resumed run appends to its metrics file; a fresh one starts it
+        self.metrics = (open(self.cfg.metrics, "a" if self.cfg.resume else "w")
+                        if self.cfg.metrics and self.rank0 else None)
+        self.tracer = trace.start(self.mesh.rank) if self.cfg.trace else None
+        if self.tracer:
+            trace.instrument(self.runner.module, Block)
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if self.metrics:
+            self.metrics.close()
+        trace.stop()
+        if error is not None:
+            return False
+        if self.tracer:
+            with comm.untracked():
+                trace.gather_and_write(self.cfg.trace, self.tracer)
+            self.say(f"trace of every rank written to {self.cfg.trace} (open it at ui.perfetto.dev)")
+        if self.rank0:
+            print(report.summary(self.history))
+        return False
+
+    def begin_step(self, step: int, clip) -> bool:
+        """Whether this step logs (also when it evaluates or saves); the clock, counters and
+        norm of a new step."""
+        self.logging = self.steps.is_logging(step, also=self.evaluates(step) or self.saves(step))
+        clip.measure, clip.grad_norm = self.logging, None   # the norm: when clipping or logging
+        comm.reset()
+        self.steps.begin_step()
+        self.t_step = time.perf_counter()
+        self.scale = self.policy.loss_scaler.scale if self.policy.loss_scaler else None
+        return self.logging
+
+    def evaluates(self, step: int) -> bool:
+        every = self.cfg.eval_every
+        return bool(every) and (step % every == 0 or step == self.cfg.steps)
+
+    def saves(self, step: int) -> bool:
+        return bool(self.cfg.save) and (step == self.cfg.steps or
+                                        bool(self.cfg.save_every and step % self.cfg.save_every == 0))
+
+    def end_step(self, step: int, lr: float, loss, engine, clip) -> dict | None:
+        """This step's records; on a logging step the last one, to add to (else None)."""
+        routing = moe.step_stats(self.runner.module)       # MoE: aux loss and drops since last
+        if self.tracer:                                     # host time: no sync for the trace
+            self.tracer.complete(f"step {step}", self.t_step, time.perf_counter(), cat="step")
+        # the loss lives on the last stage and every TP rank has it: one per replica counts
+        holds_loss = self.mesh.is_last_stage and self.mesh.coord("tp") == 0
+        self.records = self.steps.end_step(step, lr, loss, holds_loss, self.logging, engine,
+                                           lambda: clip.grad_norm)
+        if not self.logging:
+            return None
+        record = self.records[-1]
+        if self.cfg.model_cfg.moe_experts:
+            # each rank holds its share (its stage's layers, its TP slice of the tokens) of its
+            # replica's batch: summed over the world, averaged over the dp x cp replicas
+            aux, z, dropped, assigned = comm.all_reduce_scalars(
+                [routing[k] for k in ("aux_loss", "z_loss", "dropped", "assigned")], comm.WORLD)
+            replicas = self.cfg.dp * self.cfg.cp
+            record.update(aux_loss=aux / replicas, z_loss=z / replicas, drop_rate=dropped / assigned)
+        if self.policy.loss_scaler is not None:
+            record.update(loss_scale=self.scale, skipped_steps=self.policy.loss_scaler.skipped_steps)
+        return record
+
+    def write(self) -> None:
+        """A logging step's records: rank 0's history, metrics file and progress line."""
+        if not self.logging or not self.rank0:
+            return
+        self.history.extend(self.records)
+        if self.metrics:
+            self.metrics.write("".join(json.dumps(r) + "\n" for r in self.records))
+            self.metrics.flush()
+        self.say(report.step_line(self.records[-1], self.cfg.steps, self.progress))
