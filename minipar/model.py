@@ -172,6 +172,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
+            if self.recompute_context is noop_context_fn:    # torch.compile traces this one
+                return checkpoint(self.layer, x, use_reentrant=False)
             return checkpoint(self.layer, x, use_reentrant=False,
                               context_fn=self.recompute_context)
         return self.layer(x)

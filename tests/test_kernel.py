@@ -17,7 +17,7 @@ TESTS = os.path.join(ROOT, "tests")
 
 CELLS = [
     f"import os, sys\nsys.path[:0] = [{ROOT!r}, {TESTS!r}]\n"
-    "import torch\ntorch.set_num_threads(1)\nfrom minipar import dist\nimport test_dist",
+    "import torch\ntorch.set_num_threads(1)\nfrom minipar.runtime import dist\nimport test_dist",
     "print('ok', all(a == b for a, b in dist.launch(test_dist._group_sum, 4, 1, 2, 2, timeout=120)))",
     "try:\n    dist.launch(test_dist._raise_on_rank_1, 2, timeout=120)\n"
     "except dist.RankFailed as e:\n    print('failed:', str(e).splitlines()[0], '|', 'boom from rank one' in str(e))",

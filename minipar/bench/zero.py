@@ -24,7 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from ..runtime import cli, dist, trace
-from .. import comm, data, zero
+from .. import comm, data, rules, zero
 from ..model import PRESETS, build, config
 from ..plan.memory import model_state_bytes
 from ..plan.network import zero_comm_bytes
@@ -95,7 +95,7 @@ class Variant:
             fully_shard(self.model, mesh=mesh)
             self.net, self.opt = self.model, _adamw(self.model.parameters(), lr)
         else:
-            spec = (zero.parse_shard(name[len("shard"):]) if name.startswith("shard")
+            spec = (rules.parse_shard(name[len("shard"):]) if name.startswith("shard")
                     else zero.zero_spec(int(name[4]), d))
             grid = Mesh(dp=d)
             self.net = self.model

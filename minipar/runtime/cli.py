@@ -74,15 +74,15 @@ def main_guard(main, argv=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:                # Ctrl-C: one line, not a traceback
-        launched = "minipar.dist" in sys.modules
+        launched = "minipar.runtime.dist" in sys.modules
         print("interrupted" + (": every rank was stopped" if launched else ""), file=sys.stderr)
         sys.exit(130)
     except Stopped as e:                     # SIGTERM to a launcher: it stopped every rank
         print(str(e), file=sys.stderr)
         sys.exit(128 + e.signum)
     except Exception as e:
-        # a rank can only have failed if the launcher (minipar.dist, torch) is loaded
-        rank_failed = getattr(sys.modules.get("minipar.dist"), "RankFailed", None)
+        # a rank can only have failed if the launcher (minipar.runtime.dist, torch) is loaded
+        rank_failed = getattr(sys.modules.get("minipar.runtime.dist"), "RankFailed", None)
         if isinstance(e, TimeoutError) or (rank_failed is not None and isinstance(e, rank_failed)):
             print(str(e), file=sys.stderr)
             sys.exit(1)
