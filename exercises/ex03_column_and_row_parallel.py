@@ -27,10 +27,7 @@ from minipar.tp import *  # noqa: F401,F403  everything else, as the package has
 
 
 class CopyToTP(torch.autograd.Function):
-    """f: identity forward; all-reduce (sum) of the gradient over the TP group backward.
-
-    Volume: backward, one all-reduce of the input's size, 2(t-1)/t N bytes per rank.
-    """
+    """f: identity forward; backward, all-reduce (sum) of the gradient: 2(t-1)/t N bytes."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -46,10 +43,7 @@ class CopyToTP(torch.autograd.Function):
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce (sum) over the TP group forward; identity backward.
-
-    Volume: forward, one all-reduce of the input's size, 2(t-1)/t N bytes per rank.
-    """
+    """g: forward, all-reduce (sum) over the TP group: 2(t-1)/t N bytes; identity backward."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -75,12 +69,9 @@ def g(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class ColumnParallelLinear(SplitLinear):
-    """``Y = X A^T + b`` with A (out, in) split by output features: this rank computes out/t.
-
-    The input enters through f (all-gather along the sequence with SP); the output stays split
-    (what a following RowParallelLinear or a vocab-parallel loss wants) unless
-    ``gather_output``. The bias is split like the output features, so it is added once.
-    """
+    """``Y = X A^T + b``, A (out, in) split by output features: this rank computes out/t. The
+    input enters through f (SP: all-gather along the sequence); the output stays split unless
+    ``gather_output``; the bias is split like the outputs, so it is added once."""
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, groups: int = 1):
@@ -98,18 +89,11 @@ class ColumnParallelLinear(SplitLinear):
         # enter with f(x, group) (all_gather_seq under SP), F.linear with the local rows, gather_from_tp if gather_output
         raise NotImplementedError("ex03: this part is yours to write")
 
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features} ({self.weight.shape[0]} here), "
-                f"gather_output={self.gather_output}, sp={self.sequence_parallel}")
-
 
 class RowParallelLinear(SplitLinear):
-    """``Y = X A^T + b`` with A (out, in) split by input features: this rank holds in/t columns.
-
-    The input arrives split along its features (a ColumnParallelLinear's output), or is split
-    here if ``input_is_parallel=False``. The partial products are summed by g (reduce-scattered
-    along the sequence with SP); the bias is replicated and added once, after the sum.
-    """
+    """``Y = X A^T + b``, A (out, in) split by input features: this rank holds in/t columns.
+    The input arrives split (a column layer's output; else ``input_is_parallel=False``); g sums
+    the partial products (SP: reduce-scatter); the bias is replicated, added once after."""
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False):
@@ -132,7 +116,3 @@ class RowParallelLinear(SplitLinear):
         # TODO ex03: write this part
         # partial product with the local columns (no bias), sum it with g (reduce_scatter_seq under SP), then add bias once
         raise NotImplementedError("ex03: this part is yours to write")
-
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features} ({self.weight.shape[1]} here), out={self.out_features}, "
-                f"sp={self.sequence_parallel}")

@@ -26,13 +26,10 @@ from minipar.tp import *  # noqa: F401,F403  everything else, as the package has
 
 
 class VocabParallelCE(torch.autograd.Function):
-    """Per-token cross-entropy of logits split by vocabulary over the TP group.
-
-    Rank r holds logits of vocabulary entries [r V'/t, (r+1) V'/t); entries >= ``vocab_size``
-    are padding and are no word: they get probability zero. Forward: 3 all-reduces of N fp32
-    values (max, sum of exp, target logit), never the (N, V) logits. Backward: none; the
-    gradient softmax - one-hot(target) of the local slice is local.
-    """
+    """Per-token cross-entropy of logits split by vocabulary: rank r holds entries
+    [r V'/t, (r+1) V'/t), those >= ``vocab_size`` padding (probability zero). Forward: 3
+    all-reduces of N fp32 values (max, sum of exp, target logit); backward: none, the gradient
+    softmax - one-hot(target) of the local slice is local."""
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_size):

@@ -23,11 +23,8 @@ from minipar.zero import *  # noqa: F401,F403  everything else, as the package h
 
 
 def sharded_optimizer_step(units: list[Unit], optimizer, mesh: ShardMesh):
-    """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates.
-
-    With s_g = 1 (ZeRO-1) ``grad_shard`` is the whole local gradient, so the reduce-scatter
-    over ``mesh.os_group`` is ZeRO-1's: each rank needs the averaged gradient of its slice only.
-    """
+    """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates
+    (ZeRO-1: the G shard is the whole local gradient, reduce-scattered over ``os_group``)."""
     # TODO ex06: write this part
     # per unit: reduce-scatter grad_shard over os_group, all-reduce over rep_group, /d into os_grad;
     # then optimizer.step(); then all-gather each unit's slices back up (os_group, then g_group)

@@ -1,13 +1,10 @@
 """Tensor parallelism (Megatron-LM): every weight matrix split over the t ranks of a TP group.
 
-A linear layer ``Y = X A`` can be cut two ways without changing its result:
-
-* column split, ``A = [A_1 | ... | A_t]``: rank r computes ``Y_r = X A_r``, its slice of the
-  output features; forward needs no communication, every rank needs all of X;
-* row split, ``A = [A_1; ...; A_t]``, ``X = [X_1 | ... | X_t]``: rank r computes the partial
-  sum ``X_r A_r``, and ``Y = sum_r X_r A_r`` is an all-reduce.
-
-A column layer followed by a row layer needs no communication in between, so a block is::
+A linear layer ``Y = X A`` can be cut two ways without changing its result: by columns,
+``A = [A_1 | ... | A_t]`` (rank r computes its slice ``X A_r`` of the output features, no
+communication, every rank needs all of X), or by rows, ``A = [A_1; ...; A_t]`` with
+``X = [X_1 | ... | X_t]`` (rank r computes the partial sum ``X_r A_r``; ``Y`` is an
+all-reduce). A column layer followed by a row layer needs nothing in between, so a block is::
 
     x -> LN -> f -> qkv (column, by heads) -> attention on h/t heads -> proj (row) -> g -> + x
       -> LN -> f -> fc (column) -> GELU -> proj (row) -> g -> + x
@@ -20,21 +17,17 @@ micro-batch of b sequences of s tokens, width h, e bytes an element, each rank s
     backward  2 all-reduces (the two f)     2 x 2(t-1)/t x b s h e bytes
 
 The vocab-parallel embedding ends in a g; the vocab-parallel cross-entropy all-reduces 3 b s
-fp32 values forward (max, sum of exp, target logit), so the b x s x V logits never exist on
-one rank. Vocabularies that do not divide by t are padded with rows the loss never sees.
+fp32 values forward, so the b x s x V logits never exist on one rank (the vocabulary padded
+to a multiple of t with rows the loss never sees).
 
-**Sequence parallelism** (``sp``, Korthikanti et al. 2022): between a g and the next f every
-rank holds the same activations (LayerNorm, dropout, residual); split them along the sequence
-instead. f becomes an all-gather along the sequence (backward: reduce-scatter), g a
-reduce-scatter (backward: all-gather): the same bytes as one all-reduce, and those activations
-shrink t-fold. A replicated parameter that sees only this rank's s/t tokens (LayerNorm,
-positions, a row-parallel bias) enters through f, whose backward sums its gradient over the
-group, so the DP and ZeRO engines need no TP knowledge.
+**Sequence parallelism** (``sp``, Korthikanti et al. 2022): the activations every rank holds
+alike between a g and the next f (LayerNorm, dropout, residual) are split along the sequence
+instead: f becomes an all-gather along the sequence, g a reduce-scatter, the same bytes as one
+all-reduce, and those activations shrink t-fold. A replicated parameter that sees only s/t
+tokens (LayerNorm, positions, a row bias) enters through f, which sums its gradient over TP.
 
-``parallelize(model, group, sp)`` swaps these parts into the serial GPT, slicing its weights
-(the same seed gives the same model); ``full_tensor`` glues a slice back. The closed-form
-volumes are the planner's (``minipar.plan.tp_block_comm_bytes``); the tests hold
-``comm.stats`` against them. Derivations: ``docs/reference.md`` (TP).
+``parallelize(model, group, sp)`` swaps these parts into the serial GPT, slicing its weights.
+Closed forms: ``minipar.plan.tp_block_comm_bytes``; derivations: ``docs/reference.md`` (TP).
 """
 from __future__ import annotations
 
@@ -87,10 +80,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
 # The conjugate operators (Megatron-LM's mappings), as autograd functions
 # --------------------------------------------------------------------------------------
 class CopyToTP(torch.autograd.Function):
-    """f: identity forward; all-reduce (sum) of the gradient over the TP group backward.
-
-    Volume: backward, one all-reduce of the input's size, 2(t-1)/t N bytes per rank.
-    """
+    """f: identity forward; backward, all-reduce (sum) of the gradient: 2(t-1)/t N bytes."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -111,10 +101,7 @@ class CopyToTP(torch.autograd.Function):
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce (sum) over the TP group forward; identity backward.
-
-    Volume: forward, one all-reduce of the input's size, 2(t-1)/t N bytes per rank.
-    """
+    """g: forward, all-reduce (sum) over the TP group: 2(t-1)/t N bytes; identity backward."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -162,35 +149,28 @@ def _conjugate(x, group, forward_fn, backward_fn):
     return Conjugate.apply(x, group, forward_fn, backward_fn) if comm.size(group) > 1 else x
 
 
-def scatter_to_tp(x, group):
-    """Keep this rank's slice of the last dimension; backward: all-gather."""
+def scatter_to_tp(x, group):            # keep this rank's slice of the last dim; bwd: all-gather
     return _conjugate(x, group, _split_last, _gather_last)
 
 
-def gather_from_tp(x, group):
-    """All-gather along the last dimension; backward: keep this rank's slice."""
+def gather_from_tp(x, group):           # all-gather along the last dim; bwd: keep the slice
     return _conjugate(x, group, _gather_last, _split_last)
 
 
-def all_gather_seq(x, group):
-    """Sequence parallelism's f: all-gather along the sequence; backward: reduce-scatter."""
+def all_gather_seq(x, group):           # SP's f: all-gather along the sequence; bwd: r-scatter
     return _conjugate(x, group, gather_seq, _reduce_scatter_seq)
 
 
-def reduce_scatter_seq(x, group):
-    """Sequence parallelism's g: reduce-scatter along the sequence; backward: all-gather."""
+def reduce_scatter_seq(x, group):       # SP's g: reduce-scatter along the sequence; bwd: gather
     return _conjugate(x, group, _reduce_scatter_seq, gather_seq)
 
 
-def scatter_seq(x, group):
-    """Keep this rank's s/t of a sequence every rank holds alike; backward: all-gather."""
+def scatter_seq(x, group):              # keep s/t of a sequence held alike; bwd: all-gather
     return _conjugate(x, group, slice_seq, gather_seq)
 
 
-def gather_seq_replicated(x, group):
-    """All-gather along the sequence into a tensor every rank uses alike; backward: keep this
-    rank's slice (the copies' gradients are the same: no sum)."""
-    return _conjugate(x, group, gather_seq, slice_seq)
+def gather_seq_replicated(x, group):    # all-gather, used alike on every rank; bwd: keep the
+    return _conjugate(x, group, gather_seq, slice_seq)     # slice (the copies' grads: no sum)
 
 
 # --------------------------------------------------------------------------------------
@@ -198,12 +178,9 @@ def gather_seq_replicated(x, group):
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Split:
-    """Cut along ``dim`` into t parts, within each of ``groups`` interleaved groups.
-
-    ``groups=3`` is qkv's "(three h d)" rows: rank r takes heads [r h/t, (r+1) h/t) of q, of k
-    and of v. ``full`` is the serial size along ``dim``; it is padded with zeros to a multiple
-    of t (only the vocabulary ever needs it).
-    """
+    """Cut along ``dim`` into t parts within each of ``groups`` interleaved groups (qkv's
+    "(three h d)" rows: rank r takes its heads of q, of k and of v); ``full``, the serial size
+    along ``dim``, is padded with zeros to a multiple of t (only the vocabulary needs it)."""
     dim: int
     full: int
     groups: int = 1
@@ -227,28 +204,28 @@ def shard(full: torch.Tensor, split: Split, rank: int, t: int) -> torch.Tensor:
 # The layers
 # --------------------------------------------------------------------------------------
 class SplitLinear(nn.Module):
-    """What the column and row layers share: built as this rank's slice of a serial layer."""
+    """What the split layers share: each is built as this rank's slice of a serial layer."""
 
     @classmethod
-    def from_serial(cls, linear: nn.Linear, group, **kwargs):
-        """This rank's slice of a full ``nn.Linear`` (same seed, same model)."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    **kwargs)
+    def from_serial(cls, serial: nn.Module, group, **kwargs):
+        """This rank's slice of a full ``nn.Linear`` or ``nn.Embedding`` (same seed, same model)."""
+        if isinstance(serial, nn.Embedding):
+            layer = cls(serial.num_embeddings, serial.embedding_dim, group, **kwargs)
+        else:
+            layer = cls(serial.in_features, serial.out_features, group,
+                        bias=serial.bias is not None, **kwargs)
         t, r = comm.size(group), comm.rank(group)
         with torch.no_grad():
             for name, p in layer.named_parameters(recurse=False):    # a split, or a copy
-                full = getattr(linear, name).detach()
+                full = getattr(serial, name).detach()
                 p.copy_(shard(full, layer.tp_splits[name], r, t) if name in layer.tp_splits else full)
         return layer
 
 
 class ColumnParallelLinear(SplitLinear):
-    """``Y = X A^T + b`` with A (out, in) split by output features: this rank computes out/t.
-
-    The input enters through f (all-gather along the sequence with SP); the output stays split
-    (what a following RowParallelLinear or a vocab-parallel loss wants) unless
-    ``gather_output``. The bias is split like the output features, so it is added once.
-    """
+    """``Y = X A^T + b``, A (out, in) split by output features: this rank computes out/t. The
+    input enters through f (SP: all-gather along the sequence); the output stays split unless
+    ``gather_output``; the bias is split like the outputs, so it is added once."""
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, groups: int = 1):
@@ -271,18 +248,11 @@ class ColumnParallelLinear(SplitLinear):
         return y
         # EXERCISE ex03 end
 
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features} ({self.weight.shape[0]} here), "
-                f"gather_output={self.gather_output}, sp={self.sequence_parallel}")
-
 
 class RowParallelLinear(SplitLinear):
-    """``Y = X A^T + b`` with A (out, in) split by input features: this rank holds in/t columns.
-
-    The input arrives split along its features (a ColumnParallelLinear's output), or is split
-    here if ``input_is_parallel=False``. The partial products are summed by g (reduce-scattered
-    along the sequence with SP); the bias is replicated and added once, after the sum.
-    """
+    """``Y = X A^T + b``, A (out, in) split by input features: this rank holds in/t columns.
+    The input arrives split (a column layer's output; else ``input_is_parallel=False``); g sums
+    the partial products (SP: reduce-scatter); the bias is replicated, added once after."""
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False):
@@ -309,18 +279,10 @@ class RowParallelLinear(SplitLinear):
         return y if bias is None else y + bias
         # EXERCISE ex03 end
 
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features} ({self.weight.shape[1]} here), out={self.out_features}, "
-                f"sp={self.sequence_parallel}")
 
-
-class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows: rank r holds tokens [r V'/t, (r+1) V'/t).
-
-    Each rank looks up the tokens it owns (zeros for the others) and g sums the t partial
-    lookups (a reduce-scatter along the sequence with SP). V' is V padded to a multiple of t;
-    the padding rows are never looked up.
-    """
+class VocabParallelEmbedding(SplitLinear):
+    """The table split by vocabulary rows: rank r holds tokens [r V'/t, (r+1) V'/t) (V' the
+    padded V). Each rank looks up the tokens it owns (zeros for the others); g sums them."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group,
                  sequence_parallel: bool = False):
@@ -333,14 +295,6 @@ class VocabParallelEmbedding(nn.Module):
         self.start = comm.rank(group) * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim))
 
-    @classmethod
-    def from_serial(cls, emb: nn.Embedding, group, **kwargs) -> "VocabParallelEmbedding":
-        layer = cls(emb.num_embeddings, emb.embedding_dim, group, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(shard(emb.weight.detach(), layer.tp_splits["weight"],
-                                     comm.rank(group), comm.size(group)))
-        return layer
-
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         mine = (idx >= self.start) & (idx < self.start + self.per_rank)
         local = F.embedding(torch.where(mine, idx - self.start, 0), self.weight)
@@ -351,11 +305,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelEmbedding(nn.Module):
-    """The GPT's ``embed`` with a vocab-parallel token table; same parameter names.
-
-    With SP the output is this rank's s/t tokens, so it adds the matching positions; the
-    replicated position table then enters through f, which sums its gradient over the group.
-    """
+    """The GPT's ``embed`` with a vocab-parallel token table (same parameter names). With SP it
+    adds the positions of this rank's s/t tokens; the table then enters through f."""
 
     def __init__(self, tok: VocabParallelEmbedding, pos: nn.Embedding, drop: nn.Module, group,
                  sequence_parallel: bool = False):
@@ -394,13 +345,10 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
 # Vocab-parallel cross-entropy
 # --------------------------------------------------------------------------------------
 class VocabParallelCE(torch.autograd.Function):
-    """Per-token cross-entropy of logits split by vocabulary over the TP group.
-
-    Rank r holds logits of vocabulary entries [r V'/t, (r+1) V'/t); entries >= ``vocab_size``
-    are padding and are no word: they get probability zero. Forward: 3 all-reduces of N fp32
-    values (max, sum of exp, target logit), never the (N, V) logits. Backward: none; the
-    gradient softmax - one-hot(target) of the local slice is local.
-    """
+    """Per-token cross-entropy of logits split by vocabulary: rank r holds entries
+    [r V'/t, (r+1) V'/t), those >= ``vocab_size`` padding (probability zero). Forward: 3
+    all-reduces of N fp32 values (max, sum of exp, target logit); backward: none, the gradient
+    softmax - one-hot(target) of the local slice is local."""
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_size):
@@ -450,7 +398,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """The head's loss for a column-parallel projection that does not gather its output."""
+    """The head's loss for a column-parallel projection that keeps its output split."""
 
     def __init__(self, group, vocab_size: int):
         super().__init__()
@@ -464,10 +412,8 @@ class VocabParallelCrossEntropy(nn.Module):
 # The serial GPT -> the tensor-parallel GPT
 # --------------------------------------------------------------------------------------
 def parallelize_block(block, group, sequence_parallel: bool = False):
-    """One transformer block, in place: qkv and fc column-parallel, both proj row-parallel.
-
-    Attention needs no change: it reads its number of heads (h/t here) from qkv's width.
-    """
+    """One block, in place: qkv and fc column-parallel, both proj row-parallel (attention reads
+    its number of heads, h/t here, from qkv's width)."""
     attn, mlp, sp = block.attn, block.mlp, sequence_parallel
     attn.qkv = ColumnParallelLinear.from_serial(attn.qkv, group, groups=3, sequence_parallel=sp)
     attn.proj = RowParallelLinear.from_serial(attn.proj, group, sequence_parallel=sp)
@@ -481,13 +427,9 @@ def parallelize_block(block, group, sequence_parallel: bool = False):
 
 
 def parallelize(model, group, sequence_parallel: bool = False):
-    """Swap the TP parts into the full serial ``model`` in place; returns it.
-
-    Every rank built the same full model from the seed; each keeps its slice. The structure
-    (``embed``, ``blocks``, ``head``, ``parts()``) and parameter names stay, so a pipeline can
-    cut a TP model into stages. With SP the activations between blocks are (b, s/t, h): a
-    pipeline over it is told so (``PipelineRunner(seq_split=t)``).
-    """
+    """Swap the TP parts into the serial ``model`` (every rank built it from the seed) in
+    place. Structure and names stay, so a pipeline can cut it; under SP the activations
+    between blocks are (b, s/t, h)."""
     sp = sequence_parallel and comm.size(group) > 1
     embed = model.embed
     model.embed = ParallelEmbedding(

@@ -8,8 +8,7 @@ stages (Rajbhandari et al. 2020) are four points of that space::
 
     ZeRO-0 = (1, 1, 1)    ZeRO-1 = (1, 1, d)    ZeRO-2 = (1, d, d)    ZeRO-3 = (d, d, d)
 
-with 1 <= s_p | s_g | s_os | d, each group contiguous ranks (``minipar.plan.sharding`` holds
-the rules, shared with the planner). The d ranks are viewed as a mesh ``(rep, os, g, p) =
+with 1 <= s_p | s_g | s_os | d, each group contiguous ranks (``minipar.rules``). The d ranks are viewed as a mesh ``(rep, os, g, p) =
 (d/s_os, s_os/s_g, s_g/s_p, s_p)``, one group per axis (``ShardMesh``). Each unit of the model
 (a block, the embedding, the head: FSDP's wrapping) keeps its state in flat buffers of N
 elements (its parameters, padded to a multiple of s_os), cut like the mesh: this rank's P shard
@@ -39,15 +38,14 @@ Sent per step (Psi = 4 Phi', m micro-batches), summed over the groups::
 
 So with m = 1: plain DP and ZeRO-1/2 send 2 Psi (d-1)/d, ZeRO-3 3 Psi (d-1)/d; under a
 pipeline ZeRO-3 gathers again for every micro-batch (why Megatron-DeepSpeed pairs pipelines
-with ZeRO-1). The derivations, per group, and the byte tests: ``docs/reference.md`` (ZeRO).
-
-In your own loop: ``ShardedEngine`` (any spec, its own optimizer; ``zero_grad``, backward,
-``step``) and ``ShardedOptimizer`` (ZeRO-1/2 shaped like ``ZeroRedundancyOptimizer``, in
-``minipar.wrappers``, re-exported here); ZeRO-3 with FSDP2's contract: ``minipar.fsdp``.
+with ZeRO-1). Derivations per group: ``docs/reference.md`` (ZeRO). In your own loop:
+``ShardedEngine``, ``ShardedOptimizer`` (ZeRO-1/2, torch's optimizer shape), and ZeRO-3 with
+FSDP2's contract (``minipar.fsdp``).
 """
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -63,10 +61,10 @@ from .runtime.errors import UsageError
 from .wrappers.zero_optimizer import OptimizerSurface
 
 
-class Spec(NamedTuple):
-    p: int    # s_p: parameters split over groups of s_p ranks
-    g: int    # s_g: gradients
-    os: int   # s_os: optimizer states
+class Spec(NamedTuple):         # groups of s_p ranks split the parameters, of s_g the
+    p: int                      # gradients, of s_os the optimizer states
+    g: int
+    os: int
 
 
 def zero_spec(stage: int, d: int) -> Spec:
@@ -78,9 +76,8 @@ def zero_spec(stage: int, d: int) -> Spec:
 # The shard mesh: the data-parallel ranks as (rep, os, g, p)
 # --------------------------------------------------------------------------------------
 class ShardMesh:
-    """This rank's place in ``line.view(rep, os, g, p)`` and one group along each side.
-
-    Every rank makes the groups of every line of the axis (``new_group`` requires it)."""
+    """This rank's place in ``line.view(rep, os, g, p)`` and one group along each side (every
+    rank makes the groups of every line of the axis, as ``new_group`` requires)."""
 
     def __init__(self, axis: Axis, spec: Spec):
         self.spec, self.d = spec, axis.size
@@ -100,13 +97,10 @@ class ShardMesh:
 # Units: which parameters are gathered, freed and reduced together
 # --------------------------------------------------------------------------------------
 def units_of(module: nn.Module, units=None, exclude=()) -> list[tuple[nn.Module, list]]:
-    """FSDP's wrapping: [(module, its parameters)] of the units.
-
-    ``units``: None, each child that owns parameters (ModuleList/ModuleDict looked into: for
-    minipar's GPT its ``parts()``); a list of modules; or a policy ``module -> bool`` (FSDP's
-    auto-wrap policy: the outermost submodules it accepts). Parameters used by two units (tied
-    weights) and those outside every unit form one more unit, on ``module`` itself, first.
-    ``exclude`` (and frozen parameters) stay out: the owner keeps them whole."""
+    """FSDP's wrapping, [(module, its parameters)]: ``units`` None (each child owning parameters,
+    containers looked into: the GPT's ``parts()``), modules, or a policy ``module -> bool`` (the
+    outermost it accepts). Tied parameters and those outside every unit are one more unit, on
+    ``module``, first; ``exclude`` (and frozen parameters) stay out, kept whole by the owner."""
     def children(m, accept):
         out = []
         for c in m.children():
@@ -153,18 +147,13 @@ def storage_bytes(t: torch.Tensor | None) -> int:
 
 
 class Unit:
-    """A unit's state as flat buffers of N elements (N = its parameter count padded to s_os).
+    """A unit's state as flat buffers of N elements (its parameters, padded to s_os):
 
-    ``flat``        the full parameters; each parameter's ``.data`` is a view into it (with
-                    s_p > 1 its memory exists only while the unit computes)
-    ``p_shard``     this rank's P shard (``flat`` itself when s_p = 1)
-    ``grad_shard``  this rank's G shard (s_g = 1: the full gradient, ``.grad`` views into it)
-    ``g_slice``, ``os_param``, ``os_grad``  the G slice of the P shard, and the OS chunk of the
-                    parameters and of the averaged gradient: what the optimizer updates
-    ``reduce_dtype`` the dtype gradients are summed in (None: their own); ``dtype`` the compute
-    dtype of ``flat`` (None: the parameters'; when lower, ``master`` keeps the P shard in the
-    parameters' dtype); ``grad_dtype`` the G shard's (None: the compute dtype).
-    """
+    ``flat`` the full parameters (each ``.data`` a view; s_p > 1: allocated only while used);
+    ``p_shard`` this rank's P shard; ``grad_shard`` its G shard (s_g = 1: the full gradient);
+    ``g_slice``, ``os_param``, ``os_grad``: nested chunks, what the optimizer updates.
+    ``reduce_dtype``: gradients summed in it (None: their own); ``dtype``: ``flat``'s compute
+    dtype (lower: ``master`` keeps the P shard as built); ``grad_dtype``: the G shard's."""
 
     def __init__(self, module, params: list, mesh: ShardMesh, reduce_dtype=None, grad_dtype=None,
                  dtype=None):
@@ -204,8 +193,7 @@ class Unit:
             offset += p.numel()
 
     def flat_grad(self) -> torch.Tensor:
-        """The unit's gradients as one padded flat tensor (zeros for a parameter without one),
-        in ``reduce_dtype``."""
+        """The unit's gradients, one padded flat tensor in ``reduce_dtype`` (zeros if none)."""
         grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
                  for p in self.params]
         flat = torch.cat(grads + [self.flat.new_zeros(self.N - self.numel)])
@@ -216,7 +204,7 @@ class Unit:
 # Collectives over the shard mesh's groups, in turn
 # --------------------------------------------------------------------------------------
 def reduce_scatter_down(x: torch.Tensor, groups) -> torch.Tensor:
-    """Reduce-scatter (sum) ``x`` over each group in turn; return this rank's summed chunk."""
+    """Reduce-scatter (sum) ``x`` over each group in turn: this rank's summed chunk."""
     for group in groups:
         if comm.size(group) > 1:
             out = x.new_empty(x.numel() // comm.size(group))
@@ -226,7 +214,7 @@ def reduce_scatter_down(x: torch.Tensor, groups) -> torch.Tensor:
 
 
 def all_gather_in_place(out: torch.Tensor, group) -> None:
-    """Every rank's own chunk of ``out`` is already in place: fetch the others' chunks."""
+    """Every rank's own chunk of ``out`` is in place: fetch the others'."""
     if comm.size(group) > 1:
         mine = out.chunk(comm.size(group))[comm.rank(group)].clone()
         comm.all_gather(out, mine, group)
@@ -246,11 +234,8 @@ def gather_up(x: torch.Tensor, groups) -> torch.Tensor:
 # OS sharding (ZeRO-1): each rank updates its slice, then the slices are all-gathered
 # --------------------------------------------------------------------------------------
 def sharded_optimizer_step(units: list[Unit], optimizer, mesh: ShardMesh):
-    """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates.
-
-    With s_g = 1 (ZeRO-1) ``grad_shard`` is the whole local gradient, so the reduce-scatter
-    over ``mesh.os_group`` is ZeRO-1's: each rank needs the averaged gradient of its slice only.
-    """
+    """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates
+    (ZeRO-1: the G shard is the whole local gradient, reduce-scattered over ``os_group``)."""
     # EXERCISE ex06 begin
     # per unit: reduce-scatter grad_shard over os_group, all-reduce over rep_group, /d into os_grad;
     # then optimizer.step(); then all-gather each unit's slices back up (os_group, then g_group)
@@ -285,14 +270,11 @@ def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
 # P sharding (ZeRO-3): gather before use, free after
 # --------------------------------------------------------------------------------------
 class ShardedUnits:
-    """A module's units as flat ``Unit`` buffers over ``mesh``, and the hooks that move them.
-
-    With s_p > 1 each unit is all-gathered before its forward and freed after it, and again
-    before its backward (a hook on its output's gradient) and freed after it; ``prefetch``
-    starts the neighbour's gather while this unit computes. Once backward has produced every
-    gradient of a unit, ``reduce(u)`` runs if ``reduce_each_backward`` (G sharding: every
-    micro-batch, so full gradients never pile up); the owner defines ``reduce``. ``units``:
-    [(module, its parameters)], ``units_of``'s answer."""
+    """The ``units`` ([(module, params)], ``units_of``) as ``Unit`` buffers, and the hooks that
+    move them: with s_p > 1 each unit is gathered before its forward and freed after, again
+    before its backward (a hook on its output's gradient) and freed after (``prefetch``: the
+    neighbour's gather starts meanwhile). Once backward has produced a unit's gradients,
+    ``reduce(u)`` (the owner's) runs if ``reduce_each_backward`` (G sharding)."""
 
     def __init__(self, module, mesh: ShardMesh, units: list, prefetch: bool = True,
                  reduce_dtype=None, grad_dtype=None, reduce_each_backward: bool = False, dtype=None):
@@ -370,13 +352,10 @@ class ShardedUnits:
 # The engine: (s_p, s_g, s_os) over one data-parallel axis, with its own optimizer
 # --------------------------------------------------------------------------------------
 class ShardedEngine(ShardedUnits):
-    """ZeRO/AMSP over ``axis`` (a ``mesh.Axis``, or a process group: None is the world):
-    ``zero_grad()``, the backward passes, ``step()``. The first rank's parameters and buffers
-    are broadcast first. ``units``: modules, a policy or [(module, params)] (``units_of``).
-    ``make_optimizer(params)`` builds the optimizer over the OS shards (and ``whole``,
-    parameters kept out of the shards); ``policy`` (a ``PrecisionPolicy``):
-    under mixed precision the optimizer is ``policy``'s fp32 masters and gradients are reduced
-    in its ``reduce_dtype``."""
+    """ZeRO/AMSP over ``axis`` (a ``mesh.Axis``; a process group, None the world): ``zero_grad()``,
+    backward, ``step()``, after broadcasting rank 0's weights. ``units``: as ``units_of``;
+    ``make_optimizer`` runs over the OS shards (and ``whole``, kept out of them); under a mixed
+    ``policy`` over their fp32 masters, gradients reduced in its ``reduce_dtype``."""
 
     def __init__(self, module, axis, spec, make_optimizer, units=None, prefetch: bool = True,
                  policy: PrecisionPolicy | None = None, whole=()):
@@ -405,8 +384,7 @@ class ShardedEngine(ShardedUnits):
         reduce_scatter_gradient(u, self.mesh)
 
     def zero_grad(self):
-        """Zero the gradients; with s_g > 1 a G shard's memory is released until backward
-        refills it (as ``set_to_none``), so the forward pass runs without gradient storage."""
+        """Zero the gradients (s_g > 1: a G shard's memory released until backward refills it)."""
         for p in self.whole:
             p.grad = None
         for u in self.units:
@@ -419,14 +397,12 @@ class ShardedEngine(ShardedUnits):
                     p.grad = None
 
     def begin_step(self, microbatches: int = 1):
-        """Nothing to arm: every micro-batch's gradient is reduce-scattered as it comes (s_g >
-        1) or accumulates until ``step()`` (s_g = 1)."""
+        """Nothing to arm: gradients are reduce-scattered as they come (s_g > 1) or accumulate."""
         for u in self.units:
             u.ready = 0
 
     def step(self, before_update=None):
-        """Reduce, update, gather. ``before_update()`` runs first: the owner's reduction of
-        ``whole`` parameters (MoE experts over their own group)."""
+        """Reduce, update, gather (``before_update()`` first: the owner's ``whole`` reduced)."""
         self.settle()
         for u in self.units:
             if self.spec.g > 1 and storage_bytes(u.grad_shard) == 0:
@@ -436,28 +412,17 @@ class ShardedEngine(ShardedUnits):
         if self.reduce_dtype is None:
             sharded_optimizer_step(self.units, self.optimizer, self.mesh)
             return
-        # mixed precision, fp32 reduction: each G shard's fp32 copy is reduced at the step and
-        # its OS chunk handed to the fp32 master as a value (Megatron's main_grad)
+        # mixed precision: each G shard's fp32 copy is reduced, its OS chunk handed to the fp32
+        # master as a value (Megatron's main_grad); the average rounded back into the G shard
         narrow = [(u.grad_shard, u.os_grad) for u in self.units]
         for u in self.units:
             u.grad_shard = u.grad_shard.to(self.reduce_dtype)
             u.os_grad = u.grad_shard[u.os_slice]
         main = {u.os_param: u.os_grad for u in self.units}
-        sharded_optimizer_step(self.units, _Stepper(lambda: self.optimizer.step(main)), self.mesh)
+        sharded_optimizer_step(self.units, SimpleNamespace(step=lambda: self.optimizer.step(main)), self.mesh)
         for u, (grad_shard, os_grad) in zip(self.units, narrow):
             os_grad.copy_(u.os_grad)
             u.grad_shard, u.os_grad = grad_shard, os_grad
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """{name: the full parameter}, gathered from the P shards (bookkeeping: untracked)."""
-        names, out = {p: n for n, p in self.module.named_parameters()}, {}
-        with comm.untracked():
-            for u in self.units:
-                flat, offset = gather_up(u.p_shard, [self.mesh.p_group]), 0
-                for p in u.params:
-                    out[names[p]] = flat[offset:offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
-        return out | {names[p]: p.detach().clone() for p in self.whole}
 
     def model_state_bytes(self) -> dict[str, int]:
         """Storage this rank holds now (between steps: only the shards its spec keeps)."""
@@ -469,13 +434,6 @@ class ShardedEngine(ShardedUnits):
         grads += sum(storage_bytes(p.grad) for p in self.whole)
         optimizer = self.policy.state_bytes(self.optimizer)
         return dict(params=params, grads=grads, optimizer=optimizer, total=params + grads + optimizer)
-
-
-class _Stepper:
-    """What ``sharded_optimizer_step`` calls as ``optimizer.step()``."""
-
-    def __init__(self, step):
-        self.step = step
 
 
 # --------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minipar import comm, dp, zero
+from minipar.wrappers.zero_optimizer import full_parameters
 from minipar.runtime import dist
 from minipar.runtime.errors import UsageError
 
@@ -164,7 +165,7 @@ def _zero_runs():
             model = make(kind, SEED + r)
             engine = zero.ShardedEngine(model, None, zero.zero_spec(3, d), adamw)
             train(kind, model, engine, micro, r, d, before=engine.zero_grad, after=engine.step)
-            out[(kind, micro, "zero3")] = (engine.full_parameters(), None)
+            out[(kind, micro, "zero3")] = (full_parameters(engine), None)
             ddp = nn.parallel.DistributedDataParallel(make(kind, SEED + r))
             zro = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
             train(kind, ddp, zro, micro, r, d, ddp.no_sync)
@@ -503,9 +504,9 @@ def _engine_fp16_runs():
                 loss = loss * float("inf")          # this rank alone overflows
             (loss * scaler.scale).backward()
             if step == STEPS:
-                out[(spec, "trained")] = engine.full_parameters()
+                out[(spec, "trained")] = full_parameters(engine)
             engine.step()
-        out[(spec, "after overflow")] = engine.full_parameters()
+        out[(spec, "after overflow")] = full_parameters(engine)
         out[(spec, "scaler")] = (scaler.skipped_steps, scaler.scale)
     return out
 

@@ -25,6 +25,7 @@ import torch.distributed as tdist
 
 from ..runtime import cli, dist, trace
 from .. import comm, data, rules, zero
+from ..wrappers.zero_optimizer import full_parameters
 from ..model import PRESETS, build, config
 from ..plan.memory import model_state_bytes
 from ..plan.network import zero_comm_bytes
@@ -150,7 +151,7 @@ class Variant:
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on every rank (collective)."""
         if self.engine is not None:
-            return self.engine.full_parameters()
+            return full_parameters(self.engine)
         with comm.untracked():
             return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                     for n, p in self.model.named_parameters()}

@@ -200,3 +200,19 @@ def load_full_state(units, mesh, optimizer, state: dict, index: dict[int, int]) 
             else:
                 mine[k] = v.clone() if torch.is_tensor(v) else v
         optimizer.state[u.os_param] = mine
+
+
+def full_parameters(engine) -> dict:
+    """{name: the full parameter} of a ``zero.ShardedEngine``'s module, gathered from the P
+    shards (bookkeeping: untracked), e.g. to compare with one process."""
+    names, out = {p: n for n, p in engine.module.named_parameters()}, {}
+    with comm.untracked():
+        for u in engine.units:
+            flat, offset = u.p_shard, 0
+            if comm.size(engine.mesh.p_group) > 1:
+                flat = u.p_shard.new_empty(u.p_shard.numel() * comm.size(engine.mesh.p_group))
+                comm.all_gather(flat, u.p_shard, engine.mesh.p_group)
+            for p in u.params:
+                out[names[p]] = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+    return out | {names[p]: p.detach().clone() for p in engine.whole}
