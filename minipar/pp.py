@@ -317,31 +317,20 @@ def validate_schedule(lists: list[list[Instr]], m: int | None = None, v: int | N
 
 
 def _deadlocks(lists):
-    """Simulate with rendezvous sends and receives; [] if every stage reaches its end."""
+    """Replay with blocking sends and receives under NCCL's rendezvous rule
+    (``minipar.p2p_order``); [] if every stage reaches its end."""
+    from .p2p_order import Op, blocking, replay
     p = len(lists)
-    pos = [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(lists[r]):
-                ins = lists[r][pos[r]]
-                if ins.op in COMPUTE:
-                    pos[r] += 1
-                    progress = True
-                    continue
-                q = ins.peer
-                other = lists[q][pos[q]] if pos[q] < len(lists[q]) else None
-                if (q == r or other is None or other.op not in P2P
-                        or other.op.startswith("send") == ins.op.startswith("send")
-                        or other.peer != r or _message(other, q, p) != _message(ins, r, p)):
-                    break
-                pos[r] += 1
-                pos[q] += 1
-                progress = True
-    waiting = [f"stage {r} waits in {lists[r][pos[r]]!r}"
-               for r in range(p) if pos[r] < len(lists[r])]
-    return ["deadlock: " + "; ".join(waiting)] if waiting else []
+    traces = []
+    for r, lst in enumerate(lists):
+        events = []
+        for ins in lst:
+            if ins.op in P2P:
+                kind = "send" if ins.op.startswith("send") else "recv"
+                events += blocking(Op(kind, repr(ins), peer=ins.peer, tag=_message(ins, r, p)),
+                                   len(events))
+        traces.append(events)
+    return replay(traces, who="stage")
 
 
 def peak_stash(lst: list[Instr]) -> int:
@@ -508,7 +497,9 @@ class PipelineRunner:
 
         Stage r runs (micro-batch i, chunk c) in the order of (i, c); what it waits for, the
         output of virtual stage c p + r - 1, comes earlier in that same order on the previous
-        stage, and sends do not wait, so no schedule list is needed to stay deadlock-free.
+        stage, and two neighbouring stages post their messages to each other in that one order
+        too, so no schedule list is needed to stay deadlock-free, even where a send completes
+        only with its receive (NCCL; replayed in tests/test_p2p_order.py).
         Returns the mean loss on the last stage, 0 elsewhere.
         """
         shape = (x.shape[0] // self.m, x.shape[1] // self.seq_split, self.d_model)
@@ -571,9 +562,10 @@ class PipelineRunner:
         if sent is not None:     # its gradient came back, so the next stage has it: done
             sent[0].wait()
 
-    # Sends do not wait for their receiver (a blocking gloo send would: it meets the receive
-    # first). The list's order is deadlock-free either way; an activation's send is finished
-    # at its backward, a gradient's at the end of the step.
+    # Sends do not block the host (a blocking gloo send would wait for its receive). On NCCL
+    # an isend still holds its communicator's queue until the receive is posted; the list's
+    # order is deadlock-free under that rule too (``validate_schedule`` replays it so). An
+    # activation's send is finished at its backward, a gradient's at the end of the step.
     def _send(self, kind, key, tensor, stage):
         tensor = tensor.contiguous()
         self.sending[(kind, key)] = (comm.isend(tensor, self.grid.stage_rank(stage)), tensor)
