@@ -244,9 +244,10 @@ def replay(traces: list[list[tuple]], mode: str = "eager", who: str = "rank") ->
         if pc[r] < len(traces[r]):
             event = traces[r][pc[r]]
             if event[0] == "post":      # lazy: waiting for the peer to make the communicator
-                key = joining[r][0]
-                stuck.append(f"{who} {r} waits to create the communicator of {list(joining[r][1])} "
-                             f"for {event[2]}")
+                key, members = joining[r]
+                which = (f"the pair communicator of {key[1]} and {key[2]}" if len(key) == 3
+                         else f"the communicator of {key[0]} {list(members)}")
+                stuck.append(f"{who} {r} waits to create {which} for {event[2]}")
                 continue
             key, op = posted[(r, event[1])]
             first = queues[(r, key)][0][0][1]
