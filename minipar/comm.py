@@ -38,7 +38,8 @@ about 0; there (``"cuda-events"``) a pair of CUDA events on the current stream b
 op: a blocking op's seconds are how long the compute stream waited for it (the collective,
 and the peers it waits for), an asynchronous op's how long the stream stalled in ``wait()``
 (its exposed part, as on the host). The events are read when the seconds are asked for,
-after the step's ``torch.cuda.synchronize()``, so timing adds no host sync of its own.
+after the step's ``torch.cuda.synchronize()``, so timing adds no host sync of its own; and
+they are recorded only while ``stats.device_timing`` is on (the trainer: its logging steps).
 """
 from __future__ import annotations
 
@@ -127,9 +128,15 @@ def global_ranks(group) -> list[int]:
 # Accounting
 # --------------------------------------------------------------------------------------
 class Stats:
-    """Bytes sent, bytes received, calls and seconds, keyed by (op, group name)."""
+    """Bytes sent, bytes received, calls and seconds, keyed by (op, group name).
+
+    ``device_timing`` (NCCL only): whether ops are bracketed by CUDA events; the trainer turns
+    it on for its logging steps alone (two events per op on every step cost launch time, and
+    only a logging step reports seconds). Off, an op still counts its bytes and calls.
+    """
 
     def __init__(self):
+        self.device_timing = True
         self.reset()
 
     def reset(self):
@@ -263,10 +270,15 @@ def clock() -> str:
     return "cuda-events" if dist.is_initialized() and dist.get_backend() == "nccl" else "host"
 
 
+_UNTIMED = object()   # NCCL with device timing off: the op counts bytes, not seconds
+
+
 def _start_timer():
     """A host time stamp, or a CUDA event recorded on the current stream (NCCL)."""
     if clock() == "host":
         return time.perf_counter()
+    if not stats.device_timing:
+        return _UNTIMED
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
@@ -276,6 +288,8 @@ def _elapsed(start):
     """Seconds since ``start`` (host), or the (start, end) event pair to be read later."""
     if isinstance(start, float):
         return time.perf_counter() - start
+    if start is _UNTIMED:
+        return 0.0
     end = torch.cuda.Event(enable_timing=True)
     end.record()
     return (start, end)

@@ -228,10 +228,16 @@ def build_engine(cfg: RunConfig, grid: Mesh, module, policy: PrecisionPolicy | N
 # --------------------------------------------------------------------------------------
 # The loop (runs on every rank)
 # --------------------------------------------------------------------------------------
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in pinned host memory (one copy, whatever ``t``'s strides:
+    ``Batches`` hands out strided views, which ``pin_memory()`` would keep strided)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch to the device; on a GPU from pinned memory, without blocking the host."""
+    """A batch to the device; on a GPU from contiguous pinned memory, without blocking the host."""
     if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+        return pinned(t).to(device, non_blocking=True)
     return t.to(device)
 
 
@@ -288,6 +294,7 @@ def worker(cfg: RunConfig, return_state: bool = False):
                                          bool(cfg.save_every and step % cfg.save_every == 0))
             logging = steps.is_logging(step, also=evaluating or saving)
             hook.measure = logging                    # the norm: only when clipping or logging
+            comm.stats.device_timing = logging        # NCCL: CUDA events on logging steps only
             comm.reset()
             steps.begin_step()
             t_step = time.perf_counter()
@@ -338,13 +345,16 @@ def worker(cfg: RunConfig, return_state: bool = False):
                 manifest = checkpoint.manifest_for(cfg, step, tokens.numel(), policy.loss_scaler)
                 log(f"saved {checkpoint.save(cfg.save, step, manifest, mesh, runner, engine, cfg.keep)}")
     finally:
+        comm.stats.device_timing = True
         if metrics_file:
             metrics_file.close()
         trace.stop()
     if tracer:
         with comm.untracked():
             trace.gather_and_write(cfg.trace, tracer)
-        log(f"trace of every rank written to {cfg.trace} (open it at ui.perfetto.dev)")
+        log(f"trace of every rank written to {cfg.trace} (open it at ui.perfetto.dev)"
+            + ("; its times are the host's launch times, not GPU time (NCCL runs asynchronously)"
+               if backend == "nccl" else ""))
     if is_rank0:
         print(summary(history))
     if return_state:
