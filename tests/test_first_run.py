@@ -13,7 +13,6 @@ GPU environments, as tests/test_dist.py and tests/test_scripts.py do) and fixed.
   pinned batches;
 * the end of a run: the summary of a ``--log-every K`` run with MFU (any GPU) ends with exit 0.
 """
-import dataclasses
 import datetime
 import os
 import sys
