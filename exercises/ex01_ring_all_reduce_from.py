@@ -7,6 +7,13 @@ fully summed chunk; in n-1 all-gather steps the finished chunks travel once more
 ring. Use `isend(tensor, dst)` (returns a handle: call `.wait()`), `recv(tensor, src)` and the
 `chunks`, `incoming`, `left`, `right`, `r`, `n` already prepared for you.
 
+The order of each step's send and receive matters. On GPUs (NCCL, RCCL) a send completes only
+together with the matching receive, and a rank's sends and receives run in the order it posted
+them: if every rank sends first, every rank waits in its send for a neighbour that is also
+sending, and nothing moves. gloo buffers sends, so that order would still pass on this CPU. The
+checker replays the order your ranks used under NCCL's rule (`minipar.p2p_order`) and fails it
+if it could hang: let even ranks send first and odd ranks receive first.
+
 Fill in every block marked `# TODO ex01`, then run:
 
     python -m minipar.exercises check ex01
@@ -24,9 +31,16 @@ def ring_all_reduce(t: torch.Tensor, group=WORLD) -> torch.Tensor:
     its right neighbour and adds the chunk (r-k-1) arriving from its left; after n-1 steps rank r
     holds the full sum of chunk (r+1). All-gather: n-1 more steps pass the finished chunks
     around the ring. Each rank sends 2(n-1)/n N bytes whatever n is: that is why the ring is
-    bandwidth-optimal. Sends are asynchronous (isend) and receives blocking, so no ordering of
-    the ranks can deadlock; the chunk in flight is never the one being written, and each send
-    is waited for before the next step, so no copy is needed. ``t.numel()`` must divide by n.
+    bandwidth-optimal. ``t.numel()`` must divide by n.
+
+    The order of each exchange matters. NCCL completes a send only together with the matching
+    receive, and runs a rank's sends and receives in the order it posted them. If every rank
+    sent first, every rank would wait in its send for a neighbour that also waits in its send:
+    a cycle, and a hang (gloo buffers sends, so it would pass on CPU). So even ranks send
+    first and odd ranks receive first: every send meets a posted receive, and with n odd the
+    two even neighbours (n-1 and 0) are served once the others have moved on
+    (``minipar.p2p_order`` replays this order under NCCL's rule). The chunk in flight is never
+    the one being written, and each send is waited for before the next step: no copy needed.
     """
     n, r = size(group), rank(group)
     if n == 1:
@@ -39,6 +53,8 @@ def ring_all_reduce(t: torch.Tensor, group=WORLD) -> torch.Tensor:
     chunks = t.view(n, -1)
     incoming = torch.empty_like(chunks[0])
     # TODO ex01: write this part
-    # reduce-scatter phase (n-1 steps), then all-gather phase (n-1 steps)
+    # reduce-scatter phase (n-1 steps), then all-gather phase (n-1 steps); in every step
+    # even ranks send first and odd ranks receive first (NCCL pairs each send with its
+    # receive in the order posted: if all sent first, all would wait)
     raise NotImplementedError("ex01: this part is yours to write")
     return t

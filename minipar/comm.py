@@ -38,7 +38,8 @@ about 0; there (``"cuda-events"``) a pair of CUDA events on the current stream b
 op: a blocking op's seconds are how long the compute stream waited for it (the collective,
 and the peers it waits for), an asynchronous op's how long the stream stalled in ``wait()``
 (its exposed part, as on the host). The events are read when the seconds are asked for,
-after the step's ``torch.cuda.synchronize()``, so timing adds no host sync of its own.
+after the step's ``torch.cuda.synchronize()``, so timing adds no host sync of its own; and
+they are recorded only while ``stats.device_timing`` is on (the trainer: its logging steps).
 """
 from __future__ import annotations
 
@@ -127,9 +128,15 @@ def global_ranks(group) -> list[int]:
 # Accounting
 # --------------------------------------------------------------------------------------
 class Stats:
-    """Bytes sent, bytes received, calls and seconds, keyed by (op, group name)."""
+    """Bytes sent, bytes received, calls and seconds, keyed by (op, group name).
+
+    ``device_timing`` (NCCL only): whether ops are bracketed by CUDA events; the trainer turns
+    it on for its logging steps alone (two events per op on every step cost launch time, and
+    only a logging step reports seconds). Off, an op still counts its bytes and calls.
+    """
 
     def __init__(self):
+        self.device_timing = True
         self.reset()
 
     def reset(self):
@@ -207,6 +214,43 @@ def untracked():
         _tracking.pop()
 
 
+# Recording the order of ops, for ``minipar.p2p_order`` to replay under NCCL's rule: while a
+# ``recording(recorder)`` block runs, every op issued here is posted to the recorder, tracked
+# or not (bookkeeping collectives run on the same communicators as training traffic).
+_recorders: list = []
+
+
+@contextlib.contextmanager
+def recording(recorder):
+    """Inside: every op this rank issues through this module is also told to ``recorder``:
+    ``recorder.post(kind, name, comm, peer, members, nbytes)`` when it is issued (returns an
+    id) and ``recorder.wait(id)`` when this rank waits for it (at once for a blocking op)."""
+    _recorders.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _recorders.remove(recorder)
+
+
+def _post(op, group, nbytes, peer=None) -> list:
+    """Tell the recorders (if any) about an op being issued; their ids, for ``_waited``."""
+    if not _recorders:
+        return []
+    if peer is not None:      # point-to-point, on the default group (torch's dist.send)
+        arrow = "->" if op == "send" else "<-"
+        kind, name, comm, members = op, f"{op} {group_name(group)} {arrow}{peer}", "world", None
+    else:
+        kind, name = "collective", f"{op} {group_name(group)}"
+        members = tuple(global_ranks(group))
+        comm = f"{group_name(group)}{list(members)}"
+    return [(r, r.post(kind, name, comm, peer, members, nbytes)) for r in _recorders]
+
+
+def _waited(posted: list) -> None:
+    for recorder, op_id in posted:
+        recorder.wait(op_id)
+
+
 def _record(op, group, sent, received, seconds, start=None, issued=None):
     """Count one op; with ``--trace`` also put it on the timeline in host time (``start``: when
     this rank began blocking on it, ``issued``: when an async op was issued; it ends now)."""
@@ -226,10 +270,15 @@ def clock() -> str:
     return "cuda-events" if dist.is_initialized() and dist.get_backend() == "nccl" else "host"
 
 
+_UNTIMED = object()   # NCCL with device timing off: the op counts bytes, not seconds
+
+
 def _start_timer():
     """A host time stamp, or a CUDA event recorded on the current stream (NCCL)."""
     if clock() == "host":
         return time.perf_counter()
+    if not stats.device_timing:
+        return _UNTIMED
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
@@ -239,6 +288,8 @@ def _elapsed(start):
     """Seconds since ``start`` (host), or the (start, end) event pair to be read later."""
     if isinstance(start, float):
         return time.perf_counter() - start
+    if start is _UNTIMED:
+        return 0.0
     end = torch.cuda.Event(enable_timing=True)
     end.record()
     return (start, end)
@@ -247,9 +298,10 @@ def _elapsed(start):
 class Handle:
     """An asynchronous op in flight; ``wait()`` finishes it and records its waiting time."""
 
-    def __init__(self, work, op, group, sent, received, after=None):
+    def __init__(self, work, op, group, sent, received, after=None, posted=()):
         self.work, self.op, self.group = work, op, group
         self.sent, self.received, self.after = sent, received, after
+        self.posted = posted                     # (recorder, id) of an order recording
         self.t0 = time.perf_counter()
         self.done = False
 
@@ -260,6 +312,7 @@ class Handle:
         host = time.perf_counter()               # the trace's clock (minipar.trace)
         if self.work is not None:
             self.work.wait()
+        _waited(self.posted)
         if self.after is not None:
             self.after()
         if t is not None:
@@ -269,13 +322,16 @@ class Handle:
         self.work = self.after = None    # release the backend's work object now, not at exit
 
 
-def _run(op, group, sent, received, call, async_op, after=None):
-    """Issue ``call(async_op)``; return a Handle (async) or finish and record (sync)."""
+def _run(op, group, sent, received, call, async_op, after=None, nbytes=0, peer=None):
+    """Issue ``call(async_op)``; return a Handle (async) or finish and record (sync).
+    ``nbytes`` and ``peer`` (point-to-point) are for an order recording only."""
+    posted = _post(op, group, nbytes, peer)
     if async_op:
-        return Handle(call(True), op, group, sent, received, after)
+        return Handle(call(True), op, group, sent, received, after, posted)
     t = _start_timer() if _tracking[-1] else None
     host = time.perf_counter()
     call(False)
+    _waited(posted)
     if after is not None:
         after()
     if t is not None:
@@ -374,29 +430,40 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
                                                  group=_pg(group), async_op=a), False)
 
 
+# Point-to-point ops. On NCCL/RCCL a send completes only together with its receive, and a
+# rank's ops on one communicator run in the order it posted them: two neighbours that both
+# post their receive (or both their send) first wait for each other forever, whether the ops
+# are blocking or not. gloo's threads hide this. ``minipar.p2p_order`` checks every exchange
+# of the package against that rule, from the order these functions record.
 def send(t: torch.Tensor, dst: int) -> None:
     """Blocking point-to-point send to global rank ``dst``. Sends N."""
-    _run("send", "p2p", _nbytes(t), 0, lambda a: dist.send(t.contiguous(), dst), False)
+    _run("send", "p2p", _nbytes(t), 0, lambda a: dist.send(t.contiguous(), dst), False,
+         nbytes=_nbytes(t), peer=dst)
 
 
 def recv(t: torch.Tensor, src: int) -> None:
     """Blocking point-to-point receive from global rank ``src`` into ``t``."""
-    _run("recv", "p2p", 0, _nbytes(t), lambda a: dist.recv(t, src), False)
+    _run("recv", "p2p", 0, _nbytes(t), lambda a: dist.recv(t, src), False,
+         nbytes=_nbytes(t), peer=src)
 
 
 def isend(t: torch.Tensor, dst: int, label: str = "p2p") -> Handle:
     """Asynchronous send to global rank ``dst``; ``label`` files its bytes (e.g. ``"cp"``)."""
-    return _run("send", label, _nbytes(t), 0, lambda a: dist.isend(t, dst), True)
+    return _run("send", label, _nbytes(t), 0, lambda a: dist.isend(t, dst), True,
+                nbytes=_nbytes(t), peer=dst)
 
 
 def irecv(t: torch.Tensor, src: int, label: str = "p2p") -> Handle:
     """Asynchronous receive from global rank ``src`` into ``t`` (valid after ``wait()``)."""
-    return _run("recv", label, 0, _nbytes(t), lambda a: dist.irecv(t, src), True)
+    return _run("recv", label, 0, _nbytes(t), lambda a: dist.irecv(t, src), True,
+                nbytes=_nbytes(t), peer=src)
 
 
 def barrier(group=None) -> None:
     if size(group) > 1:
+        posted = _post("barrier", group, 0)
         dist.barrier(group=_pg(group))
+        _waited(posted)
 
 
 def all_reduce_scalars(values: list[float], group=None, op: str = "sum") -> list[float]:
@@ -406,8 +473,10 @@ def all_reduce_scalars(values: list[float], group=None, op: str = "sum") -> list
     t = torch.tensor(values, dtype=torch.float64,
                      device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
     if size(group) > 1:
+        posted = _post("all_reduce", group, _nbytes(t))
         with untracked():
             dist.all_reduce(t, op=_reduce_op(op), group=_pg(group))
+        _waited(posted)
         if op == "avg":
             t /= size(group)
     return t.cpu().tolist()
@@ -455,9 +524,16 @@ def ring_all_reduce(t: torch.Tensor, group=WORLD) -> torch.Tensor:
     its right neighbour and adds the chunk (r-k-1) arriving from its left; after n-1 steps rank r
     holds the full sum of chunk (r+1). All-gather: n-1 more steps pass the finished chunks
     around the ring. Each rank sends 2(n-1)/n N bytes whatever n is: that is why the ring is
-    bandwidth-optimal. Sends are asynchronous (isend) and receives blocking, so no ordering of
-    the ranks can deadlock; the chunk in flight is never the one being written, and each send
-    is waited for before the next step, so no copy is needed. ``t.numel()`` must divide by n.
+    bandwidth-optimal. ``t.numel()`` must divide by n.
+
+    The order of each exchange matters. NCCL completes a send only together with the matching
+    receive, and runs a rank's sends and receives in the order it posted them. If every rank
+    sent first, every rank would wait in its send for a neighbour that also waits in its send:
+    a cycle, and a hang (gloo buffers sends, so it would pass on CPU). So even ranks send
+    first and odd ranks receive first: every send meets a posted receive, and with n odd the
+    two even neighbours (n-1 and 0) are served once the others have moved on
+    (``minipar.p2p_order`` replays this order under NCCL's rule). The chunk in flight is never
+    the one being written, and each send is waited for before the next step: no copy needed.
     """
     n, r = size(group), rank(group)
     if n == 1:
@@ -470,16 +546,23 @@ def ring_all_reduce(t: torch.Tensor, group=WORLD) -> torch.Tensor:
     chunks = t.view(n, -1)
     incoming = torch.empty_like(chunks[0])
     # EXERCISE ex01 begin
-    # reduce-scatter phase (n-1 steps), then all-gather phase (n-1 steps)
+    # reduce-scatter phase (n-1 steps), then all-gather phase (n-1 steps); in every step
+    # even ranks send first and odd ranks receive first (NCCL pairs each send with its
+    # receive in the order posted: if all sent first, all would wait)
+    def exchange(outgoing):
+        if r % 2 == 0:
+            handle = isend(outgoing, right)
+            recv(incoming, left)
+        else:
+            recv(incoming, left)
+            handle = isend(outgoing, right)
+        handle.wait()
+
     for k in range(n - 1):
-        handle = isend(chunks[(r - k) % n], right)
-        recv(incoming, left)
+        exchange(chunks[(r - k) % n])
         chunks[(r - k - 1) % n] += incoming
-        handle.wait()
     for k in range(n - 1):
-        handle = isend(chunks[(r + 1 - k) % n], right)
-        recv(incoming, left)
+        exchange(chunks[(r + 1 - k) % n])
         chunks[(r - k) % n].copy_(incoming)
-        handle.wait()
     # EXERCISE ex01 end
     return t

@@ -38,8 +38,12 @@ bytes an element, with one K/V block ``B = 2 b (s/N) (h/t) e`` bytes, each rank 
     backward   (N-1) B + N B    K/V again, and their gradients, which go one more hop home
 
 so ``(3N-2) B`` per layer, in ``N - 1 + 2N - 1`` messages that overlap with the block
-computations (``isend``/``irecv`` are posted before the block is computed, so no order of the
-ranks can deadlock, on gloo or NCCL). The closed form is ``minipar.plan.cp_attention_bytes``.
+computations (``isend``/``irecv`` are posted before the block is computed). Posting is not
+enough to be safe: NCCL/RCCL complete a send only together with its receive, in the order each
+rank posted them, so if every rank posted its receive first the ring would hang there (gloo
+would not show it). Even ranks send first and odd ranks receive first (``Ring.shift``);
+``minipar.p2p_order`` replays the order under NCCL's rule in the tests. The closed form is
+``minipar.plan.cp_attention_bytes``.
 Parameters are replicated over ``cp``: their gradients are averaged over ``dp x cp``.
 
 Shapes: ``b h s d`` is batch, heads, this rank's tokens (s/N), head size; ``two`` stacks K and V.
@@ -251,7 +255,16 @@ class Ring:
         return cls(tuple(comm.global_ranks(group)), comm.rank(group), balanced)
 
     def shift(self, send: torch.Tensor, into: torch.Tensor) -> list[comm.Handle]:
-        """Post: ``send`` to the right neighbour, the left one's into ``into``. Wait on both."""
+        """Post: ``send`` to the right neighbour, the left one's into ``into``. Wait on both.
+
+        Even ranks post the send first, odd ranks the receive (TransformerEngine's ring does
+        the same). NCCL pairs a send with its receive in the order each rank posted them, on
+        one queue per communicator: had every rank posted its receive first, every rank would
+        wait in it for a neighbour also waiting in its receive, and the ring would hang.
+        """
+        if self.index % 2 == 0:
+            return [comm.isend(send, self.right, label="cp"),
+                    comm.irecv(into, self.left, label="cp")]
         return [comm.irecv(into, self.left, label="cp"), comm.isend(send, self.right, label="cp")]
 
 

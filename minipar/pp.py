@@ -162,7 +162,9 @@ class PipelineRunner:
 
         Stage r runs (micro-batch i, chunk c) in the order of (i, c); what it waits for, the
         output of virtual stage c p + r - 1, comes earlier in that same order on the previous
-        stage, and sends do not wait, so no schedule list is needed to stay deadlock-free.
+        stage, and two neighbouring stages post their messages to each other in that one order
+        too, so no schedule list is needed to stay deadlock-free, even where a send completes
+        only with its receive (NCCL; replayed in tests/test_p2p_order.py).
         Returns the mean loss on the last stage, 0 elsewhere.
         """
         shape = (x.shape[0] // self.m, x.shape[1] // self.seq_split, self.d_model)
@@ -222,9 +224,10 @@ class PipelineRunner:
         if sent is not None:     # its gradient came back, so the next stage has it: done
             sent[0].wait()
 
-    # Sends do not wait for their receiver (a blocking gloo send would: it meets the receive
-    # first). The list's order is deadlock-free either way; an activation's send is finished
-    # at its backward, a gradient's at the end of the step.
+    # Sends do not block the host (a blocking gloo send would wait for its receive). On NCCL
+    # an isend still holds its communicator's queue until the receive is posted; the list's
+    # order is deadlock-free under that rule too (``validate_schedule`` replays it so). An
+    # activation's send is finished at its backward, a gradient's at the end of the step.
     def _send(self, kind, key, tensor, stage):
         tensor = tensor.contiguous()
         self.sending[(kind, key)] = (comm.isend(tensor, self.stage_ranks[stage % self.p]), tensor)

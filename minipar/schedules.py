@@ -289,31 +289,20 @@ def validate_schedule(lists: list[list[Instr]], m: int | None = None, v: int | N
 
 
 def _deadlocks(lists):
-    """Simulate with rendezvous sends and receives; [] if every stage reaches its end."""
+    """Replay with blocking sends and receives under NCCL's rendezvous rule
+    (``minipar.p2p_order``); [] if every stage reaches its end."""
+    from .p2p_order import Op, blocking, replay
     p = len(lists)
-    pos = [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(lists[r]):
-                ins = lists[r][pos[r]]
-                if ins.op in COMPUTE:
-                    pos[r] += 1
-                    progress = True
-                    continue
-                q = ins.peer
-                other = lists[q][pos[q]] if pos[q] < len(lists[q]) else None
-                if (q == r or other is None or other.op not in P2P
-                        or other.op.startswith("send") == ins.op.startswith("send")
-                        or other.peer != r or _message(other, q, p) != _message(ins, r, p)):
-                    break
-                pos[r] += 1
-                pos[q] += 1
-                progress = True
-    waiting = [f"stage {r} waits in {lists[r][pos[r]]!r}"
-               for r in range(p) if pos[r] < len(lists[r])]
-    return ["deadlock: " + "; ".join(waiting)] if waiting else []
+    traces = []
+    for r, lst in enumerate(lists):
+        events = []
+        for ins in lst:
+            if ins.op in P2P:
+                kind = "send" if ins.op.startswith("send") else "recv"
+                events += blocking(Op(kind, repr(ins), peer=ins.peer, tag=_message(ins, r, p)),
+                                   len(events))
+        traces.append(events)
+    return replay(traces, who="stage")
 
 
 def peak_stash(lst: list[Instr]) -> int:

@@ -189,9 +189,29 @@ def pytest_runtest_logfinish(nodeid, location):
 
 _CONFIG: list = []
 
+# GPU tests are the only tests that see a GPU: on a GPU host the CPU suite must not move onto
+# cuda:0 and NCCL (the trainer's backend "auto" would), so unless pytest was asked for
+# tests/test_gpu.py alone (as `python -m minipar.bench gpu --check` does), every GPU is hidden
+# from this process and from every process it starts, before anything touches CUDA.
+GPU_TESTS = os.path.join(ROOT, "tests", "test_gpu.py")
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+
+
+def runs_only_gpu_tests(args, cwd) -> bool:
+    """Whether pytest's path arguments all name tests/test_gpu.py (or tests in it)."""
+    paths = [a.split("::")[0] for a in args if not a.startswith("-")]
+    return bool(paths) and all(
+        os.path.realpath(os.path.join(cwd, p)) == os.path.realpath(GPU_TESTS) for p in paths)
+
+
+def hide_gpus(environ=os.environ) -> None:
+    environ.update(HIDE_GPUS)
+
 
 def pytest_configure(config):
     _CONFIG.append(config)
+    if not runs_only_gpu_tests(config.args, str(config.invocation_params.dir)):
+        hide_gpus()
 
 
 @pytest.fixture

@@ -9,8 +9,14 @@ small (the nano model, a few steps) and names what it proves:
   (where the fused kernel reads it);
 * ``--compile`` (inductor on the GPU) training like eager;
 * sampling on the GPU from a checkpoint;
-* ``python -m minipar.bench gpu`` as a smoke test.
+* ``python -m minipar.bench gpu`` as a smoke test;
+* bf16 training measuring the GPU's peak memory (and MFU where the GPU's peak is listed).
+
+Only this file sees a GPU: on a GPU host the rest of the suite runs with every GPU hidden
+(tests/conftest.py), so run it by itself.
 """
+import os
+
 import pytest
 import torch
 
@@ -18,10 +24,15 @@ from conftest import NANO, cli
 from minipar.train import checkpoint, sample
 from minipar.runtime import dist
 from minipar import train
+from minipar.data import ByteTokenizer
 from minipar.runtime.errors import UsageError
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason=("the suite hides GPUs from every test but these (tests/conftest.py): run "
+            "`python -m pytest tests/test_gpu.py` or `python -m minipar.bench gpu --check`"
+            if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else
+            "needs a GPU (torch.cuda.is_available() is False)"))
 
 SHORT = NANO[:NANO.index("--steps")] + NANO[NANO.index("--steps") + 2:] + ["--steps", "4"]
 
@@ -64,12 +75,20 @@ def test_compile_trains_like_eager_on_the_gpu():
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
 
 
-def test_sampling_on_the_gpu(tmp_path):
+def test_sampling_on_the_gpu(tmp_path, monkeypatch):
+    """32 tokens (bytes) sampled on the GPU. The text can hold fewer bytes: the decoder leaves
+    out bytes that make no complete UTF-8 character (a tiny model emits many), so the tokens
+    are counted, not the text's bytes."""
     root = str(tmp_path / "run")
     train.run(SHORT + ["--save", root])
+    made = []
+    real = sample.generate
+    monkeypatch.setattr(sample, "generate", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     args = ["--resume", root, "--prompt", "def ", "--tokens", "32", "--device", "cuda"]
     text = sample.run(args)
-    assert text.startswith("def ") and len(text.encode()) >= 32
+    out, = made
+    assert out.device.type == "cuda" and out.numel() == len(b"def ") + 32
+    assert text.startswith("def ") and text == ByteTokenizer().decode(out.tolist())
     assert sample.run(args) == text           # the same seed, the same text
 
 
@@ -78,3 +97,13 @@ def test_bench_gpu_smoke():
               timeout=600)
     assert res.returncode == 0, res.stderr
     assert "minipar / plain step time" in res.stdout and "peak GPU memory" in res.stdout
+
+
+def test_bf16_on_cuda_measures_peak_memory():
+    """(Was in test_precision.py: the suite's other files see no GPU.)"""
+    got = train.run_state(SHORT + ["--dtype", "bf16", "--backend", "nccl"], nproc=1)
+    record = got["history"][-1]
+    assert record["peak_memory_bytes"] >= record["model_state_bytes"]["total"]
+    from minipar.train.mfu import peak_tflops
+    listed = peak_tflops(torch.cuda.get_device_name(), "bf16") is not None
+    assert (record["mfu"] is not None) == listed

@@ -20,6 +20,11 @@ ENV = "__ENV__"
 LOGGER = f"""#!/bin/bash
 {{ printf '%s\\n' "$(basename "$0")" "$@" {ENV}; env; printf '{SEP}\\n'; }} >> "$FAKE_LOG"
 """
+# python answers what torch.version.hip is (FAKE_PY_OUT); srun fails a step whose command
+# holds FAKE_SRUN_FAIL, printing FAKE_SRUN_SAYS as the step's output
+PYTHON = LOGGER + 'if [ -n "${FAKE_PY_OUT:-}" ]; then echo "$FAKE_PY_OUT"; fi\n'
+SRUN = LOGGER + ('if [ -n "${FAKE_SRUN_FAIL:-}" ] && [[ " $* " == *"$FAKE_SRUN_FAIL"* ]]; then '
+                 'printf "%s\\n" "$FAKE_SRUN_SAYS"; exit 1; fi\n')
 
 
 def run_script(script, tmp_path, plugin=True, **extra_env):
@@ -27,14 +32,16 @@ def run_script(script, tmp_path, plugin=True, **extra_env):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in ("srun", "torchrun", "python", "module"):
-        (bin_dir / name).write_text(LOGGER)
+        (bin_dir / name).write_text({"python": PYTHON, "srun": SRUN}.get(name, LOGGER))
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho node001\necho node002\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     log = tmp_path / "calls.log"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_LOG": str(log), "HOME": str(tmp_path),
            "USER": "tester", "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_EXPORT_ENV": "NONE", **extra_env}
+           "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_EXPORT_ENV": "NONE",
+           "FAKE_PY_OUT": "6.2.41134-65d174c3e" if script == "frontier.sbatch" else "",
+           **extra_env}
     if plugin:   # an aws-ofi-rccl install prefix, as the user builds it
         (tmp_path / "plugin" / "lib").mkdir(parents=True)
         (tmp_path / "plugin" / "lib" / "librccl-net.so").write_text("")
@@ -156,6 +163,6 @@ def test_dgx_binds_cores_and_gpus(tmp_path):
     assert [argv for name, argv, _ in calls if name == "module"] == [["load", "cuda"]]
     (argv, env), = _srun_steps(calls, "minipar.train")
     opts = _opts(argv)
-    for want in ("-c 8", "--cpu-bind cores", "--gpus-per-task 1", "--gpu-bind closest"):
+    for want in ("-c 8", "--cpu-bind cores", "--gpus-per-task 1", "--gpu-bind single:1"):
         assert want in opts, opts
     assert env["MASTER_ADDR"] == "node001" and env["OMP_NUM_THREADS"] == "8"

@@ -125,22 +125,37 @@ GPU_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "tests", "test_gpu.py")
 
 
-def run_gpu_tests(timeout: float = 1500.0) -> tuple[bool, str]:
-    """The suite's GPU tests (tests/test_gpu.py of a source checkout) in a fresh pytest."""
+def gpu_test_command(extra: tuple[str, ...] = ()) -> list[str]:
+    """The pytest command for tests/test_gpu.py, with its own options: ``-o addopts=`` drops
+    the repository's (``-n 2 --nbval-lax``: pytest-xdist and nbval, the ``[test]`` extras),
+    and ``-rfEs`` lists every failure, error and skip by name in the summary."""
+    return [sys.executable, "-m", "pytest", GPU_TESTS, "-o", "addopts=", "-q", "-rfEs",
+            "-p", "no:cacheprovider", *extra]
+
+
+def run_gpu_tests(timeout: float = 1500.0, extra: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """The suite's GPU tests (tests/test_gpu.py of a source checkout) in a fresh pytest: the
+    summary line, then each FAILED/ERROR line (the test's name and its error)."""
     if not os.path.isfile(GPU_TESTS):
         return False, f"not found ({GPU_TESTS}: run from a source checkout)"
     root = os.path.dirname(os.path.dirname(GPU_TESTS))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", GPU_TESTS, "-q", "-rs", "-p",
-                            "no:cacheprovider"], cwd=root, env=env, capture_output=True,
+        r = subprocess.run(gpu_test_command(extra), cwd=root, env=env, capture_output=True,
                            text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, f"did not finish in {timeout:.0f} s"
+    if "No module named pytest" in r.stderr:
+        return False, "pytest is not installed (pip install pytest)"
     lines = [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
-    last = lines[-1].strip("= ") if lines else "(no output)"
+    last = lines[-1].strip("= ") if lines else _last_line(r.stderr) or "(no output)"
     failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
     return r.returncode == 0, last + "".join(f"\n      {ln}" for ln in failed)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
 
 
 def checkpoint_round_trip(device: str, dtype: str) -> tuple[bool, str]:

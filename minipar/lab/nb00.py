@@ -1,6 +1,6 @@
 """Notebook 00_collectives: what each collective does, and what it sends.
 
-The rank-side functions run on every rank inside ``minipar.dist.launch`` and return plain
+The rank-side functions run on every rank inside ``minipar.runtime.dist.launch`` and return plain
 data. None of them re-implements anything: the collectives are ``minipar.comm``'s and the
 ring is ``comm.ring_all_reduce``; they only prepare inputs, time, and watch. The notebook
 holds the bytes each rank recorded against ``minipar.plan.ring_bytes`` (N bytes, n ranks)::
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import comm
+from .. import comm, p2p_order
 
 
 def collectives_tour() -> dict[str, dict]:
@@ -118,6 +118,34 @@ def ring_vs_all_reduce(numel: int = 2**16, repeats: int = 5) -> dict:
                 N=numel * x.element_size(), n=n,
                 ring_s=statistics.median(times["ring"]),
                 all_reduce_s=statistics.median(times["all_reduce"]))
+
+
+def ring_orders() -> dict[str, list]:
+    """One step of a ring (send right, receive from the left) in three orders, recorded.
+
+    ``"everyone receives first"`` and ``"everyone sends first"`` are the two obvious orders
+    (each rank posts both ops, then waits for both: ``isend``/``irecv``, which gloo finishes in
+    any order); ``"ring_all_reduce"`` is ``comm.ring_all_reduce`` itself (even ranks send
+    first, odd ranks receive first). Returns this rank's recording of each
+    (``minipar.p2p_order``), for the notebook to replay under NCCL's rule.
+    """
+    r, n = tdist.get_rank(), tdist.get_world_size()
+    right, left = (r + 1) % n, (r - 1) % n
+    out = {}
+    for name in ("everyone receives first", "everyone sends first"):
+        mine, theirs = torch.full((4,), float(r)), torch.empty(4)
+        with p2p_order.record() as log:
+            send = lambda: comm.isend(mine, right)      # noqa: E731
+            recv = lambda: comm.irecv(theirs, left)     # noqa: E731
+            handles = [recv(), send()] if "receives" in name else [send(), recv()]
+            for h in handles:
+                h.wait()
+        assert theirs[0].item() == left                 # gloo delivered it either way
+        out[name] = log.events
+    with p2p_order.record() as log:
+        comm.ring_all_reduce(torch.ones(4 * n), comm.WORLD)
+    out["ring_all_reduce"] = log.events
+    return out
 
 
 def collective_sweep(sizes: list[int], repeats: int = 10) -> dict[str, list[list[float]]]:

@@ -44,12 +44,16 @@ from .timeouts import (COMPILE_TIMEOUT_S, _timeout_s, collective_timeout,  # noq
 # --------------------------------------------------------------------------------------
 # Backend and device
 # --------------------------------------------------------------------------------------
-def gpu_count() -> int:
-    """GPUs this process can see (CUDA or ROCm build of torch); 0 on a CPU-only build."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 _VISIBLE = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def gpu_count(environ=os.environ) -> int:
+    """GPUs this process can see (CUDA or ROCm build of torch); 0 on a CPU-only build, and 0
+    when CUDA_VISIBLE_DEVICES or HIP_VISIBLE_DEVICES is set empty (hidden: the CPU test suite
+    on a GPU host), even if torch counted the GPUs before the variable was set."""
+    if any(environ.get(var) == "" for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")):
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def slurm_binds_one_gpu(environ=os.environ) -> bool:
@@ -83,10 +87,16 @@ def resolve(backend: str = "auto", local_world_size: int = 1,
     explaining (GPUs are present but not used), else None.
 
     * ``auto``: NCCL (RCCL on ROCm builds) with one GPU per process when the local processes
-      can each own a distinct GPU: one per local rank, or Slurm bound one GPU to each task
-      (then it is the task's device 0). Otherwise gloo on the CPU.
+      can each own a distinct GPU: Slurm bound one GPU to each task and exactly one is visible
+      (the task's device 0), or one visible GPU per local rank (device = the local rank).
+      Otherwise gloo on the CPU.
     * ``nccl``: the same condition, or a UsageError saying why not.
     * ``gloo``: gloo on the CPU.
+
+    Slurm's word alone is not enough: ``--gpus-per-task 1 --gpu-bind closest`` on a DGX lets
+    each task see the four GPUs of its socket, and device 0 for every task would put four
+    ranks on one GPU (NCCL: "Duplicate GPU"). With several visible, the local rank picks one,
+    and a local rank past the visible GPUs is a UsageError.
     """
     if backend not in ("auto", "gloo", "nccl"):
         raise UsageError(f"unknown backend {backend!r}; choose auto, gloo or nccl")
@@ -96,13 +106,19 @@ def resolve(backend: str = "auto", local_world_size: int = 1,
     if backend == "gloo":
         return "gloo", cpu, None
     n_gpu = gpu_count()
-    bound = n_gpu >= 1 and slurm_binds_one_gpu(environ)
+    slurm_bound = n_gpu >= 1 and slurm_binds_one_gpu(environ)
     procs = f"{local_world_size} process{'es' if local_world_size > 1 else ''}"
     gpus = f"{n_gpu} GPU{'s' if n_gpu != 1 else ''}"
-    if bound:
+    if slurm_bound and n_gpu == 1:
         return "nccl", torch.device("cuda", 0), None
-    if n_gpu >= local_world_size:
-        return "nccl", torch.device("cuda", _local_rank(environ) % n_gpu), None
+    if slurm_bound or n_gpu >= local_world_size:
+        local = _local_rank(environ)
+        if not 0 <= local < n_gpu:
+            shown = next((f"{v}={environ[v]}" for v in _VISIBLE if environ.get(v)), "")
+            raise UsageError(f"local rank {local} sees {gpus}{f' ({shown})' if shown else ''} "
+                             f"and none is its own; bind one GPU per task (srun --gpus-per-task "
+                             f"1 --gpu-bind single:1) or let every task see all of the node's")
+        return "nccl", torch.device("cuda", local), None
     if backend == "nccl":
         if n_gpu == 0:
             raise UsageError("--backend nccl needs a GPU but torch sees none; use --backend gloo "
@@ -191,9 +207,10 @@ def init(backend: str = "auto") -> tuple[str, torch.device]:
     """Initialise the default process group from torchrun/Slurm/launch() and pick the device.
 
     Returns ``(backend, device)`` as ``resolve`` decides them; rank 0 prints its note, if any.
-    Collectives time out after MINIPAR_TIMEOUT seconds (60 by default), in this group and in
-    every group made with ``new_group``, so a rank stuck behind a dead peer errors out
-    instead of waiting for the library's default of 30 minutes.
+    Collectives time out after MINIPAR_TIMEOUT seconds (by default 60 on gloo, 600 on NCCL,
+    whose rendezvous and watchdog it bounds too), in this group and in every group made with
+    ``new_group``, so a rank stuck behind a dead peer errors out instead of waiting for the
+    library's default of 30 minutes.
     """
     env = env_from_os()
     if dist.is_initialized():
@@ -211,7 +228,7 @@ def init(backend: str = "auto") -> tuple[str, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, init_method="env://",
-                            timeout=collective_timeout(),
+                            timeout=collective_timeout(backend),
                             device_id=device if backend == "nccl" else None)
     return backend, device
 
@@ -251,8 +268,13 @@ def finish(status: int = 0) -> "NoReturn":  # noqa: F821
     most MINIPAR_TIMEOUT seconds, so a dead peer cannot keep this rank alive.
     """
     if dist.is_initialized():
+        # a new thread starts on CUDA device 0: give it this rank's (NCCL's barrier runs there)
+        gpu = torch.cuda.current_device() if dist.get_backend() == "nccl" else None
+
         def teardown():
             try:
+                if gpu is not None:
+                    torch.cuda.set_device(gpu)
                 if status == 0:
                     dist.barrier()  # nobody leaves while a peer still needs its store
                 dist.destroy_process_group()

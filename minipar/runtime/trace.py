@@ -20,6 +20,14 @@ chrome://tracing. One process row per rank (pid = rank), a "compute" thread (tid
 rank's clock starts at the same barrier, so ranks line up to within that barrier's skew
 (on one machine the clocks are the same; across nodes, to a barrier's latency). Rank 0
 gathers the events and writes the one file.
+
+Every time is the host's (``time.perf_counter``). On gloo that is when the work happened: a
+collective blocks the host until it is done. On NCCL/RCCL an op only enqueues work on the GPU
+and returns, so its span is the host's launch (and, for a wait, the host's wait), not the GPU
+time, and compute spans are launch times too. Such a trace says so: each rank's "comm" row is
+named "comm (host launch times, not GPU time)", and the file's ``otherData.clock`` says which
+clock it holds. For the GPU's own timeline use ``torch.profiler``; the metrics' ``comm_seconds``
+are CUDA-event times on NCCL (``minipar.comm``).
 """
 from __future__ import annotations
 
@@ -30,11 +38,18 @@ import time
 COMPUTE, COMM = 0, 1
 
 
-class Tracer:
-    """One rank's events, in microseconds from ``t0`` (perf_counter seconds)."""
+HOST_CLOCK = "host: time.perf_counter, when the work ran (gloo blocks until an op is done)"
+LAUNCH_CLOCK = ("host launch times: time.perf_counter when each op and kernel was issued to the "
+                "GPU (NCCL/RCCL are asynchronous), not GPU time")
 
-    def __init__(self, rank: int, t0: float | None = None):
+
+class Tracer:
+    """One rank's events, in microseconds from ``t0`` (perf_counter seconds). ``launches``: the
+    ops run asynchronously on a GPU (NCCL), so the times are the host's launches."""
+
+    def __init__(self, rank: int, t0: float | None = None, launches: bool = False):
         self.rank = rank
+        self.clock = LAUNCH_CLOCK if launches else HOST_CLOCK
         self.t0 = time.perf_counter() if t0 is None else t0
         self.events: list[dict] = []
         self._next_id = 0
@@ -74,7 +89,8 @@ class Tracer:
     def metadata(self) -> list[dict]:
         meta = [dict(name="process_name", ph="M", pid=self.rank, args=dict(name=f"rank {self.rank}")),
                 dict(name="process_sort_index", ph="M", pid=self.rank, args=dict(sort_index=self.rank))]
-        for tid, name in ((COMPUTE, "compute"), (COMM, "comm")):
+        comm_row = "comm (host launch times, not GPU time)" if self.clock == LAUNCH_CLOCK else "comm"
+        for tid, name in ((COMPUTE, "compute"), (COMM, comm_row)):
             meta.append(dict(name="thread_name", ph="M", pid=self.rank, tid=tid, args=dict(name=name)))
         return meta
 
@@ -95,7 +111,7 @@ def start(rank: int = 0) -> Tracer:
     import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()
-    active = Tracer(rank)
+    active = Tracer(rank, launches=dist.is_initialized() and dist.get_backend() == "nccl")
     return active
 
 
@@ -166,13 +182,14 @@ def gather_and_write(path: str, tracer: Tracer) -> int:
         if dist.get_rank() != 0:
             return 0
         events = [e for part in everyone for e in part]
-    write(path, events)
+    write(path, events, tracer.clock)
     return len(events)
 
 
-def write(path: str, events: list[dict]) -> None:
+def write(path: str, events: list[dict], clock: str = HOST_CLOCK) -> None:
     with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                   "otherData": {"clock": clock}}, f)
 
 
 def load(path: str) -> list[dict]:

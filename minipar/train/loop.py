@@ -150,10 +150,16 @@ def batches(cfg: RunConfig) -> Corpus:
                   data.Batches(held_out, cfg.seq_len, cfg.batch_size, seed=cfg.seed), tokens.numel())
 
 
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in pinned host memory (one copy, whatever ``t``'s strides:
+    ``Batches`` hands out strided views, which ``pin_memory()`` would keep strided)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch to the device; on a GPU from pinned memory, without blocking the host."""
+    """A batch to the device; on a GPU from contiguous pinned memory, without blocking the host."""
     if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+        return pinned(t).to(device, non_blocking=True)
     return t.to(device)
 
 

@@ -63,20 +63,21 @@ def decays(serial_name: str, ndim: int) -> bool:
     return ndim >= 2 and serial_name != "embed.pos.weight"
 
 
-def _owned_grads(mesh, runner, engine) -> list[torch.Tensor]:
-    return [piece.views["grad"] for piece in pieces(mesh, runner, engine)
+def _owned_grads(mesh, runner, engine, plans=None) -> list[torch.Tensor]:
+    return [piece.views["grad"] for piece in pieces(mesh, runner, engine, plans)
             if piece.owner and "grad" in piece.views]
 
 
-def global_grad_norm(mesh, runner, engine) -> torch.Tensor:
+def global_grad_norm(mesh, runner, engine, plans: dict | None = None) -> torch.Tensor:
     """The serial model's gradient norm, from the pieces this rank owns (collective).
 
     On the device and without a host sync: one ``torch._foreach_norm`` per (device, dtype)
     group of owned gradient pieces (norms in fp32, their squares summed in fp64), then one
     all-reduce of that scalar over the world. Returns a 0-d fp64 tensor; ``float()`` of it
-    is the only sync, and the trainer makes it on logging steps only.
+    is the only sync, and the trainer makes it on logging steps only. ``plans``: the pieces'
+    geometry, kept by the caller between steps (``minipar.train.pieces``).
     """
-    grads = _owned_grads(mesh, runner, engine)
+    grads = _owned_grads(mesh, runner, engine, plans)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
@@ -104,6 +105,7 @@ class StepHook:
     def __init__(self, mesh, runner, engine, clip: float | None = None,
                  weight_decay: float = 0.0):
         self.mesh, self.runner, self.engine = mesh, runner, engine
+        self._plans = {}               # the pieces' geometry, worked out at the first step
         self.clip, self.weight_decay = clip, weight_decay
         self.measure = True            # the trainer sets it per step (its logging steps)
         self._norm = None
@@ -120,7 +122,7 @@ class StepHook:
     def __call__(self, optimizer, args=(), kwargs=None):
         self._norm = None
         if self.clip is not None or self.measure:
-            self._norm = global_grad_norm(self.mesh, self.runner, self.engine)
+            self._norm = global_grad_norm(self.mesh, self.runner, self.engine, self._plans)
         if self.clip is not None:
             coef = (self.clip / (self._norm + 1e-6)).clamp(max=1.0)
             grads = [p.grad for group in optimizer.param_groups for p in group["params"]
@@ -129,7 +131,8 @@ class StepHook:
                 torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
         if self.weight_decay:
             lr = optimizer.param_groups[0]["lr"]
-            decayed = [piece.views["param"] for piece in pieces(self.mesh, self.runner, self.engine)
+            decayed = [piece.views["param"]
+                       for piece in pieces(self.mesh, self.runner, self.engine, self._plans)
                        if decays(piece.name, len(piece.shape))]
             if decayed:
                 torch._foreach_mul_(decayed, 1.0 - lr * self.weight_decay)

@@ -26,9 +26,11 @@ pieces of all ranks tile every serial tensor exactly once.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
 import torch.nn as nn
 from einops import rearrange
 
@@ -44,8 +46,29 @@ class Piece:
     shape: tuple[int, ...]                 # the serial tensor's full shape
     offsets: tuple[int, ...]               # where this box starts in it
     sizes: tuple[int, ...]                 # the box's extent
-    views: dict[str, torch.Tensor]         # "param", "grad", "exp_avg", ...: views of `sizes`
+    views: Mapping[str, torch.Tensor]      # "param", "grad", "exp_avg", ...: views of `sizes`
     owner: bool                            # the one rank that writes it and counts it once
+
+
+class _Views(Mapping):
+    """A piece's views, each cut from its flat range's 1-D view when first read: the gradient
+    norm reads only ``"grad"``, weight decay only ``"param"``."""
+
+    def __init__(self, flat: dict[str, torch.Tensor], cut: tuple):
+        self._flat, self._cut, self._made = flat, cut, {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._made:
+            at, rows, cols, d, start, length, one_d = self._cut
+            v = self._flat[key][at:at + rows * cols].view(rows, cols).narrow(d, start, length)
+            self._made[key] = v[0] if one_d else v
+        return self._made[key]
+
+    def __iter__(self):
+        return iter(self._flat)
+
+    def __len__(self) -> int:
+        return len(self._flat)
 
 
 def _row_boxes(shape: tuple[int, int], start: int, stop: int):
@@ -85,39 +108,56 @@ def _tp_segments(split, lo: int, hi: int, rank: int, t: int):
     return out
 
 
-def pieces(mesh, runner, engine) -> list[Piece]:
-    """This rank's pieces of the serial model (see the module docstring)."""
+def _boxes(mesh, runner, name: str, shape, start: int, stop: int, owner: bool) -> list[tuple]:
+    """The geometry of one flat range: (serial name, full shape, offsets, sizes, cut, owner)
+    per box, ``cut`` saying how ``_Views`` makes the box's view from the range's 1-D view."""
+    split = split_of(name, runner.module) if mesh.tp > 1 else None
+    if split is None and mesh.coord("tp") != 0:
+        owner = False                               # TP replicates it: TP rank 0 owns it
+    serial = runner.serial_name(name)
+    shape2 = (1, shape[0]) if len(shape) == 1 else tuple(shape)
+    if len(shape2) != 2:
+        raise ValueError(f"{name}: only 1-d and 2-d parameters are supported, got {shape}")
+    full = list(shape2)
+    dim = None
+    if split is not None:
+        dim = split.dim + (1 if len(shape) == 1 else 0)
+        full[dim] = split.full
+    out = []
+    for r, c, rows, cols, at in _row_boxes(shape2, start, stop):
+        lo, size = (r, c), (rows, cols)
+        if dim is None:                             # not split: the local box is the serial one
+            d, segments = 0, [(r, r, rows)]
+        else:
+            d = dim
+            segments = _tp_segments(split, lo[d], lo[d] + size[d], mesh.coord("tp"), mesh.tp)
+        for local_lo, serial_lo, length in segments:
+            o, s = list(lo), list(size)
+            o[d], s[d] = serial_lo, length
+            if len(shape) == 1:                     # back from (1, C) to (C,)
+                o, s = o[1:], s[1:]
+            out.append((serial, tuple(full[-len(shape):]), tuple(o), tuple(s),
+                        (at, rows, cols, d, local_lo - lo[d], length, len(shape) == 1), owner))
+    return out
+
+
+def pieces(mesh, runner, engine, plans: dict | None = None) -> list[Piece]:
+    """This rank's pieces of the serial model (see the module docstring).
+
+    ``plans``: a dict the caller keeps between calls (the optimizer hook does): the geometry
+    of each flat range is then worked out once, and only the views read are made each call.
+    """
     out = []
     for name, shape, start, views, owner in engine.flat_ranges():
-        split = split_of(name, runner.module) if mesh.tp > 1 else None
-        if split is None and mesh.coord("tp") != 0:
-            owner = False                           # TP replicates it: TP rank 0 owns it
-        serial = runner.serial_name(name)
-        shape2 = (1, shape[0]) if len(shape) == 1 else tuple(shape)
-        if len(shape2) != 2:
-            raise ValueError(f"{name}: only 1-d and 2-d parameters are supported, got {shape}")
         stop = start + next(iter(views.values())).numel()
-        full = list(shape2)
-        dim = None
-        if split is not None:
-            dim = split.dim + (1 if len(shape) == 1 else 0)
-            full[dim] = split.full
-        for r, c, rows, cols, at in _row_boxes(shape2, start, stop):
-            box = {k: v[at:at + rows * cols].view(rows, cols) for k, v in views.items()}
-            lo, size = (r, c), (rows, cols)
-            if dim is None:                         # not split: the local box is the serial one
-                d, segments = 0, [(r, r, rows)]
-            else:
-                d = dim
-                segments = _tp_segments(split, lo[d], lo[d] + size[d], mesh.coord("tp"), mesh.tp)
-            for local_lo, serial_lo, length in segments:
-                o, s = list(lo), list(size)
-                o[d], s[d] = serial_lo, length
-                part = {k: v.narrow(d, local_lo - lo[d], length) for k, v in box.items()}
-                if len(shape) == 1:                 # back from (1, C) to (C,)
-                    o, s, part = o[1:], s[1:], {k: v[0] for k, v in part.items()}
-                out.append(Piece(serial, tuple(full[-len(shape):]), tuple(o), tuple(s), part,
-                                 owner))
+        key = (name, tuple(shape), start, stop, owner)
+        boxes = plans.get(key) if plans is not None else None
+        if boxes is None:
+            boxes = _boxes(mesh, runner, name, shape, start, stop, owner)
+            if plans is not None:
+                plans[key] = boxes
+        out += [Piece(serial, full, o, s, _Views(views, cut), own)
+                for serial, full, o, s, cut, own in boxes]
     return out
 
 

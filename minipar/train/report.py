@@ -94,14 +94,17 @@ def summary(history: list[dict]) -> str:
     if not history:
         return "no steps run"
     last, first = history[-1], history[0]
-    logged = [h for h in history if "step_time_s" in h]   # the logging steps' full records
+    # every record has the interval's step time; MFU and peak memory only the logging step's
+    # record of its interval (--log-every K > 1: one record in K)
+    logged = [h for h in history if "step_time_s" in h]
     timed = logged[1:] or logged    # the first one pays for warm-up
     tps = sum(h["tokens_per_s"] for h in timed) / len(timed)
     ms = last["model_state_bytes"]
     sent = last["comm_bytes"]
     util = ""
     if last.get("mfu") is not None:
-        mean = lambda key: sum(h[key] for h in timed) / len(timed)   # noqa: E731
+        rated = [h for h in timed if h.get("mfu") is not None] or [last]
+        mean = lambda key: sum(h[key] for h in rated) / len(rated)   # noqa: E731
         util = f", MFU {mean('mfu'):.1%} (HFU {mean('hfu'):.1%})"
     lines = [f"summary: {len(history)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
              f"{tps:,.0f} tokens/s (mean after step {logged[0]['step']}){util}",
@@ -115,7 +118,7 @@ def summary(history: list[dict]) -> str:
         lines.append(f"  fp16 loss scale {last['loss_scale']:g} at the last step, "
                      f"{last['skipped_steps']} step(s) skipped for overflowing gradients")
     if "peak_memory_bytes" in last:
-        peak = max(h["peak_memory_bytes"] for h in logged)
+        peak = max(h["peak_memory_bytes"] for h in history if "peak_memory_bytes" in h)
         lines.append(f"  peak GPU memory (torch.cuda.max_memory_allocated, the largest over "
                      f"ranks): {peak / 2**30:.2f} GiB")
     return "\n".join(lines)

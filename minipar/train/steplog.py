@@ -132,6 +132,7 @@ class Recorder:
         return self
 
     def __exit__(self, kind, error, tb):
+        comm.stats.device_timing = True
         if self.metrics:
             self.metrics.close()
         trace.stop()
@@ -140,7 +141,9 @@ class Recorder:
         if self.tracer:
             with comm.untracked():
                 trace.gather_and_write(self.cfg.trace, self.tracer)
-            self.say(f"trace of every rank written to {self.cfg.trace} (open it at ui.perfetto.dev)")
+            self.say(f"trace of every rank written to {self.cfg.trace} (open it at ui.perfetto.dev)"
+                     + ("; its times are the host's launch times, not GPU time (NCCL runs "
+                        "asynchronously)" if comm.clock() == "cuda-events" else ""))
         if self.rank0:
             print(report.summary(self.history))
         return False
@@ -150,6 +153,7 @@ class Recorder:
         norm of a new step."""
         self.logging = self.steps.is_logging(step, also=self.evaluates(step) or self.saves(step))
         clip.measure, clip.grad_norm = self.logging, None   # the norm: when clipping or logging
+        comm.stats.device_timing = self.logging             # NCCL: CUDA events on logging steps
         comm.reset()
         self.steps.begin_step()
         self.t_step = time.perf_counter()

@@ -1,0 +1,267 @@
+"""Will this order of sends and receives run on NCCL? Record it on gloo, replay it under NCCL's rule.
+
+gloo runs a send in a background thread and buffers it, so almost any order of sends and
+receives finishes on a CPU. NCCL (and RCCL on ROCm) promise much less:
+
+* **rendezvous**: a send may complete only together with the peer's matching receive
+  (NVIDIA/nccl#783: "send(x1) is allowed to block until the corresponding recv() is
+  called"). Small messages often slip through a buffer; large ones do not, so a program must
+  be correct without the buffer;
+* **one queue per communicator**: a rank's operations on one communicator run one after
+  the other, in the order it posted them, on one stream. An ``isend`` does not block the
+  host, but it blocks every later operation of the same communicator (NVIDIA/nccl#479: two
+  ranks that each post a send before their receive hang);
+* which communicator an operation uses depends on how torch created them. With *eager init*
+  (``init_process_group(device_id=...)``, as ``minipar.runtime.dist`` does) a process group has one
+  communicator, and its unbatched sends and receives share it with its collectives. With
+  *lazy init* every pair of ranks gets its own two-rank communicator at its first
+  point-to-point message (a blocking handshake of both ranks), and a batch
+  (``batch_isend_irecv``) runs on the group's communicator. A batch starts as one unit.
+
+This module makes that checkable without a GPU. ``record()`` collects, on each rank, the
+operations the rank issues through ``minipar.comm`` (the point-to-point ones and every
+collective, in posting order, with the points where the rank waits for them); ``replay``
+runs the ranks' recordings together under the rules above and returns what would hang::
+
+    with p2p_order.record() as log:        # on every rank of a gloo run
+        ...                                 # ring attention, a training step, ...
+    problems = p2p_order.replay([log.events for each rank], mode="eager")   # [] if it runs
+
+A host that waits for an op (a blocking call, ``Handle.wait()``) stops there until it
+completes; on a GPU the stream waits instead, which delays every later op just the same.
+The pipeline's schedule checker (``minipar.pp.validate_schedule``) replays its instruction
+lists with the same function. What this model leaves out: ops that bypass ``minipar.comm``
+(checkpoint and trace bookkeeping), and kernels of different communicators competing for
+the GPU (NCCL's advice: one order of communicators on every rank).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+MODES = ("eager", "lazy")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation as a rank posted it.
+
+    ``kind`` is ``"send"``, ``"recv"`` or ``"collective"``; ``name`` labels it in reports
+    (e.g. ``"send cp ->1"``, ``"all_reduce dp"``);
+    ``comm`` names the process group it was issued on (``"world"`` for torch's default
+    group); ``peer`` is the other rank (point-to-point), ``members`` the group's ranks
+    (collective; None: every rank); ``batch`` groups the ops of one ``batch_isend_irecv``;
+    ``tag``, when given on both ends, must be equal for a send and a receive to match (the
+    pipeline checker's message identity; NCCL itself matches on peer and order alone).
+    """
+    kind: str
+    name: str
+    comm: str = "world"
+    peer: int = -1
+    members: tuple[int, ...] | None = None
+    nbytes: int = 0
+    batch: int | None = None
+    tag: object = None
+
+    def __str__(self):
+        return self.name + (f" ({self.nbytes:,} B)" if self.nbytes else "")
+
+
+class Recorder:
+    """One rank's recording: ``events`` is a list of ``("post", id, Op)`` and ``("wait", id)``."""
+
+    def __init__(self):
+        self.events: list[tuple] = []
+        self._posted = 0
+        self._batch = None
+        self._batches = 0
+
+    def post(self, kind, name, comm="world", peer=None, members=None, nbytes=0,
+             tag=None) -> int:
+        """Note an op being issued; returns its id (for ``wait``)."""
+        self._posted += 1
+        self.events.append(("post", self._posted,
+                            Op(kind, name, comm, -1 if peer is None else peer,
+                               None if members is None else tuple(members), int(nbytes),
+                               self._batch, tag)))
+        return self._posted
+
+    def wait(self, op_id: int) -> None:
+        self.events.append(("wait", op_id))
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Ops posted inside are one batch (``batch_isend_irecv``): they start together."""
+        self._batches += 1
+        self._batch = self._batches
+        try:
+            yield
+        finally:
+            self._batch = None
+
+
+@contextlib.contextmanager
+def record():
+    """Record this rank's operations through ``minipar.comm`` while the block runs."""
+    from . import comm
+    recorder = Recorder()
+    with comm.recording(recorder):
+        yield recorder
+
+
+def blocking(op: Op, op_id: int) -> list[tuple]:
+    """The events of a blocking call of ``op``: post it, wait for it."""
+    return [("post", op_id, op), ("wait", op_id)]
+
+
+# --------------------------------------------------------------------------------------
+# The replay
+# --------------------------------------------------------------------------------------
+def _queue(r: int, op: Op, mode: str):
+    """The communicator an op runs on, as the replay's queue key (the same on every member)."""
+    if op.kind == "collective" or mode == "eager" or op.batch is not None:
+        return (op.comm,)
+    return (op.comm, min(r, op.peer), max(r, op.peer))       # lazy: a two-rank communicator
+
+
+def _members(key, op: Op, n: int) -> tuple[int, ...]:
+    if len(key) == 3:
+        return key[1:]
+    return op.members if op.members is not None else tuple(range(n))
+
+
+def replay(traces: list[list[tuple]], mode: str = "eager", who: str = "rank") -> list[str]:
+    """Run every rank's recorded events together under NCCL's rule; ``[]`` when all finish.
+
+    ``traces[r]`` is rank r's ``Recorder.events``. ``mode``: ``"eager"`` (one queue per rank
+    and process group) or ``"lazy"`` (unbatched point-to-point ops on a two-rank communicator
+    per pair, made by a blocking handshake at the pair's first message). Otherwise one line,
+    ``"deadlock: ..."``, naming where each stuck rank (``who``) waits, and, for a rank that
+    ended with operations still queued, which ones never completed.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    n = len(traces)
+    pc = [0] * n
+    queues: dict[tuple, deque] = defaultdict(deque)   # (rank, key) -> entries [[id, op, matched]]
+    done: set[tuple[int, int]] = set()
+    posted: dict[tuple[int, int], tuple] = {}          # (rank, id) -> (key, op)
+    made: set = set()                                  # lazy: communicators created
+    joining: dict[int, tuple] = {}                     # lazy: rank -> key of its handshake
+    problems: list[str] = []
+
+    def advance(r) -> bool:
+        moved = False
+        while pc[r] < len(traces[r]):
+            event = traces[r][pc[r]]
+            if event[0] == "post":
+                _, op_id, op = event
+                key = _queue(r, op, mode)
+                if mode == "lazy" and key not in made:
+                    joining[r] = (key, _members(key, op, n))
+                    return moved
+                q = queues[(r, key)]
+                if op.batch is not None and q and q[-1][0][1].batch == op.batch:
+                    q[-1].append([op_id, op, False])           # the same batch: one entry
+                else:
+                    q.append([[op_id, op, False]])
+                posted[(r, op_id)] = (key, op)
+            elif (r, event[1]) not in done:
+                return moved
+            pc[r] += 1
+            moved = True
+        return moved
+
+    def handshakes() -> bool:
+        moved = False
+        for key, members in {v for v in joining.values()}:
+            if all(joining.get(m, (None,))[0] == key for m in members):
+                made.add(key)
+                for m in members:
+                    del joining[m]
+                moved = True
+        return moved
+
+    def head(r, key):
+        q = queues.get((r, key))
+        return q[0] if q else None
+
+    def match() -> bool:
+        moved = False
+        for (r, key), q in list(queues.items()):
+            if not q:
+                continue
+            for item in q[0]:
+                op_id, op, matched = item
+                if matched:
+                    continue
+                if op.kind == "collective":
+                    group = _members(key, op, n)
+                    found = []
+                    for m in group:
+                        entry = head(m, key) or []
+                        hit = next((x for x in entry if not x[2] and x[1].kind == "collective"),
+                                   None)
+                        if hit is None or hit[1].name != op.name:
+                            break
+                        found.append(hit)
+                    else:
+                        for x in found:
+                            x[2] = True
+                        moved = True
+                    continue
+                want = "recv" if op.kind == "send" else "send"
+                entry = head(op.peer, key) if op.peer != r else None
+                hit = next((x for x in entry or [] if not x[2] and x[1].kind == want
+                            and x[1].peer == r and (op.tag is None or x[1].tag is None
+                                                    or x[1].tag == op.tag)), None)
+                if hit is None:
+                    continue
+                if hit[1].nbytes != op.nbytes:
+                    problems.append(f"size mismatch: {who} {r} {op} meets {who} {op.peer} "
+                                    f"{hit[1]}")
+                item[2] = hit[2] = True
+                moved = True
+        for (r, key), q in queues.items():
+            while q and all(x[2] for x in q[0]):
+                for x in q.popleft():
+                    done.add((r, x[0]))
+                moved = True
+        return moved
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(n):
+            progress |= advance(r)
+        if mode == "lazy":
+            progress |= handshakes()
+        progress |= match()
+
+    stuck = []
+    for r in range(n):
+        if pc[r] < len(traces[r]):
+            event = traces[r][pc[r]]
+            if event[0] == "post":      # lazy: waiting for the peer to make the communicator
+                key, members = joining[r]
+                which = (f"the pair communicator of {key[1]} and {key[2]}" if len(key) == 3
+                         else f"the communicator of {key[0]} {list(members)}")
+                stuck.append(f"{who} {r} waits to create {which} for {event[2]}")
+                continue
+            key, op = posted[(r, event[1])]
+            first = queues[(r, key)][0][0][1]
+            behind = "" if first is op else f", queued behind {first}"
+            stuck.append(f"{who} {r} waits in {op}{behind}")
+        else:
+            left = [x[1] for (q_r, _), q in queues.items() if q_r == r for e in q for x in e]
+            if left:
+                stuck.append(f"{who} {r} ends with {', '.join(map(str, left))} never completed")
+    if stuck:
+        problems.append("deadlock: " + "; ".join(stuck))
+    return problems
+
+
+def check(traces: list[list[tuple]]) -> dict[str, list[str]]:
+    """``replay`` under both ways torch makes NCCL communicators: {mode: problems}."""
+    return {mode: replay(traces, mode) for mode in MODES}
