@@ -115,8 +115,9 @@ from .estimate import Estimate, bubble_fraction, estimate, scaled_layout, scalin
 from .frameworks import FRAMEWORKS, Framework, load_framework
 from .hardware import Hardware, hardware_presets, load_hardware
 from .layout import Layout, check_layout
-from .memory import (activation_bytes, device_memory, layer_activation_bytes,
-                     model_state_bytes, padded_params, stage_params, tp_rank_params)
+from .memory import (layer_activation_bytes, model_state_bytes, padded_params, stage_params,
+                     tp_rank_params)
+from .peak import activation_bytes, device_memory
 from .network import (collective_time, engine_collectives, pp_comm_bytes, ring_bytes,
                       tp_block_comm_bytes, tp_comm_bytes, zero_collectives, zero_comm_bytes,
                       zero_comm_bytes_by_group, zero_group_span)

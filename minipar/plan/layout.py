@@ -116,9 +116,61 @@ def cp_violation(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> str | 
     return None
 
 
+def tp_violation(heads: int, tp: int, kv_heads: int = 0) -> str | None:
+    """Why ``tp`` tensor-parallel ranks cannot split the attention (None if they can): each
+    rank takes whole heads, and with grouped-query attention whole key/value heads
+    (Megatron-LM asserts num_query_groups % tp == 0; minipar's trainer has no GQA)."""
+    if tp < 1:
+        return f"--tp must be >= 1, got {tp}"
+    if heads % tp:
+        return f"tp={tp} does not divide {heads} attention heads; use a divisor of {heads}"
+    if kv_heads and kv_heads % tp:
+        return (f"tp={tp} does not divide the {kv_heads} key/value heads (grouped-query "
+                f"attention: each rank takes whole K/V heads); use a divisor of {kv_heads}")
+    return None
+
+
+def pp_violation(layers: int, pp: int, chunks: int = 1, uneven: bool = False) -> str | None:
+    """Why ``layers`` layers cannot be cut into ``pp`` stages of ``chunks`` model chunks each
+    (None if they can): equal stages need pp x chunks to divide the layers; ``uneven`` (a
+    framework that builds uneven stages, ``plan.stages``) needs only a layer for every stage,
+    and interleaving (chunks > 1) stays even. The trainer's rule is ``uneven=False``."""
+    p, v = pp, chunks
+    if p < 1 or v < 1:
+        return f"--pp and --chunks must be >= 1, got pp={p}, chunks={v}"
+    if uneven and v == 1:
+        if layers < p:
+            return (f"pp={p} stages need at least one layer each, but the model has {layers} "
+                    f"layers; use --pp {layers} or fewer")
+        return None
+    if layers % (p * v):
+        what = f"pp={p} x chunks={v} = {p * v}" if v > 1 else f"pp={p}"
+        fix = f"a pp{' x chunks' if v > 1 else ''} that divides {layers}"
+        if not uneven:
+            fix += " (or a framework that builds uneven stages)"
+        return (f"the model has {layers} layers, which do not split into {what} equal "
+                f"stages; use {fix}")
+    return None
+
+
+def interleave_violation(pp: int, microbatches: int, chunks: int) -> str | None:
+    """Why the interleaved schedule cannot run (None if it can, or chunks = 1): it needs
+    pp > 1 and runs micro-batches in groups of pp (Megatron-LM's rule and minipar's)."""
+    if chunks == 1:
+        return None
+    if pp == 1 or microbatches % pp:
+        return (f"interleaving (v={chunks}) needs pp > 1, the 1f1b schedule and a micro-batch "
+                f"count divisible by pp={pp} (Megatron-LM's rule)")
+    return None
+
+
 def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
-                 order: str = "tp,pp,dp", gpus_per_node: int | None = None) -> Layout:
-    """Raise PlanError (what is wrong, what would fix it) unless ``layout`` can run ``shape``."""
+                 order: str = "tp,pp,dp", gpus_per_node: int | None = None,
+                 stage_rule: str = "even") -> Layout:
+    """Raise PlanError (what is wrong, what would fix it) unless ``layout`` can run ``shape``
+    with stages built by ``stage_rule`` (``plan.stages``: even unless the framework builds
+    uneven ones; the rule's own limits, nanotron's every-stage-a-block, are
+    ``frameworks.check_framework``'s)."""
     t, p, v = layout.tp, layout.pp, layout.v
     if order not in ORDERS:
         raise PlanError(f"unknown order {order!r}; use {' or '.join(ORDERS)}")
@@ -127,22 +179,18 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
     if gpus is not None and layout.gpus != gpus:
         raise PlanError(f"tp*pp*cp*dp = {t}*{p}*{layout.cp}*{layout.dp} = {layout.gpus} but "
                         f"there are {gpus} GPUs; choose degrees whose product is {gpus}")
-    if shape.heads % t:
-        raise PlanError(f"tp={t} does not divide {shape.heads} attention heads; "
-                        f"use a divisor of {shape.heads}")
-    if shape.layers % (p * v):
-        raise PlanError(f"pp*v = {p}*{v} does not divide {shape.layers} layers; "
-                        f"use a divisor of {shape.layers}")
     if layout.recompute not in RECOMPUTE_MODES:
         raise PlanError(f"unknown recomputation {layout.recompute!r}; "
                         f"use one of {', '.join(RECOMPUTE_MODES)}")
     if layout.schedule not in ("gpipe", "1f1b"):
         raise PlanError(f"unknown schedule {layout.schedule!r}; use gpipe or 1f1b "
                         f"(v > 1 makes 1f1b interleaved)")
-    if v > 1 and (p == 1 or layout.microbatches % p or layout.schedule != "1f1b"):
-        raise PlanError(f"interleaving (v={v}) needs pp > 1, the 1f1b schedule and a "
-                        f"micro-batch count divisible by pp={p} (Megatron-LM's rule)")
-    why = cp_violation(shape.seq_len, layout.cp, t, layout.sp)
+    if v > 1 and layout.schedule != "1f1b":
+        raise PlanError(f"interleaving (v={v}) needs the 1f1b schedule")
+    why = (tp_violation(shape.heads, t, shape.kv_heads)
+           or pp_violation(shape.layers, p, v, uneven=stage_rule != "even")
+           or interleave_violation(p, layout.microbatches, v)
+           or cp_violation(shape.seq_len, layout.cp, t, layout.sp))
     if why:
         raise PlanError(why)
     per_node = dp_per_node(layout, gpus_per_node, order) if gpus_per_node else None
