@@ -91,7 +91,8 @@ def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp",
                dtype: str = "mixed", flash: bool = False,
                layers: int | None = None) -> dict[str, float]:
     """Seconds per step of the ring on a stage of ``layers`` layers (default the heaviest of
-    equal stages), as ``minipar.cp`` runs it, per layer and micro-batch (x2 forward when recomputed, as ``cp_attention_bytes`` counts):
+    equal stages), as ``minipar.cp`` runs it, per layer and micro-batch (x2 forward when
+    recomputed, as ``cp_attention_bytes`` counts):
 
         forward    cp-1 K/V sends, each posted before a block and waited for after it:
                    exposed max(0, send - block)

@@ -398,7 +398,8 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
                  f"temporary {_gib(mem['temporary'])})")
     if best.unvalidated:
         lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
-                     "alpha-beta model, never extrapolated from measurements)")
+                     "alpha-beta model at the measured network efficiency, never faster "
+                     "than the widest measured row)")
     if runner_up is not None:
         r = runner_up.times
         deltas = {k: r[k] - t[k] for k in _PARTS}
