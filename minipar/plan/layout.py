@@ -145,11 +145,8 @@ def pp_violation(layers: int, pp: int, chunks: int = 1, uneven: bool = False) ->
         return None
     if layers % (p * v):
         what = f"pp={p} x chunks={v} = {p * v}" if v > 1 else f"pp={p}"
-        fix = f"a pp{' x chunks' if v > 1 else ''} that divides {layers}"
-        if not uneven:
-            fix += " (or a framework that builds uneven stages)"
         return (f"the model has {layers} layers, which do not split into {what} equal "
-                f"stages; use {fix}")
+                f"stages; use a pp{' x chunks' if v > 1 else ''} that divides {layers}")
     return None
 
 
@@ -187,8 +184,11 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
                         f"(v > 1 makes 1f1b interleaved)")
     if v > 1 and layout.schedule != "1f1b":
         raise PlanError(f"interleaving (v={v}) needs the 1f1b schedule")
+    stages = pp_violation(shape.layers, p, v, uneven=stage_rule != "even")
+    if stages and stage_rule == "even" and v == 1 and shape.layers >= p:
+        stages += " (or a framework that builds uneven stages: megatron-lm, nanotron)"
     why = (tp_violation(shape.heads, t, shape.kv_heads)
-           or pp_violation(shape.layers, p, v, uneven=stage_rule != "even")
+           or stages
            or interleave_violation(p, layout.microbatches, v)
            or cp_violation(shape.seq_len, layout.cp, t, layout.sp))
     if why:
