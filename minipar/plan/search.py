@@ -251,6 +251,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, *, tps, pps, max_cp,
         specs = _specs(fw, replicas, p, per_node, shard, zeros)
         if not specs:
             continue
+        states = _state_table(shape, grid, specs, dtype, fw)
         profiles: dict = {}                # (spec, full recomputation) -> dp_profile
         for b, m, chunks in _schedules(shape, p, batch // d, mbs, vs, max_v, max_micro_batch,
                                        fw.stage_rule):
@@ -260,7 +261,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, *, tps, pps, max_cp,
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
                               recompute=mode, v=chunks, sp=use_sp and t > 1,
                               schedule="gpipe" if schedule == "gpipe" else "1f1b")
-                table = _memory_table(shape, base, specs, flash, dtype, fw)
+                table = _memory_table(shape, base, states, flash, dtype, fw)
                 leanest = min(leanest, (table[0][0], base), key=lambda x: x[0])
                 fitting = bisect.bisect_right([row[0] for row in table], capacity)
                 if not fitting:
@@ -295,21 +296,27 @@ def _specs(fw, replicas: int, pp: int, per_node: int, shard, zeros) -> list:
     return wanted if fw.spec_family == "amsp" else [x for x in wanted if x in runs]
 
 
-def _memory_table(shape, base: Layout, specs, flash, dtype, fw) -> list:
-    """[(bytes per device, spec)] sorted: for each spec the largest stage's peak (``peak``),
-    the spec-independent part of each stage computed once."""
-    stage_rows = []
-    for st in distinct(stage_list(shape, base, fw)):
-        held = (activation_bytes(shape, base, flash, dtype, st, fw)
-                + temporary_bytes(shape, base, flash, dtype, fw, st))
-        stage_rows.append((st, held))
-    out = []
+def _state_table(shape, grid: Layout, specs, dtype, fw) -> dict:
+    """{spec: [(stage, model-state bytes of that stage)]}, and the gathered layers' bytes
+    under "gather": what depends on the spec, computed once per grid (the micro-batch,
+    the recomputation and the schedule do not change it)."""
+    stage_rows = distinct(stage_list(shape, grid, fw))
+    out = {}
     for spec in specs:
-        lay = replace(base, shard=spec)
-        worst = max(held + sum(state_bytes(shape, lay, dtype, fw, st).values())
-                    for st, held in stage_rows)
-        out.append((worst + gather_bytes(shape, base.tp, spec, dtype), spec))
-    return sorted(out)
+        lay = replace(grid, shard=spec)
+        out[spec] = ([(st, sum(state_bytes(shape, lay, dtype, fw, st).values()))
+                      for st in stage_rows], gather_bytes(shape, grid.tp, spec, dtype))
+    return out
+
+
+def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw) -> list:
+    """[(bytes per device, spec)] sorted: for each spec the largest stage's peak (``peak``):
+    its states (``_state_table``) and what this schedule holds on it."""
+    held = {st.index: (activation_bytes(shape, base, flash, dtype, st, fw)
+                       + temporary_bytes(shape, base, flash, dtype, fw, st))
+            for st in distinct(stage_list(shape, base, fw))}
+    return sorted((max(state + held[st.index] for st, state in rows) + gather, spec)
+                  for spec, (rows, gather) in states.items())
 
 
 def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
