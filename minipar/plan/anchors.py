@@ -73,14 +73,21 @@ BLOOM_176B = ModelShape("bloom-176b", "gpt", 70, 14336, 112, 250880, 2048)
 def _row(group, case, shape, hardware, framework, gpus, tp, pp, batch, metric, published, *,
          micro_batch=None, recompute=None, v=None, shard=None, flash=False, sp=None,
          chosen="micro-batch, interleaving and recomputation", sibling=False, source="",
-         memory_gib=None, device_gib=None, note=""):
+         memory_gib=None, device_gib=None, tp_overlap=None, note=""):
     """One published run (module docstring); ``device_gib``: the authors' device memory
-    where it differs from the preset's."""
+    where it differs from the preset's; ``tp_overlap``: whether the framework's version then
+    overlapped TP's collectives (None: as its profile says)."""
     return dict(group=group, case=case, shape=shape, hardware=hardware, framework=framework,
                 gpus=gpus, tp=tp, pp=pp, batch=batch, metric=metric, published=published,
                 micro_batch=micro_batch, recompute=recompute, v=v, shard=shard, flash=flash,
                 sp=sp, chosen=chosen, sibling=sibling, source=source,
-                memory_gib=memory_gib, device_gib=device_gib, note=note)
+                memory_gib=memory_gib, device_gib=device_gib, tp_overlap=tp_overlap,
+                note=note)
+
+
+# Megatron-LM of 2021-2022 blocked on TP's collectives (--tp-comm-overlap came with
+# TransformerEngine's userbuffers in 2023) and had no distributed optimizer (plain DDP)
+BEFORE_TE = dict(tp_overlap=False, shard=(1, 1, 1))
 
 
 def megatron_h100() -> list[dict]:
@@ -124,7 +131,7 @@ def megatron_a100() -> list[dict]:
     return [_row("Megatron-LM A100 2021", f"GPT {name} on {gpus} A100 (Megatron-LM, 2021)",
                  _megatron_a100(f"gpt-{name.lower()}", a, h, l), "dgx-a100", "megatron-lm",
                  gpus, t, p, batch, "HFU", float(pct), recompute="full",
-                 chosen="micro-batch and interleaving", source=MEGATRON_2021)
+                 chosen="micro-batch and interleaving", source=MEGATRON_2021, **BEFORE_TE)
             for name, a, h, l, t, p, gpus, batch, pct in table]
 
 
@@ -143,13 +150,13 @@ def korthikanti() -> list[dict]:
                              "dgx-a100", "megatron-lm", 8 * p, 8, p, batch, "seconds",
                              seconds, micro_batch=1, recompute=mode, v=1,
                              sp=mode == "selective", chosen="nothing",
-                             source=KORTHIKANTI))
+                             source=KORTHIKANTI, **BEFORE_TE))
     shape = _megatron_a100("gpt-530b", 128, 20480, 105)
     for mode, mfu in (("full", 42.1), ("selective", 54.2)):
         rows.append(_row("Korthikanti 530B at 2240", f"GPT 530B on 2240 A100, TP 8 x PP 35 x "
                          f"DP 8, {mode} recomputation", shape, "dgx-a100", "megatron-lm", 2240,
                          8, 35, 2240, "MFU", mfu, micro_batch=1, recompute=mode,
-                         sp=mode == "selective", chosen="interleaving",
+                         sp=mode == "selective", chosen="interleaving", **BEFORE_TE,
                          source="Korthikanti et al. 2022, abstract: 530B on 2,240 A100s, MFU "
                                 "54.2% (selective + SP) against 42.1% (full); batch 2,240 "
                                 "sequences our reading (280 per pipeline, as Table 3)"))

@@ -37,6 +37,8 @@ def predict(row: dict):
     shape, hw, fw = row["shape"], load_hardware(row["hardware"]), load_framework(row["framework"])
     if row["device_gib"]:
         hw = replace(hw, memory_bytes=row["device_gib"] * 2**30)
+    if row["tp_overlap"] is not None:
+        fw = replace(fw, tp_overlap=row["tp_overlap"])
     t, p, gpus = row["tp"], row["pp"], row["gpus"]
     dp = gpus // (t * p)
     sp = fw.sp and t > 1 if row["sp"] is None else row["sp"]
