@@ -96,13 +96,21 @@ def resolve_shard(dp: int, shard: Shard | str | None = None, zero: int | None = 
 # --------------------------------------------------------------------------------------
 # Tensor, pipeline and context parallelism; MoE under them
 # --------------------------------------------------------------------------------------
-def tp_violation(heads: int, hidden: int, ffn: int, tp: int, seq_len: int = 0,
-                 sp: bool = False) -> str | None:
-    """Megatron's split: each TP rank owns whole heads and 1/tp of the MLP's width; with
-    sequence parallelism 1/tp of every sequence."""
-    for what, n in ((f"the {heads} attention heads of the model (each rank owns whole heads)",
-                     heads), (f"the hidden size {hidden}", hidden), (f"the MLP width {ffn}", ffn)):
-        if n % tp:
+def tp_violation(heads: int, tp: int, kv_heads: int = 0, hidden: int = 0, ffn: int = 0,
+                 seq_len: int = 0, sp: bool = False) -> str | None:
+    """Megatron's split: each TP rank owns whole heads (and, with grouped-query attention,
+    whole key/value heads; Megatron-LM asserts num_query_groups % tp == 0) and 1/tp of the
+    hidden and MLP widths (when given); with sequence parallelism 1/tp of every sequence."""
+    if tp < 1:
+        return f"--tp must be >= 1, got {tp}"
+    if heads % tp:
+        return (f"--tp {tp} does not divide the {heads} attention heads of the model (each rank "
+                f"owns whole heads); use a --tp that divides {heads}")
+    if kv_heads and kv_heads % tp:
+        return (f"--tp {tp} does not divide the {kv_heads} key/value heads (grouped-query "
+                f"attention: each rank takes whole K/V heads); use a divisor of {kv_heads}")
+    for what, n in ((f"the hidden size {hidden}", hidden), (f"the MLP width {ffn}", ffn)):
+        if n and n % tp:
             return f"--tp {tp} does not divide {what}; use a --tp that divides {n}"
     if sp and seq_len % tp:
         return (f"--sp splits each sequence over the {tp} tensor-parallel ranks, but the sequence "
@@ -111,21 +119,39 @@ def tp_violation(heads: int, hidden: int, ffn: int, tp: int, seq_len: int = 0,
     return None
 
 
-def pp_violation(layers: int, pp: int, chunks: int = 1, microbatches: int | None = None,
-                 interleaved: bool = False) -> str | None:
-    """minipar's stages are equal slices of the blocks (v chunks a stage when interleaved), and
-    the interleaved schedule runs micro-batches in groups of pp (Megatron-LM's rule)."""
-    v = chunks if interleaved else 1
-    if interleaved and microbatches is not None and microbatches % pp:
-        near = [k for k in (microbatches - microbatches % pp, microbatches - microbatches % pp + pp)
-                if k >= pp]
-        return (f"--schedule interleaved runs micro-batches in groups of pp={pp}, so "
-                f"--microbatches {microbatches} must be a multiple of {pp}; use --microbatches "
-                f"{' or '.join(map(str, near))}, or --schedule 1f1b")
-    if layers % (pp * v):
-        what = f"pp={pp} x chunks={v} = {pp * v}" if v > 1 else f"pp={pp}"
+def pp_violation(layers: int, pp: int, chunks: int = 1, uneven: bool = False) -> str | None:
+    """Why ``layers`` layers cannot be cut into ``pp`` stages of ``chunks`` model chunks each:
+    equal stages (minipar's trainer) need pp x chunks to divide the layers; ``uneven`` (a
+    framework that builds uneven stages, ``plan.stages``) needs only a layer for every stage,
+    and interleaving (chunks > 1) stays even."""
+    p, v = pp, chunks
+    if p < 1 or v < 1:
+        return f"--pp and --chunks must be >= 1, got pp={p}, chunks={v}"
+    if uneven and v == 1:
+        if layers < p:
+            return (f"pp={p} stages need at least one layer each, but the model has {layers} "
+                    f"layers; use --pp {layers} or fewer")
+        return None
+    if layers % (p * v):
+        what = f"pp={p} x chunks={v} = {p * v}" if v > 1 else f"pp={p}"
         return (f"the model has {layers} layers, which do not split into {what} equal stages; "
                 f"use a pp{' x chunks' if v > 1 else ''} that divides {layers}")
+    return None
+
+
+def interleave_violation(pp: int, microbatches: int, chunks: int) -> str | None:
+    """The interleaved schedule (chunks > 1) needs pp > 1 and runs micro-batches in groups of
+    pp (Megatron-LM's rule and minipar's)."""
+    if chunks == 1:
+        return None
+    if pp == 1:
+        return "--schedule interleaved needs --pp > 1"
+    if microbatches % pp:
+        m = microbatches
+        near = [k for k in (m - m % pp, m - m % pp + pp) if k >= pp]
+        return (f"--schedule interleaved runs micro-batches in groups of pp={pp}, so "
+                f"--microbatches {m} must be a multiple of {pp}; use --microbatches "
+                f"{' or '.join(map(str, near))}, or --schedule 1f1b")
     return None
 
 

@@ -4,6 +4,7 @@ Every expected value here is computed independently of minipar.plan (written out
 from the papers' formulas, or a published count), so a wrong formula fails.
 """
 import json
+import math
 from dataclasses import replace
 import re
 import subprocess
@@ -18,7 +19,7 @@ from minipar.plan import (Layout, ModelShape, PlanError, check_shard, device_mem
                           search, shard_specs, stage_flops, stage_params, tp_comm_bytes,
                           training_flops, zero_comm_bytes, zero_shard)
 from minipar.plan.hardware import PRESET_DIR, hardware_presets
-from minipar.plan.memory import stash_layers
+from minipar.plan.peak import stash_layers
 from minipar.plan.network import collective_time, coverage
 
 GIB = 2**30
@@ -300,7 +301,8 @@ def test_tp_and_pp_bytes_outside_the_layers():
 def test_collective_time_inside_and_across_nodes():
     # NCCL's model as the a800-ib preset carries it (src/graph/tuning.cc, Simple protocol):
     # 8.4 us per call, 3.4 us per NVLink ring step, 14 us per network step
-    hw = replace(load_hardware("a800-ib"), collective_table=None)   # the model, not its rows
+    hw = replace(load_hardware("a800-ib"), collective_table=None,   # the model, not its rows
+                 inter_node_efficiency=[])                           # at the NICs' line rate
     n = 1 << 30
     # 8 GPUs of one node: 2 * 7/8 N over NVLink (200 GB/s), 14 ring steps
     inside = collective_time("all_reduce", n, 8, 1, hw)
@@ -316,6 +318,26 @@ def test_collective_time_inside_and_across_nodes():
     # a small all-reduce that wide takes the tree: 2 (7 x 28 + log2(128) x 28) us
     small = collective_time("all_reduce", 1 << 20, 1024, 1, hw)
     assert small == pytest.approx(2 * (7 + 7) * 28e-6 + 2 * (1 << 20) / (100e9 * 0.92))
+
+
+def test_rings_across_nodes_run_at_the_measured_fraction_of_the_line_rate():
+    """inter_node_efficiency: measured per width, linear in log2(nodes), held beyond."""
+    from minipar.plan.timing import network_efficiency
+    hw = replace(load_hardware("dgx-h100"), collective_table=None)
+    assert [network_efficiency(n, hw) for n in (1, 2, 5, 32, 1024)] == pytest.approx(
+        [0.94, 0.94, 0.95, 0.5, 0.5])
+    mid = network_efficiency(16, hw)           # between 5 (0.95) and 32 (0.50) nodes
+    w = (math.log2(16) - math.log2(5)) / (math.log2(32) - math.log2(5))
+    assert mid == pytest.approx(0.95 + w * (0.5 - 0.95))
+    n = 1 << 30                                 # one rank per node: each gets 1/8 of the NICs
+    for nodes in (2, 16, 64):
+        t = collective_time("all_gather", n, nodes, 8, hw)
+        beta = 400e9 / 8 * network_efficiency(nodes, hw)
+        assert t == pytest.approx(8.4e-6 + (nodes - 1) * 14e-6 + (nodes - 1) / nodes * n / beta)
+    # the same bytes cost more per byte on a wider group: the trend of the measurements
+    per_byte = [collective_time("all_gather", n, 8 * k, 1, hw) / ((8 * k - 1) / (8 * k) * n)
+                for k in (2, 8, 32, 128)]
+    assert per_byte == sorted(per_byte) and per_byte[-1] > 1.8 * per_byte[0]
 
 
 def test_widening_a_group_never_makes_a_byte_cheaper():
@@ -360,8 +382,11 @@ def test_profile_table_is_interpolated_and_falls_back_to_alpha_beta():
     # no row for this op or placement: the alpha-beta model
     assert (collective_time("all_reduce", 1 << 21, 8, 1, table)
             == collective_time("all_reduce", 1 << 21, 8, 1, hw))
-    assert (collective_time("all_gather", 1 << 21, 16, 1, table)
-            == collective_time("all_gather", 1 << 21, 16, 1, hw))
+    # wider than any row (2 nodes, rows at 1): the model, but never faster than the widest
+    # measurement at that size
+    wide = collective_time("all_gather", 1 << 21, 16, 1, hw)
+    assert collective_time("all_gather", 1 << 21, 16, 1, table) == pytest.approx(
+        max(wide, 1e-4 + 1e-4 / 3))
 
 
 def test_hardware_presets_carry_the_contract_numbers():
@@ -371,7 +396,8 @@ def test_hardware_presets_carry_the_contract_numbers():
     assert (frontier.gpus_per_node, frontier.peak_flops) == (8, 191.5e12)
     assert frontier.memory_bytes == 64 * GIB
     assert frontier.inter_node_bandwidth == 4 * 25e9          # four 25 GB/s Slingshot NICs
-    assert load_hardware("dgx-a100").intra_node_bandwidth == 300e9
+    assert load_hardware("dgx-a100").intra_node_bandwidth == 232e9    # NCCL's, measured
+    assert load_hardware("dgx-h100").intra_node_bandwidth == 370e9    # of 450 line rate
     assert load_hardware("dgx-a100").inter_node_bandwidth == 8 * 200e9 / 8
     assert load_hardware("dgx-h100").peak_flops == 989e12
     assert load_hardware("a800-ib").intra_node_bandwidth == 200e9
@@ -381,14 +407,28 @@ def test_hardware_presets_carry_the_contract_numbers():
 # --------------------------------------------------------------------------------------
 # Step time
 # --------------------------------------------------------------------------------------
-def test_bubble_is_p_minus_1_over_m_v():
+def test_bubble_is_the_other_stages_micro_batches_over_v():
+    """1F1B's bubble is the other stages' time for one micro-batch each (fill and drain),
+    over v when interleaved: (p-1)/(m v) of the work when the stages are equal."""
+    from minipar.plan.estimate import stage_time
+    from minipar.plan.frameworks import load_framework
+    from minipar.plan.stages import stages
     shape = model_preset("gpt-22b")
+    hw = load_hardware("frontier-mi250x")
     for v in (1, 2):
-        e = estimate(shape, "frontier-mi250x",
-                     Layout(tp=2, pp=4, dp=4, micro_batch=1, microbatches=16, v=v, sp=True))
+        lay = Layout(tp=2, pp=4, dp=4, micro_batch=1, microbatches=16, v=v, sp=True)
+        e = estimate(shape, hw, lay)
         t = e.times
+        per_mb = [stage_time(shape, hw, lay, st, "tp,pp,dp", "mixed", False,
+                             load_framework("minipar"))["per_mb"] for st in stages(shape, 4)]
+        assert per_mb[3] == max(per_mb) and t["stage"] == 3          # the head's stage
+        assert t["bubble"] == pytest.approx(sum(per_mb[:3]) / v)
         pipelined = t["compute"] - t["compute_optimizer"]
-        assert t["bubble"] == pytest.approx(3 / (16 * v) * (pipelined + t["tp_comm"]))
+        # the slowest stage's per micro-batch time is the step's compute and TP time / m
+        # (less the compute the hidden DP traffic slows, which estimate adds after)
+        assert per_mb[3] == pytest.approx((pipelined + t["tp_comm"]) / 16, rel=0.02)
+        # equal stages would give (p-1)/(m v); the head's stage is the slowest, so less
+        assert t["bubble"] < 3 / (16 * v) * (pipelined + t["tp_comm"])
         assert t["step"] == pytest.approx(t["compute"] + t["tp_comm"] + t["bubble"]
                                           + t["pp_comm"] + t["dp_exposed"])
         # MFU from first principles: model FLOPs over (step x devices x peak)
@@ -442,9 +482,11 @@ def test_the_last_pipeline_stage_sets_the_pace():
     hw = replace(load_hardware("laptop-cpu"), hbm_bandwidth=0.0, cores=4)   # a core each
     e = estimate(shape, hw, Layout(tp=2, pp=2, dp=1, micro_batch=4, microbatches=4),
                  dtype="fp32")
-    assert e.times["compute"] == pytest.approx(3 * (2 * layer + logits) / 2
-                                               / (hw.peak_flops * hw.compute_efficiency))
-    assert e.times["bubble"] == pytest.approx(1 / 4 * (e.times["compute"] + e.times["tp_comm"]))
+    rate = hw.peak_flops * hw.compute_efficiency
+    assert e.times["compute"] == pytest.approx(3 * (2 * layer + logits) / 2 / rate)
+    # the bubble is the first stage's one micro-batch: its layers, no logits
+    assert e.times["bubble"] < 1 / 4 * (e.times["compute"] + e.times["tp_comm"])
+    assert e.times["bubble"] > 1 / 4 * 3 * 2 * layer / 2 / rate
 
 
 @pytest.mark.parametrize("slow", [1.1, 0.9])

@@ -206,9 +206,9 @@ def test_indivisible_heads_or_sequence_exit_2_with_a_clear_line():
 
 def test_the_tp_rule_names_the_shape_that_does_not_divide():
     from minipar import rules
-    assert "MLP width 90" in rules.tp_violation(4, 32, 90, tp=4)
-    assert "attention heads" in rules.tp_violation(6, 48, 192, tp=4)
-    assert rules.tp_violation(4, 32, 128, tp=4) is None    # the vocabulary is padded: fine
+    assert "MLP width 90" in rules.tp_violation(4, 4, hidden=32, ffn=90)
+    assert "attention heads" in rules.tp_violation(6, 4, hidden=48, ffn=192)
+    assert rules.tp_violation(4, 4, hidden=32, ffn=128) is None    # the vocabulary is padded: fine
 
 
 # --------------------------------------------------------------------------------------

@@ -11,11 +11,17 @@ Read top to bottom, one module per question:
     timing      time of one collective: NCCL's tuning model or a measured table, and what
                 no measurement covers (``coverage``: "unvalidated")
     compute     a step's compute: GEMMs by shape, attention, memory-bound kernels, optimizer
-    layout      one tp x cp x pp x dp layout and its legality
+    layout      one tp x cp x pp x dp layout and its legality; the rules the trainer
+                shares (tp_violation, pp_violation, interleave_violation, cp_violation)
+    stages      pipeline stages as frameworks cut them (even, Megatron-LM, DeepSpeed, nanotron)
+    peak        what one device holds at its peak, stage by stage
     cp          context parallelism: the ring's bytes and time        (Liu et al. 2023)
     estimate    step time, tokens/s, MFU of one layout; overlap per collective; scaling
-    search      every layout that fits, ranked; why the best wins
+    search      every layout that fits, ranked (sets of allowed values); why the best wins
     published   the published results held against the predictions (notebook 07)
+    anchors     published multi-node runs with their layouts, as data
+    scorecard   the planner held to them like for like (docs/reference.md's table)
+    arguments   the command line's model flags and sets of allowed values
 
 ``python -m minipar.bench calibrate|validate`` (``minipar.bench.calibrate``, ``.validate``)
 measures this machine into a hardware file and holds predictions against ``minipar.train``;
@@ -24,7 +30,9 @@ imports nothing from ``minipar.bench`` or ``minipar.lab`` (tests/test_imports.py
 
 Python API (sizes in bytes, times in seconds)::
 
-    model_preset(name) -> ModelShape      # gpt-22b, gpt-175b, gpt-1t, llama-7b/13b/30b, tiny
+    model_preset(name or FILE.json) -> ModelShape   # gpt-22b, gpt-175b, gpt-1t, llama-7b/13b/30b,
+                                          # llama3-8b/70b/405b (kv_heads 8), tiny; load_model
+    ModelShape(..., kv_heads=G, dropout=True)   # grouped-query attention, GPT dropout masks
     ModelShape(...).params                # the exact parameter count
     megatron_params(layers, hidden, vocab, seq_len) -> int
     gpt_params(layers, hidden, vocab, seq_len, ffn_hidden=0, tied_head=True, bias=True) -> int
@@ -104,10 +112,10 @@ The command line, ``python -m minipar.plan memory|params|flops|search|estimate``
 tables, or JSON with ``--json``; bad input exits with status 2 and one line.
 
 These are predictions from first-order models: they count matmuls by shape, memory-bound
-bytes, ring and tree collectives call by call, and stored activations. What they leave out
-(kernel-launch gaps, a library reaching less than link speed, unequal pipeline stages beyond
-the last one's logits, a framework's bookkeeping) is left out, not hidden in a fitted
-constant: every constant in a preset says where it comes from, and published results are
+bytes, ring and tree collectives call by call (at the measured fraction of the links' rate),
+pipeline stages as each framework cuts them, and stored activations stage by stage. What
+they leave out (kernel-launch gaps, a framework's own kernel efficiency beyond the one GEMM
+rate per GPU, its bookkeeping) is left out, not hidden in a fitted constant: every constant in a preset says where it comes from, and published results are
 held out, never fitted (``published``).
 """
 from .errors import PlanError
@@ -115,8 +123,9 @@ from .estimate import Estimate, bubble_fraction, estimate, scaled_layout, scalin
 from .frameworks import FRAMEWORKS, Framework, load_framework
 from .hardware import Hardware, hardware_presets, load_hardware
 from .layout import Layout, check_layout
-from .memory import (activation_bytes, device_memory, layer_activation_bytes,
-                     model_state_bytes, padded_params, stage_params, tp_rank_params)
+from .memory import (layer_activation_bytes, model_state_bytes, padded_params, stage_params,
+                     tp_rank_params)
+from .peak import activation_bytes, device_memory
 from .network import (collective_time, engine_collectives, pp_comm_bytes, ring_bytes,
                       tp_block_comm_bytes, tp_comm_bytes, zero_collectives, zero_comm_bytes,
                       zero_comm_bytes_by_group, zero_group_span)

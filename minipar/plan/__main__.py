@@ -18,6 +18,7 @@ from ..runtime.cli import ArgumentParser, count, fraction, positive_float
 from ..runtime.cli import positive_int as positive
 from ..runtime.errors import UsageError
 from . import moe as moe_plan
+from .arguments import add_shape, int_set, mode_set
 from .commands import cmd_estimate, cmd_flops, cmd_memory, cmd_params, cmd_search
 from .frameworks import FRAMEWORKS
 from .layout import ORDERS
@@ -28,23 +29,13 @@ from .shapes import RECOMPUTE_MODES
 # --------------------------------------------------------------------------------------
 # Parser
 # --------------------------------------------------------------------------------------
-def _add_shape(p) -> None:
-    p.add_argument("--model", help="a preset: gpt-22b, gpt-175b, gpt-1t, llama-7b, ...")
-    p.add_argument("--layers", type=positive, help="transformer layers (with no --model)")
-    p.add_argument("--hidden", type=positive, help="hidden size h")
-    p.add_argument("--heads", type=positive, help="attention heads")
-    p.add_argument("--vocab", type=positive, help="vocabulary size V")
-    p.add_argument("--seq-len", type=positive, help="sequence length s")
-    p.add_argument("--ffn-hidden", type=positive,
-                   help="MLP width (default 4h; LLaMA: 2/3 of 4h rounded up to 256)")
-    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt", help="layer design")
-    p.add_argument("--untied-head", action="store_true", help="GPT with its own output matrix")
-    p.add_argument("--no-bias", action="store_true", help="GPT without biases")
-
-
 def _add_spec(p, searching: bool = False) -> None:
-    fixed = "fix the spec to this; default: search all AMSP specs" if searching else "default 0"
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help=f"ZeRO stage ({fixed})")
+    if searching:
+        p.add_argument("--zero", type=int_set("--zero", 0, 3), metavar="Z",
+                       help="ZeRO stages allowed: one (1), or a set (0,1) or range (0-3) of "
+                            "them (default: every spec the framework runs)")
+    else:
+        p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 0)")
     space = (" Unless fixed here, the search enumerates only AMSP's space, s_g in {s_p, s_os}."
              if searching else "")
     p.add_argument("--shard", metavar="P,G,OS",
@@ -84,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("memory", help="model-state bytes per device")
     p.add_argument("--params", type=count, help="parameter count, e.g. 175e9 or 175B "
                    "(split evenly over tp*pp)")
-    p.add_argument("--model", help="take the shape of a preset (split exactly over tp and pp: "
-                   "norms, row biases and positions stay whole on every TP rank)")
+    add_shape(p, model_help="take the shape of a preset or model JSON file (split exactly over "
+              "tp and pp: norms, row biases and positions stay whole on every TP rank); or "
+              "give the shape flags")
     p.add_argument("--gpus", type=positive, required=True,
                    help="devices in all (tp x pp x cp x dp)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
@@ -99,11 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("params", help="parameter count of a shape")
-    _add_shape(p)
+    add_shape(p)
     p.set_defaults(func=cmd_params)
 
     p = sub.add_parser("flops", help="training FLOPs per iteration")
-    _add_shape(p)
+    add_shape(p)
     p.add_argument("--batch", type=positive, help="global batch in sequences")
     p.add_argument("--global-batch-tokens", type=count, help="global batch in tokens (instead of --batch)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="full",
@@ -115,13 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("search", help="rank the layouts that fit")
-    p.add_argument("--model", required=True, help="a model preset (gpt-22b, gpt-175b, gpt-1t, llama-7b, ...)")
+    add_shape(p)
     p.add_argument("--gpus", type=positive, required=True, help="devices in all")
     p.add_argument("--hardware", required=True, help="a preset name or a JSON file")
-    p.add_argument("--tp", type=positive, help="fix the tensor-parallel degree")
-    p.add_argument("--pp", type=positive, help="fix the pipeline-parallel degree")
-    p.add_argument("--cp", type=positive,
-                   help="fix the context-parallel degree (default: cp > 1 weighed only where "
+    p.add_argument("--tp", type=int_set("--tp"), metavar="T",
+                   help="tensor-parallel degrees allowed: one (4), a set (1,2,4) or a range "
+                        "(1-8); default: divisors of the heads up to a node")
+    p.add_argument("--pp", type=int_set("--pp"), metavar="P",
+                   help="pipeline-parallel degrees allowed (one, a set or a range); default: "
+                        "every one the framework can cut the layers into")
+    p.add_argument("--cp", type=int_set("--cp"), metavar="C",
+                   help="context-parallel degrees allowed (default: cp > 1 weighed only where "
                         "memory forces it: nothing fits with cp = 1, or only with full "
                         "recomputation)")
     p.add_argument("--max-cp", type=positive,
@@ -129,17 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "like the rest (default: cp only where memory forces it)")
     p.add_argument("--global-batch-tokens", type=count,
                    help="default: the preset's (GPT-3's 3.1M tokens, LLaMA's 4.2M)")
-    p.add_argument("--seq-len", type=positive, help="default: the preset's")
-    p.add_argument("--micro-batch", type=positive, help="fix the micro-batch size")
+    p.add_argument("--micro-batch", type=int_set("--micro-batch"), metavar="B",
+                   help="micro-batch sizes allowed (one, a set or a range)")
     p.add_argument("--top", type=positive, default=5, help="how many layouts to list")
     p.add_argument("--max-tp", type=positive,
                    help="largest TP degree to try (default: one node)")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="fix the recomputation")
+    p.add_argument("--recompute", type=mode_set, metavar="MODE",
+                   help=f"recomputation allowed: one of {', '.join(RECOMPUTE_MODES)}, or a "
+                        f"set of them (none,full)")
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help="force sequence parallelism on or off (default: on whenever tp > 1 "
                         "and the framework has it)")
-    p.add_argument("--chunks", type=positive, default=None,
-                   help="fix the model chunks per stage, v (interleaving when > 1)")
+    p.add_argument("--chunks", type=int_set("--chunks"), default=None, metavar="V",
+                   help="model chunks per stage allowed, v (interleaving when > 1)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None,
                    help="fix the pipeline schedule (default: 1f1b, interleaved where the "
                         "framework has it)")
@@ -152,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("estimate", help="predict one given layout")
-    p.add_argument("--model", required=True, help="a model preset")
+    add_shape(p)
     p.add_argument("--hardware", required=True, help="a preset name or a JSON file")
     p.add_argument("--gpus", type=positive, help="devices in all (or give --dp)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
@@ -170,7 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch / (dp x micro-batch), printed")
     p.add_argument("--global-batch", type=positive, default=None,
                    help="global batch in sequences (default: the preset's)")
-    p.add_argument("--seq-len", type=positive, help="sequence length (default: the preset's)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (interleaved needs --chunks >= 2)")

@@ -17,7 +17,8 @@ from .hardware import load_hardware
 from .layout import Layout, check_layout, dp_per_node
 from .memory import model_state_bytes
 from .search import explain, search
-from .shapes import ModelShape, megatron_flops, megatron_params, model_preset, training_flops
+from .arguments import SHAPE_FLAGS, shape_from_args
+from .shapes import megatron_flops, megatron_params, training_flops
 
 
 def _gib(x: float) -> str:
@@ -31,27 +32,12 @@ def _human(x: float) -> str:
 # --------------------------------------------------------------------------------------
 # Sub-commands
 # --------------------------------------------------------------------------------------
-def _shape_from_args(args) -> ModelShape:
-    """A preset (--model) or an explicit shape (--layers --hidden --vocab --seq-len)."""
-    if args.model:
-        return model_preset(args.model, args.seq_len)
-    missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "vocab", "seq_len")
-               if getattr(args, n) is None]
-    if missing:
-        raise PlanError(f"give --model NAME or all of --layers --hidden --vocab --seq-len "
-                        f"(missing {' '.join(missing)})")
-    llama = args.arch == "llama"
-    return ModelShape("custom", args.arch, args.layers, args.hidden, args.heads or 1,
-                      args.vocab, args.seq_len, args.ffn_hidden or 0,
-                      tied_head=not (llama or args.untied_head),
-                      bias=not (llama or args.no_bias))
-
-
 def cmd_params(args) -> None:
-    shape = _shape_from_args(args)
+    shape = shape_from_args(args, need_heads=False)
     data = {"params": shape.params, "arch": shape.arch, "layers": shape.layers,
-            "hidden": shape.hidden, "vocab": shape.vocab, "seq_len": shape.seq_len,
-            "ffn_hidden": shape.ffn, "layer_params": shape.layer_params}
+            "hidden": shape.hidden, "heads": shape.heads, "kv_heads": shape.groups,
+            "vocab": shape.vocab, "seq_len": shape.seq_len, "ffn_hidden": shape.ffn,
+            "tied_head": shape.tied_head, "layer_params": shape.layer_params}
     rows = [["parameters (exact count)", f"{shape.params:,}"],
             ["per layer", f"{shape.layer_params:,}"], ["MLP width F", f"{shape.ffn:,}"]]
     if shape.arch == "gpt":
@@ -62,7 +48,7 @@ def cmd_params(args) -> None:
 
 
 def cmd_flops(args) -> None:
-    shape = _shape_from_args(args)
+    shape = shape_from_args(args, need_heads=False)
     if args.batch and args.global_batch_tokens:
         raise PlanError("give --batch (sequences) or --global-batch-tokens, not both")
     if args.global_batch_tokens:
@@ -118,11 +104,16 @@ def _spec(args, dp: int):
 
 
 def cmd_memory(args) -> None:
-    if args.params is None and not args.model:
-        raise PlanError("give --params N (e.g. 175B) or --model NAME")
-    # a preset's shape is split exactly over tp and pp (replicated norms, padded vocabulary);
-    # a bare count evenly
-    shape = model_preset(args.model) if args.params is None else None
+    shaped = args.model or any(getattr(args, k) is not None for k in SHAPE_FLAGS)
+    if args.params is None and not shaped:
+        raise PlanError("give --params N (e.g. 175B), --model NAME|FILE.json or the shape "
+                        "flags (--layers --hidden --heads --vocab --seq-len)")
+    if args.params is not None and shaped:
+        raise PlanError("give --params N or a model shape (--model or the shape flags), not "
+                        "both")
+    # a shape is split exactly over tp and pp (replicated norms, padded vocabulary); a bare
+    # count evenly
+    shape = shape_from_args(args) if args.params is None else None
     n = args.params if shape is None else shape.params
     inner = args.tp * args.pp * args.cp
     if args.gpus % inner:
@@ -134,7 +125,8 @@ def cmd_memory(args) -> None:
     moe = moe_plan.from_args(args)                      # MoE: experts split by --ep
     if moe is not None:
         if shape is None:
-            raise PlanError("--moe-experts needs the model's shape: give --model NAME, not --params")
+            raise PlanError("--moe-experts needs the model's shape: give --model NAME or the "
+                            "shape flags, not --params")
         out = moe_plan.state_bytes(shape, moe, dp, args.ep, shard=spec, tp=args.tp, pp=args.pp,
                                    dtype=args.dtype, cp=args.cp)
         n = moe_plan.params(shape, moe)["total"]
@@ -177,9 +169,10 @@ LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); cp: r
 def cmd_search(args) -> None:
     moe = moe_plan.from_args(args)
     cp = args.cp
-    results = search(args.model, args.gpus, args.hardware, tp=args.tp, pp=args.pp, cp=cp,
+    shape = shape_from_args(args)
+    results = search(shape, args.gpus, args.hardware, tp=args.tp, pp=args.pp, cp=cp,
                      max_cp=args.max_cp,
-                     global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
+                     global_batch_tokens=args.global_batch_tokens,
                      micro_batch=args.micro_batch, shard=args.shard, zero=args.zero,
                      recompute=args.recompute, top=args.top if moe is None else 10**6,
                      max_tp=args.max_tp,
@@ -188,7 +181,7 @@ def cmd_search(args) -> None:
                      v=args.chunks, schedule=args.schedule, objective=args.objective,
                      reserve=args.reserve)
     if moe is not None:                                 # MoE: re-rank the dense candidates
-        results = moe_plan.rerank(results, model_preset(args.model, args.seq_len), moe, args.ep,
+        results = moe_plan.rerank(results, shape, moe, args.ep,
                                   load_hardware(args.hardware), args.top,
                                   args.order or FRAMEWORKS[args.framework].order,
                                   args.overlap, args.dtype)
@@ -200,17 +193,17 @@ def cmd_search(args) -> None:
     first = results[0].layout
     ranked = ("data-parallel communication time, nothing hidden (AMSP's objective)"
               if args.objective == "amsp" else "predicted step time")
-    header = (f"{args.model} on {args.gpus} x {args.hardware} with {args.framework}, global "
+    header = (f"{shape.name} on {args.gpus} x {args.hardware} with {args.framework}, global "
               f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
     if cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
-        seq_len = model_preset(args.model, args.seq_len).seq_len
+        seq_len = shape.seq_len
         header += (f"context parallelism weighed: without it, sequences of {seq_len:,} tokens "
                    f"fit only with full recomputation or not at all\n")
     emit(args, data, header + _results_table(results) + "\n\n" + why)
 
 
 def cmd_estimate(args) -> None:
-    shape = model_preset(args.model, args.seq_len)
+    shape = shape_from_args(args)
     hw = load_hardware(args.hardware)
     if not (args.dp or args.gpus):
         raise PlanError("give --dp or --gpus")
@@ -248,8 +241,8 @@ def cmd_estimate(args) -> None:
     fw = FRAMEWORKS[args.framework]
     order = args.order or fw.order
     check_layout(shape, layout, gpus=args.gpus, order=order,
-                 gpus_per_node=hw.gpus_per_node)
-    check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order))
+                 gpus_per_node=hw.gpus_per_node, stage_rule=fw.stage_rule)
+    check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order), shape)
     e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
                  flash=args.flash_attention, dtype=args.dtype, framework=fw,
                  reserve=args.reserve)
@@ -262,6 +255,6 @@ def cmd_estimate(args) -> None:
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
         data["explain"] += "\n  " + e.notes[-1]
-    emit(args, data, f"{args.model} on {layout.gpus} x {args.hardware} with {fw.name}; "
+    emit(args, data, f"{shape.name} on {layout.gpus} x {args.hardware} with {fw.name}; "
           + "; ".join(notes) + "\n" + _results_table([e]) + "\n\n" + data["explain"]
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))

@@ -84,13 +84,14 @@ def _table_rate(flops: float, table: list) -> float:
 
 
 def layer_gemms(shape: ModelShape, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """(m, n, k) of one layer's forward GEMMs on one of ``tp`` ranks."""
+    """(m, n, k) of one layer's forward GEMMs on one of ``tp`` ranks (QKV is h + 2 h_kv
+    wide: 3h without grouped-query attention)."""
     h, f, t = shape.hidden, shape.ffn, tp
     if shape.arch == "llama":
         mlp = [(tokens, f // t, h), (tokens, f // t, h), (tokens, h, f // t)]
     else:
         mlp = [(tokens, f // t, h), (tokens, h, f // t)]
-    return [(tokens, 3 * h // t, h), (tokens, h, h // t), *mlp]
+    return [(tokens, (h + 2 * shape.kv_hidden) // t, h), (tokens, h, h // t), *mlp]
 
 
 def _fwd_bwd(gemms, hw, e) -> tuple[float, float]:
@@ -117,21 +118,23 @@ def attention_core(shape: ModelShape, hw: Hardware, micro_batch: int, tp: int = 
 
 
 def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = "mixed",
-                  flash: bool = False, grad_bytes: int | None = None) -> dict:
-    """Seconds per step on the heaviest (last) stage's device, by part:
+                  flash: bool = False, grad_bytes: int | None = None, stage=None) -> dict:
+    """Seconds per step on one device of ``stage`` (a ``stages.Stage``: its layers, and the
+    head's logits if it holds them; default the last of equal stages), by part:
     {"matmul", "attention", "memory_bound", "optimizer", "total", "forward_mb",
     "backward_mb"} (the last two: one micro-batch's forward and backward, for overlap)."""
     t, p, cp = layout.tp, layout.pp, layout.cp
     b, m, h, a = layout.micro_batch, layout.microbatches, shape.hidden, shape.heads
     s = shape.seq_len // cp                      # this rank's tokens of each sequence
     e = ACTIVATION_BYTES[dtype]
-    layers = -(-shape.layers // p)
+    layers = -(-shape.layers // p) if stage is None else stage.layers
+    head = 1 if stage is None or stage.head else 0
     tokens = b * s
     recompute = layout.recompute
 
     # matmuls of one micro-batch on this stage (layers, then the head's logits)
     fwd, bwd = _fwd_bwd(layer_gemms(shape, tokens, t), hw, e)
-    head_f, head_b = _fwd_bwd([(tokens, -(-shape.vocab // t), h)], hw, e)
+    head_f, head_b = _fwd_bwd([(tokens, -(-shape.vocab // t), h)], hw, e) if head else (0, 0)
     matmul = layers * (fwd + bwd + (fwd if recompute == "full" else 0)) + head_f + head_b
 
     # the attention core
@@ -143,16 +146,16 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
     mem_f = mem_b = 0.0
     if hw.hbm_bandwidth:
         sbh = s * b * h * e
-        replicated = 10.0 if shape.arch == "llama" else 14.0
+        replicated = 14.0 if shape.has_dropout else 10.0
         split = (3.0 if shape.arch == "llama" else 2.0) * shape.ffn / h
         # scores per rank: b a (s/cp) s, i.e. a s / h per (s/cp) b h
-        scores = 0.0 if flash else (2.0 if shape.arch == "llama" else 4.0) * a * shape.seq_len / h
+        scores = 0.0 if flash else (4.0 if shape.has_dropout else 2.0) * a * shape.seq_len / h
         per_layer = sbh * (replicated / (t if layout.sp else 1) + (split + scores) / t)
         again_bytes = per_layer if recompute == "full" else (
             sbh * scores / t if recompute == "selective" else 0.0)
         mem_f = layers * per_layer / hw.hbm_bandwidth
         mem_b = layers * (2 * per_layer + again_bytes) / hw.hbm_bandwidth
-        logits = tokens * -(-shape.vocab // t) * LOGIT_BYTES / hw.hbm_bandwidth
+        logits = head * tokens * -(-shape.vocab // t) * LOGIT_BYTES / hw.hbm_bandwidth
         mem_f += logits / 2
         mem_b += logits / 2
     memory_bound = mem_f + mem_b
@@ -162,7 +165,7 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
     if hw.hbm_bandwidth:
         g = grad_bytes or (2 if dtype == "mixed" else 4)
         per_param = (ADAM_BYTES if dtype == "mixed" else 24) + g
-        phi = stage_params(shape, t, p)
+        phi = stage_params(shape, t, p, stage)
         optimizer = per_param * math.ceil(phi / layout.shard[2]) / hw.hbm_bandwidth
 
     c = hw.step_calibration * hw.oversubscription(layout.gpus)   # time-sliced CPU cores

@@ -4,9 +4,10 @@
 chunks i and 2N-1-i of 2N). Per layer and micro-batch of b sequences, width h (h/t per TP
 rank), e bytes per element, one K/V block is
 
-    B = 2 b (s/N) (h/t) e
+    B = 2 b (s/N) (h_kv/t) e
 
-and each rank sends, point to point to its right neighbour,
+(h_kv = h without grouped-query attention; ``hidden`` below is that K/V width) and each
+rank sends, point to point to its right neighbour,
 
     forward    (N-1) B         every other rank's K/V passes through once
                                (x2 when the forward is recomputed: selective or full)
@@ -78,7 +79,7 @@ def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_bat
     if cp == 1:
         return dict(send=0.0, compute=0.0, compute_backward=0.0, across_nodes=False)
     across = placement(cp, stride or tp, hw.gpus_per_node)[1] > 1
-    block = kv_block_bytes(micro_batch, shape.seq_len, shape.hidden, cp, tp,
+    block = kv_block_bytes(micro_batch, shape.seq_len, shape.kv_hidden, cp, tp,
                            ACTIVATION_BYTES[dtype])
     fwd, bwd = attention_core(shape, hw, micro_batch, tp, cp, dtype, flash)
     c = hw.step_calibration * hw.oversubscription(gpus or cp * tp)    # as compute_parts
@@ -87,9 +88,11 @@ def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_bat
 
 
 def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp",
-               dtype: str = "mixed", flash: bool = False) -> dict[str, float]:
-    """Seconds per step of the ring on the heaviest stage, as ``minipar.cp`` runs it, per
-    layer and micro-batch (x2 forward when recomputed, as ``cp_attention_bytes`` counts):
+               dtype: str = "mixed", flash: bool = False,
+               layers: int | None = None) -> dict[str, float]:
+    """Seconds per step of the ring on a stage of ``layers`` layers (default the heaviest of
+    equal stages), as ``minipar.cp`` runs it, per layer and micro-batch (x2 forward when
+    recomputed, as ``cp_attention_bytes`` counts):
 
         forward    cp-1 K/V sends, each posted before a block and waited for after it:
                    exposed max(0, send - block)
@@ -107,5 +110,5 @@ def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp",
     per_layer_comm = (forwards * (cp - 1) + 2 * cp - 1) * send
     per_layer_exposed = (forwards * (cp - 1) * max(0.0, send - step["compute"])
                          + (cp - 1) * max(0.0, send - step["compute_backward"]) + cp * send)
-    times = layout.microbatches * -(-shape.layers // layout.pp)
+    times = layout.microbatches * (-(-shape.layers // layout.pp) if layers is None else layers)
     return dict(cp_comm=times * per_layer_comm, cp_exposed=times * per_layer_exposed)

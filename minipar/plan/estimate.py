@@ -50,7 +50,9 @@ from .cp import cp_comm_bytes, ring_times
 from .frameworks import Framework, check_framework, gather_calls, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import Layout, check_layout, dp_per_node
-from .memory import ACTIVATION_BYTES, device_memory, stage_params
+from .memory import ACTIVATION_BYTES, stage_params
+from .peak import device_memory, stage_list
+from .stages import distinct
 from .network import collective_time, coverage, engine_collectives, p2p_time, placement
 from .shapes import ModelShape, training_flops
 
@@ -117,47 +119,73 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def units_of_stage(shape: ModelShape, pp: int) -> int:
-    """Model units (FSDP's wrapping, minipar's ZeRO units) on the heaviest stage: its
-    layers plus the embedding and head it holds."""
+def heaviest_stage(shape: ModelShape, layout: Layout, fw: Framework):
+    """The stage with the most parameters (``peak.stage_list``): its data-parallel traffic
+    is the step's."""
+    return max(distinct(stage_list(shape, layout, fw)),
+               key=lambda st: stage_params(shape, layout.tp, layout.pp, st))
+
+
+def units_of_stage(shape: ModelShape, pp: int, stage=None) -> int:
+    """Model units (FSDP's wrapping, minipar's ZeRO units) on a stage: its layers plus the
+    embedding and head it holds (default: the heaviest of equal stages)."""
+    if stage is not None:
+        return stage.layers + stage.embedding + stage.head
     return -(-shape.layers // pp) + (2 if pp == 1 else 1)
+
+
+def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: str,
+               dtype: str, flash: bool, fw: Framework) -> dict:
+    """One stage's compute parts (``compute.compute_parts``), its TP traffic (hidden behind
+    its GEMMs where the framework overlaps it) and its ring, per step, and "per_mb": the
+    pipelined seconds of one micro-batch, what the bubble is made of."""
+    t, m = layout.tp, layout.microbatches
+    b, s, h = layout.micro_batch, shape.seq_len // layout.cp, shape.hidden
+    tp_stride = layout.strides(order)["tp"]
+    parts = compute_parts(shape, hw, layout, dtype, flash, fw.grad_bytes, stage)
+    msg = b * s * h * ACTIVATION_BYTES[dtype]
+    calls = m * (stage.layers * (6 if layout.recompute == "full" else 4)
+                 + stage.embedding + stage.head)       # + the embedding's g, the head's f
+    if layout.sp:     # each all-reduce becomes an all-gather and a reduce-scatter
+        per_call = (collective_time("all_gather", msg, t, tp_stride, hw)
+                    + collective_time("reduce_scatter", msg, t, tp_stride, hw))
+    else:
+        per_call = collective_time("all_reduce", msg, t, tp_stride, hw)
+    tp_comm = calls * per_call + (3 * m * collective_time("all_reduce", b * s * 4, t,
+                                                          tp_stride, hw) if stage.head else 0)
+    hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
+    ring = ring_times(shape, hw, layout, order, dtype, flash, layers=stage.layers)
+    exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown
+    per_mb = (parts["total"] - parts["optimizer"] + exposed_tp + ring["cp_exposed"]) / m
+    return dict(parts=parts, tp_comm=exposed_tp, tp_hidden=hidden, ring=ring, per_mb=per_mb)
 
 
 def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
                dtype: str = "mixed", flash: bool = False,
                framework: Framework | str = DEFAULT_FRAMEWORK) -> dict:
     """Seconds per step of everything but data-parallel traffic: compute (and its parts),
-    tp_comm, cp_comm and cp_exposed, bubble, pp_comm."""
+    tp_comm, cp_comm and cp_exposed, bubble, pp_comm, from the stages the framework builds
+    (module docstring): the slowest stage's, and the bubble the others' micro-batches make."""
     fw = load_framework(framework)
-    t, p, v = layout.tp, layout.pp, layout.v
-    b, m, h = layout.micro_batch, layout.microbatches, shape.hidden
-    s = shape.seq_len // layout.cp                     # this rank's tokens of a sequence
-    strides = layout.strides(order)
-    parts = compute_parts(shape, hw, layout, dtype, flash, fw.grad_bytes)
-
-    activation_msg = b * s * h * ACTIVATION_BYTES[dtype]
-    tp_calls = m * ((shape.layers // p) * (6 if layout.recompute == "full" else 4)
-                    + (2 if p == 1 else 1))             # + the embedding's g, the head's f
-    if layout.sp:     # each all-reduce becomes an all-gather and a reduce-scatter
-        per_call = (collective_time("all_gather", activation_msg, t, strides["tp"], hw)
-                    + collective_time("reduce_scatter", activation_msg, t, strides["tp"], hw))
-    else:
-        per_call = collective_time("all_reduce", activation_msg, t, strides["tp"], hw)
-    tp_comm = (tp_calls * per_call
-               + 3 * m * collective_time("all_reduce", b * s * 4, t, strides["tp"], hw))  # loss
-
-    ring = ring_times(shape, hw, layout, order, dtype, flash)
-
-    pipelined = parts["total"] - parts["optimizer"]
-    idle = bubble_fraction(p, m, v)                    # of the step: (p-1)/(m v) of the work
-    bubble = idle / (1 - idle) * (pipelined + tp_comm + ring["cp_exposed"])
+    p, v, m = layout.pp, layout.v, layout.microbatches
+    every = stage_list(shape, layout, fw)
+    kind = {st.index: (st.layers, st.embedding, st.head) for st in every}
+    times = {kind[st.index]: (st, stage_time(shape, hw, layout, st, order, dtype, flash, fw))
+             for st in distinct(every)}
+    per_mb = [times[kind[st.index]][1]["per_mb"] for st in every]
+    slow, worst = max(times.values(), key=lambda x: x[1]["per_mb"])
+    bubble = (sum(per_mb) - worst["per_mb"]) / v       # (p-1)/v x t with equal stages
 
     pp_comm = 0.0
     if p > 1:
-        _, nodes = placement(p, strides["pp"], hw.gpus_per_node)
-        pp_comm = 2 * m * v * p2p_time(activation_msg / t, nodes > 1, hw)
-    out = {"compute": parts["total"], "tp_comm": tp_comm, "bubble": bubble, "pp_comm": pp_comm,
-           **ring}
+        b, s = layout.micro_batch, shape.seq_len // layout.cp
+        msg = b * s * shape.hidden * ACTIVATION_BYTES[dtype]
+        _, nodes = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)
+        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw)
+    parts = worst["parts"]
+    out = {"compute": parts["total"], "tp_comm": worst["tp_comm"],
+           "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,
+           "stage": slow.index, **worst["ring"]}
     out.update({f"compute_{k}": parts[k] for k in ("matmul", "attention", "memory_bound",
                                                     "optimizer", "forward_mb", "backward_mb")})
     return out
@@ -166,10 +194,11 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
 def dp_collectives(shape: ModelShape, layout: Layout, framework: Framework | str,
                    dtype: str = "mixed"):
     fw = load_framework(framework)
-    units = units_of_stage(shape, layout.pp)
-    layers = -(-shape.layers // layout.pp)
-    return engine_collectives(stage_params(shape, layout.tp, layout.pp), layout.replicas,
-                              layout.shard, fw, units, dtype,
+    stage = heaviest_stage(shape, layout, fw) if layout.pp > 1 else None
+    units = units_of_stage(shape, layout.pp, stage)
+    layers = stage.layers if stage is not None else shape.layers
+    return engine_collectives(stage_params(shape, layout.tp, layout.pp, stage),
+                              layout.replicas, layout.shard, fw, units, dtype,
                               layout.microbatches, recompute=layout.recompute == "full",
                               reduce_bytes=fw.reduce_bytes,
                               gathers=gather_calls(fw, shape.arch, layers, units - layers))
@@ -274,9 +303,9 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     order = order or fw.order
     dtype = dtype or hw.dtype
     if check:
-        check_layout(shape, layout, order=order, gpus_per_node=hw.gpus_per_node)
-        if layout.cp > 1:
-            check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order))
+        check_layout(shape, layout, order=order, gpus_per_node=hw.gpus_per_node,
+                     stage_rule=fw.stage_rule)
+        check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order), shape)
     times = time_parts(shape, hw, layout, order, dtype, flash, fw)
     times.update(dp_times(shape, hw, layout, times, order, dtype, fw, overlap))
     times["compute"] += times.pop("interference")
@@ -300,8 +329,9 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
         tokens_per_s=layout.global_batch * shape.seq_len / times["step"],
         mfu=flops_model / peak, hfu=flops_hw / peak, framework=fw.name, notes=notes,
         unvalidated=unvalidated(shape, hw, layout, order, fw, dtype),
-        cp_bytes=cp_comm_bytes(layout.micro_batch, shape.seq_len, shape.hidden, layout.cp,
-                               -(-shape.layers // layout.pp), layout.microbatches, layout.tp,
+        cp_bytes=cp_comm_bytes(layout.micro_batch, shape.seq_len, shape.kv_hidden, layout.cp,
+                               max(stage_list(shape, layout, fw), key=lambda st: st.layers)
+                               .layers, layout.microbatches, layout.tp,
                                ACTIVATION_BYTES[dtype], layout.recompute))
 
 

@@ -11,7 +11,6 @@ charge collectives the way that framework's engine issues them. A profile says:
 * how its data-parallel engine issues collectives (``network.engine_collectives``):
   gradient reductions in buckets of ``grad_bucket`` parameters (None: one call per model
   unit, FSDP's wrapping), whether they start during backward (``grad_overlap``), whether
-  whether
   sharded parameters are gathered unit by unit with prefetch (``param_prefetch``), and
   whether the gather of updated parameters after the optimizer step overlaps the next
   forward (``gather_overlaps_forward``);
@@ -26,7 +25,15 @@ charge collectives the way that framework's engine issues them. A profile says:
 * ``grad_bytes``: bytes per parameter of the gradient buffer the engine keeps (Megatron-LM
   accumulates bf16 gradients into fp32 ``main_grad`` buffers, DeepSpeed's BF16_Optimizer
   into fp32 buffers too: 4; None: the dtype's 2); ``reduce_bytes``: the precision its
-  gradient reductions send (Megatron-LM reduces its fp32 buffers: 4).
+  gradient reductions send (Megatron-LM reduces its fp32 buffers: 4);
+* ``stage_rule``: how it cuts the layers into pipeline stages (``stages``: even, megatron,
+  uniform, balanced), and so whether a pp that does not divide the layers runs;
+* ``logit_bytes``: bytes per logit at the loss's peak in mixed precision (``peak``);
+  ``keeps_gathered_input``: under sequence parallelism the all-gathered inputs of the
+  column-parallel GEMMs are saved whole for backward (``peak``);
+* ``tp_overlap``: its tensor-parallel collectives run beside the GEMMs they feed (Megatron-LM's
+  ``--tp-comm-overlap``, TransformerEngine's userbuffers), hiding behind them what the
+  GEMMs' time allows, at the hardware's ``overlap_slowdown``; otherwise they block.
 
 The profiles describe the frameworks as their documentation and source say; where a
 framework has a switch, the profile takes the setting its published large-scale recipes use
@@ -64,6 +71,10 @@ class Framework:
     memory_reserve: float | None = None   # (reserved - allocated) / reserved of its allocator at
                                           # the peak, measured; None: the hardware's fragmentation
     cp: bool = False                      # context parallelism (ring attention)
+    stage_rule: str = "even"              # how pipeline stages are cut (plan.stages)
+    logit_bytes: float = 10               # bytes per logit at the loss's peak (plan.peak)
+    keeps_gathered_input: bool = False    # SP's gathered GEMM inputs saved whole (plan.peak)
+    tp_overlap: bool = False              # TP collectives overlap the GEMMs they feed
     sources: tuple = ()
 
     def bucket_params(self, dp: int) -> float | None:
@@ -117,8 +128,18 @@ FRAMEWORKS: dict[str, Framework] = {
         spec_family="dist-opt", grad_bucket=40e6, grad_overlap=True, 
         param_prefetch=True, gather_overlaps_forward=True, grad_bytes=4,
         reduce_bytes=4, bucket_per_rank=1e6,
-        memory_reserve=CACHING_ALLOCATOR_RESERVE, cp=True,
+        memory_reserve=CACHING_ALLOCATOR_RESERVE, cp=True, stage_rule="megatron",
+        logit_bytes=6, tp_overlap=True,
         sources=(CACHING_ALLOCATOR_SOURCE, "rank order tp-cp-ep-dp-pp (megatron/core/parallel_state.py)",
+                 "uneven pipeline stages: --decoder-first-pipeline-num-layers and "
+                 "--decoder-last-pipeline-num-layers, the middle stages equal "
+                 "(megatron/core/transformer/transformer_block.py, get_num_layers_to_build)",
+                 "loss: the 16-bit logits cast to fp32 once, the max subtracted and the exp "
+                 "taken in place (megatron/core/tensor_parallel/cross_entropy.py): 2 + 4 "
+                 "bytes per logit",
+                 "--tp-comm-overlap assumed on, as the H100 scaling runs of its README used it "
+                 "(TransformerEngine userbuffers overlap TP's all-gathers and "
+                 "reduce-scatters with the GEMMs)",
                  "--context-parallel-size: ring attention (TransformerEngine) with the causal "
                  "load balance; the planner prices its ring as minipar's",
                  "buckets of max(40M, 1M x dp) parameters, fp32 main_grad buffers "
@@ -134,9 +155,8 @@ FRAMEWORKS: dict[str, Framework] = {
         "(2 and 3 only without)",
         order="tp,dp,pp", interleaving=False, sp=False, recompute=("none", "full"),
         spec_family="zero01", grad_bucket=5e8, grad_overlap=False,
-
         param_prefetch=True, gather_overlaps_forward=False, grad_bytes=4,
-        gather_per_module=True,
+        gather_per_module=True, stage_rule="uniform", logit_bytes=6,
         memory_reserve=CACHING_ALLOCATOR_RESERVE,
         sources=(CACHING_ALLOCATOR_SOURCE, "topology axes pipe, data, model with model innermost "
                  "(deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)",
@@ -149,15 +169,35 @@ FRAMEWORKS: dict[str, Framework] = {
                  "BF16_Optimizer accumulates gradients in fp32 "
                  "(deepspeed/runtime/bf16_optimizer.py)",
                  "no interleaved schedule in DeepSpeed's PipelineEngine; activation "
-                 "checkpointing is full (--checkpoint-activations)")),
+                 "checkpointing is full (--checkpoint-activations)",
+                 "pipeline stages by PipelineModule(partition_method='type:transformer'): "
+                 "layers as evenly as whole layers allow (deepspeed/runtime/utils.py "
+                 "partition_uniform); Megatron's vocab-parallel loss (2 + 4 bytes per logit)")),
     "fsdp": Framework(
         "fsdp", "PyTorch FSDP: NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD over a node",
-        order="tp,dp,pp", interleaving=False, sp=True, recompute=("none", "full"),
+        order="tp,dp,pp", interleaving=False, sp=True,
+        recompute=("none", "selective", "full"),
         spec_family="fsdp", grad_bucket=None, grad_overlap=True, 
         param_prefetch=True, gather_overlaps_forward=True,
         memory_reserve=CACHING_ALLOCATOR_RESERVE,
         sources=(CACHING_ALLOCATOR_SOURCE, "one all-gather and one reduce-scatter per wrapped unit (a transformer "
-                 "block), backward and forward prefetch (torch.distributed.fsdp docs)",)),
+                 "block), backward and forward prefetch (torch.distributed.fsdp docs)",
+                 "selective activation checkpointing as torchtitan applies it "
+                 "(torch.utils.checkpoint with a policy)",
+                 "loss: F.cross_entropy on a .float() copy of the logits (torchtitan): 2 + 4 "
+                 "+ 4 bytes per logit")),
+    "llm-foundry": Framework(
+        "llm-foundry", "MosaicML LLM Foundry on PyTorch FSDP (Composer), with its fused "
+        "cross-entropy",
+        order="tp,dp,pp", interleaving=False, sp=False, recompute=("none", "full"),
+        spec_family="fsdp", grad_bucket=None, grad_overlap=True,
+        param_prefetch=True, gather_overlaps_forward=True, logit_bytes=4,
+        memory_reserve=CACHING_ALLOCATOR_RESERVE,
+        sources=(CACHING_ALLOCATOR_SOURCE,
+                 "FSDP as the fsdp profile (its benchmark table's Sharding Strategy column)",
+                 "loss_fn defaults to fused_crossentropy, flash_attn.losses.cross_entropy."
+                 "CrossEntropyLoss (llm_foundry/models/mpt/modeling_mpt.py): the 16-bit "
+                 "logits and their 16-bit gradient, no fp32 copy: 2 + 2 bytes per logit")),
     "deepspeed-zero3": Framework(
         "deepspeed-zero3", "DeepSpeed ZeRO stages 0-3 without pipelines: ZeRO-3 gathers "
         "parameters module by module, reduces gradients in buckets",
@@ -182,6 +222,30 @@ FRAMEWORKS: dict[str, Framework] = {
                  "Chen et al. 2023 (arXiv 2311.00257), the executor: AllGather prefetching "
                  "and ReduceScatter scheduling overlapped with computation; its gathers are "
                  "issued per module as ZeRO-3's are (the paper compares against DeepSpeed's)")),
+    "nanotron": Framework(
+        "nanotron", "nanotron (Hugging Face): TP with sequence parallelism, 1F1B pipelines "
+        "balanced by cost, ZeRO-0/1, gradients accumulated and reduced in fp32",
+        order="tp,dp,pp", interleaving=False, sp=True, recompute=("none", "full"),
+        spec_family="dist-opt", grad_bucket=25 * 2**20 / 4, grad_overlap=True,
+        param_prefetch=False, gather_overlaps_forward=False, grad_bytes=4, reduce_bytes=4,
+        memory_reserve=CACHING_ALLOCATOR_RESERVE, stage_rule="balanced", logit_bytes=8,
+        keeps_gathered_input=True,
+        sources=(CACHING_ALLOCATOR_SOURCE,
+                 "process grid view(pp, dp, tp), tp innermost (src/nanotron/parallel/"
+                 "context.py)",
+                 "pipeline stages balanced by cost, any pp that gives every stage a block "
+                 "(src/nanotron/models/base.py build_model; models/llama.py "
+                 "get_block_compute_costs); engines 1f1b and afab, no interleaving",
+                 "ZeRO-1 (optim/zero.py) or none; accumulate_grad_in_fp32 and DDP buckets of "
+                 "25 MB as the Ultra-Scale Playbook's sweep set them (huggingface/"
+                 "bench_cluster template/base_config.py: ddp_bucket_cap_mb 25, "
+                 "accumulate_grad_in_fp32, tp_mode REDUCE_SCATTER, "
+                 "tp_linear_async_communication false, recompute_layer false)",
+                 "the sweep's nanotron (branch bench_cluster, 2024-05): column_linear "
+                 "all-gathers under REDUCE_SCATTER and calls F.linear, keeping the gathered "
+                 "input (tensor_parallel/functional.py; tp_recompute_allgather came 2024-07)",
+                 "loss: cast_to_fp32, then sharded_cross_entropy subtracts the max out of "
+                 "place and keeps the fp32 softmax (4 + 4 bytes per logit)")),
 }
 
 
@@ -205,8 +269,10 @@ def load_framework(name: str | Framework) -> Framework:
                         f"{', '.join(FRAMEWORKS)}") from None
 
 
-def check_framework(fw: Framework, layout, dp_per_node: int | None = None) -> None:
-    """PlanError unless ``fw`` can run ``layout`` (schedule, SP, recomputation, spec)."""
+def check_framework(fw: Framework, layout, dp_per_node: int | None = None,
+                    shape=None) -> None:
+    """PlanError unless ``fw`` can run ``layout`` (schedule, SP, recomputation, stages of
+    ``shape`` when given, spec), whatever cp is."""
     if layout.sp and not fw.sp:
         raise PlanError(f"{fw.name} has no sequence parallelism; leave out --sp or choose "
                         f"another --framework")
@@ -220,6 +286,10 @@ def check_framework(fw: Framework, layout, dp_per_node: int | None = None) -> No
         frameworks = ", ".join(f.name for f in FRAMEWORKS.values() if f.cp)
         raise PlanError(f"{fw.name} has no context parallelism in this planner; use --cp 1 or "
                         f"--framework {frameworks.replace(', ', ' or ')}")
+    from .stages import split_violation
+    why = split_violation(shape, layout.pp, fw.stage_rule, layout.v) if shape else None
+    if why:
+        raise PlanError(f"{why} ({fw.name})")
     specs = fw.specs(layout.replicas, layout.pp, dp_per_node)
     if fw.spec_family != "amsp" and tuple(layout.shard) not in specs:
         raise PlanError(f"{fw.name} does not run shard spec {tuple(layout.shard)} with "

@@ -25,6 +25,10 @@ Units: bytes, seconds, FLOP/s. Bandwidths are per direction.
   group that stays inside one block.
 * ``inter_node_bandwidth``: the node's NICs together. A collective whose group spans nodes
   gets, per device, this divided by the devices of the node that share the NICs.
+  ``inter_node_efficiency`` ([[nodes, fraction], ...]) is the fraction of it NCCL's ring
+  reaches over a group of that many nodes, measured (a NIC's protocol overhead, and a
+  fabric that delivers less as groups widen); interpolated in log2(nodes), held beyond the
+  widest row (``timing.network_efficiency``); 1 without rows.
 * latencies (NCCL's model, ``src/graph/tuning.cc``): ``collective_latency`` once per call
   (its baseLat), then ``intra_node_latency`` per ring step inside a node and
   ``inter_node_latency`` per step that crosses nodes (its hwLat); ``tree``, if given,
@@ -79,6 +83,7 @@ class Hardware:
     bandwidth_by_size: list = field(default_factory=list)
     local_links: list = field(default_factory=list)
     collective_table: list | str | None = None
+    inter_node_efficiency: list = field(default_factory=list)
     hbm_bandwidth: float = 0.0
     attention_efficiency: float = 0.0
     matmul_table: list = field(default_factory=list)
@@ -158,6 +163,12 @@ def check_numbers(hw: Hardware, where: str) -> None:
     for row in hw.bandwidth_by_size:
         _positive(row[0], "bandwidth_by_size bytes", where)
         _positive(row[1], "bandwidth_by_size factor", where)
+    for row in hw.inter_node_efficiency:
+        _positive(row[0], "inter_node_efficiency nodes", where)
+        _positive(row[1], "inter_node_efficiency fraction", where)
+        if row[1] > 1:
+            raise PlanError(f"{where}: inter_node_efficiency fractions are at most 1, got "
+                            f"{row[1]!r}")
     for row in hw.matmul_table:
         for key in ("m", "n", "k", "flops_per_s"):
             _positive(row.get(key), f"matmul_table {key}", where)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from .errors import PlanError
 from .shapes import RECOMPUTE_MODES, ModelShape
 from .sharding import Shard, check_shard
-from ..rules import cp_violation  # noqa: F401  (the planner's name for it)
+from ..rules import (cp_violation, interleave_violation, pp_violation,  # noqa: F401
+                     tp_violation)   # one copy of each rule, shared with the trainer
 
 ORDERS = ("tp,pp,dp", "tp,dp,pp")
 
@@ -99,8 +100,12 @@ def dp_per_node(layout: Layout, gpus_per_node: int, order: str = "tp,pp,dp") -> 
 
 
 def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
-                 order: str = "tp,pp,dp", gpus_per_node: int | None = None) -> Layout:
-    """Raise PlanError (what is wrong, what would fix it) unless ``layout`` can run ``shape``."""
+                 order: str = "tp,pp,dp", gpus_per_node: int | None = None,
+                 stage_rule: str = "even") -> Layout:
+    """Raise PlanError (what is wrong, what would fix it) unless ``layout`` can run ``shape``
+    with stages built by ``stage_rule`` (``plan.stages``: even unless the framework builds
+    uneven ones; the rule's own limits, nanotron's every-stage-a-block, are
+    ``frameworks.check_framework``'s)."""
     t, p, v = layout.tp, layout.pp, layout.v
     if order not in ORDERS:
         raise PlanError(f"unknown order {order!r}; use {' or '.join(ORDERS)}")
@@ -109,22 +114,21 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
     if gpus is not None and layout.gpus != gpus:
         raise PlanError(f"tp*pp*cp*dp = {t}*{p}*{layout.cp}*{layout.dp} = {layout.gpus} but "
                         f"there are {gpus} GPUs; choose degrees whose product is {gpus}")
-    if shape.heads % t:
-        raise PlanError(f"tp={t} does not divide {shape.heads} attention heads; "
-                        f"use a divisor of {shape.heads}")
-    if shape.layers % (p * v):
-        raise PlanError(f"pp*v = {p}*{v} does not divide {shape.layers} layers; "
-                        f"use a divisor of {shape.layers}")
     if layout.recompute not in RECOMPUTE_MODES:
         raise PlanError(f"unknown recomputation {layout.recompute!r}; "
                         f"use one of {', '.join(RECOMPUTE_MODES)}")
     if layout.schedule not in ("gpipe", "1f1b"):
         raise PlanError(f"unknown schedule {layout.schedule!r}; use gpipe or 1f1b "
                         f"(v > 1 makes 1f1b interleaved)")
-    if v > 1 and (p == 1 or layout.microbatches % p or layout.schedule != "1f1b"):
-        raise PlanError(f"interleaving (v={v}) needs pp > 1, the 1f1b schedule and a "
-                        f"micro-batch count divisible by pp={p} (Megatron-LM's rule)")
-    why = cp_violation(shape.seq_len, layout.cp, t, layout.sp)
+    if v > 1 and layout.schedule != "1f1b":
+        raise PlanError(f"interleaving (v={v}) needs the 1f1b schedule")
+    stages = pp_violation(shape.layers, p, v, uneven=stage_rule != "even")
+    if stages and stage_rule == "even" and v == 1 and shape.layers >= p:
+        stages += " (or a framework that builds uneven stages: megatron-lm, nanotron)"
+    why = (tp_violation(shape.heads, t, shape.kv_heads)
+           or stages
+           or interleave_violation(p, layout.microbatches, v)
+           or cp_violation(shape.seq_len, layout.cp, t, layout.sp))
     if why:
         raise PlanError(why)
     per_node = dp_per_node(layout, gpus_per_node, order) if gpus_per_node else None

@@ -57,37 +57,11 @@ The 34 is 10 s b h that TP alone cannot split (LayerNorm inputs, the inputs of t
 matmuls, dropout masks) plus 24 that it can (Q, K, V, the attention output, the MLP's two
 4h-wide activations). We generalise the MLP part to any width F (GELU: 4F/h in place of 16)
 and to LLaMA's SwiGLU without dropout (8 replicated, 8 + 8F/h split, 2 a s / h for the
-scores); the GPT case is exactly the paper's. fp32 activations double every term.
+scores), and a GPT trained without dropout (MPT) drops the masks (8 replicated, 4 a s / h);
+the GPT case with dropout is exactly the paper's. fp32 activations double every term.
 
-The pipeline's first stage keeps the most (the paper's pipeline-parallel case): with layers/pp
-layers per stage it holds m micro-batches (GPipe), min(m, p) (1F1B), or, interleaved with v
-chunks, up to p(v+1) - 1 chunk-micro-batches of layers/(p v) layers each, which is
-L (1 + (p-1)/(p v)) layers' worth.
-
-Temporary buffers and what the engine allocates (our assumptions, said here once)
----------------------------------------------------------------------------------
-* the logits of one micro-batch on the last stage: 16-bit logits plus an fp32 copy for the
-  softmax and the loss, b s V / t x (2 + 4) bytes (x (4 + 4) in fp32);
-* with full recomputation, one layer's complete activations while it is being recomputed;
-* with sharded parameters (s_p > 1), two gathered layers (the one computing and the next,
-  prefetched) and one layer's full gradient before its reduce-scatter;
-* under context parallelism, the ring's blocks in flight (``minipar.cp``): the layer's K/V
-  stacked into one message, the next block arriving, and in backward the travelling K/V
-  gradient and its arriving copy: 4 B, B = 2 b (s/cp) (h/t) e (``kv_block_bytes``);
-* gradient buckets in flight: two of the framework's buckets (Megatron-LM's 40M
-  parameters, DeepSpeed's 5e8 elements; minipar and FSDP reduce one unit at a time, and
-  PyTorch DDP's default 25 MiB stands in for them), or of the whole gradient, if smaller;
-* the gradient buffer in the framework's precision (``frameworks``: Megatron-LM and
-  DeepSpeed's BF16 optimizer accumulate into fp32, 4 bytes per parameter of the G shard,
-  in place of the 2 of the 16-bit gradient).
-We add the stash of the first stage and the logits of the last as if one device held both,
-which is exact for pp = 1 and a little pessimistic otherwise. What the device can give to
-all of this is ``Hardware.usable_bytes``: its memory less the runtime's share (context,
-communication buffers, library workspaces: ``runtime_bytes``), less what the allocator holds
-beyond live tensors, (reserved - allocated) / reserved: the framework profile's measured
-``memory_reserve``, else the hardware's ``fragmentation`` (each cites its measurement;
-``reserve`` overrides both). Layouts that public runs executed must fit
-(``published.EXECUTED``, tests/test_plan_grounded.py).
+What one device holds at its peak (the activations a pipeline stage keeps, the transient
+buffers, the allocator's reserve) is ``peak``'s: stage by stage, as the framework builds them.
 """
 from __future__ import annotations
 
@@ -96,19 +70,16 @@ import math
 from collections.abc import Sequence
 
 from .errors import PlanError
-from .layout import Layout, cp_violation
+from .layout import cp_violation
 from .shapes import ModelShape
 from .sharding import Shard, resolve_shard
 
 BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}   # weight, gradient, optimizer
 ACTIVATION_BYTES = {"mixed": 2, "fp32": 4}
-BUCKET_BYTES = 25 * 2**20
-DEFAULT_RESERVE = None        # the hardware's fragmentation margin
 
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in BYTES_PER_PARAM:
-        from .errors import PlanError
         raise PlanError(f"unknown dtype {dtype!r}; use mixed (bf16 + fp32 Adam) or fp32")
 
 
@@ -170,13 +141,14 @@ def tp_rank_params(shape: ModelShape, tp: int = 1) -> dict[str, int]:
     vocab_rows = math.ceil(shape.vocab / t)                    # V padded to a multiple of t
     if shape.arch == "llama":
         norm = h                                               # RMSNorm: a weight only
-        split = 4 * h * h + 3 * h * f                          # wq, wk, wv, wo, w1, w2, w3
+        split = shape.attention_params + 3 * h * f             # wq, wk, wv, wo, w1, w2, w3
         replicated = 2 * norm
         positions = 0                                          # rotary: no table
     else:
         b = 1 if shape.bias else 0
         norm = 2 * h if shape.bias else h                      # LayerNorm weight (+ bias)
-        split = 4 * h * h + 2 * h * f + b * (3 * h + f)        # + the column biases
+        split = (shape.attention_params + 2 * h * f          # + the column biases
+                 + b * (h + 2 * shape.kv_hidden + f))
         replicated = 2 * norm + b * 2 * h                      # + the two row biases
         positions = shape.seq_len * h
     return {"layer": math.ceil(split / t) + replicated,
@@ -185,12 +157,16 @@ def tp_rank_params(shape: ModelShape, tp: int = 1) -> dict[str, int]:
             "tied_copy": vocab_rows * h if shape.tied_head else 0}
 
 
-def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1) -> int:
-    """Parameters one device holds before data-parallel sharding: one TP rank's share of the
-    heaviest pipeline stage (first: embeddings; last: final norm, head, and with a tied head
-    and pp > 1 a copy of the embedding, as Megatron-LM keeps), counted exactly
-    (``tp_rank_params``)."""
+def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage=None) -> int:
+    """Parameters one device holds before data-parallel sharding: one TP rank's share of
+    pipeline stage ``stage`` (a ``stages.Stage``; default the heaviest of equal stages:
+    first, embeddings; last, final norm, head, and with a tied head and pp > 1 a copy of the
+    embedding, as Megatron-LM keeps), counted exactly (``tp_rank_params``)."""
     per_rank = tp_rank_params(shape, tp)
+    if stage is not None:
+        ends = (per_rank["embedding"] if stage.embedding else 0) + (
+            per_rank["head"] + (per_rank["tied_copy"] if pp > 1 else 0) if stage.head else 0)
+        return stage.layers * per_rank["layer"] + ends
     layers = shape.layers // pp * per_rank["layer"]
     if pp == 1:
         return layers + per_rank["embedding"] + per_rank["head"]
@@ -198,11 +174,16 @@ def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1) -> int:
 
 
 def activation_coefficients(shape: ModelShape) -> tuple[float, float, float]:
-    """(replicated, tp-split, scores) so one layer keeps s b h (rep + split + scores a s / h)."""
+    """(replicated, tp-split, scores) so one layer keeps s b h (rep + split + scores a s / h).
+    The split attention part is Q, K, V and the attention's output (2 bytes each): 8, of which
+    K and V shrink to h_kv / h under grouped-query attention."""
     ratio = shape.ffn / shape.hidden
+    attention = 4.0 + 4.0 * shape.kv_hidden / shape.hidden
     if shape.arch == "llama":
-        return 8.0, 8.0 + 8.0 * ratio, 2.0
-    return 10.0, 8.0 + 4.0 * ratio, 5.0
+        return 8.0, attention + 8.0 * ratio, 2.0
+    if not shape.has_dropout:      # no masks: 1 s b h each after attention and MLP, a s^2 b
+        return 8.0, attention + 4.0 * ratio, 4.0
+    return 10.0, attention + 4.0 * ratio, 5.0
 
 
 def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1, sp: bool = False,
@@ -221,17 +202,6 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1, sp:
     if sp:
         return sbh * (replicated + split + scores * a * s / h) / tp
     return sbh * (replicated + split / tp + scores * a * s / (h * tp))
-
-
-def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
-                 schedule: str = "1f1b") -> float:
-    """Layer-micro-batches of activations the first pipeline stage holds at its peak."""
-    if schedule == "gpipe":
-        return layers_per_stage * microbatches
-    if v == 1:
-        return layers_per_stage * min(microbatches, pp)
-    chunks_in_flight = min(microbatches * v, pp * (v + 1) - 1)
-    return layers_per_stage / v * chunks_in_flight
 
 
 def check_cp(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> None:
@@ -258,69 +228,3 @@ def cp_layer_activation_bytes(shape: ModelShape, micro_batch: int, cp: int = 1, 
     local = dataclasses.replace(shape, seq_len=shape.seq_len // cp)
     return layer_activation_bytes(local, micro_batch, tp=tp, sp=sp, recompute=recompute,
                                   flash=flash or cp > 1, dtype=dtype)
-
-
-def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
-                     dtype: str = "mixed") -> float:
-    if layout.cp > 1:      # a layer of s/cp tokens, scores never stored (ring attention)
-        per_layer = cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
-                                              layout.sp, layout.recompute, flash, dtype)
-    else:
-        per_layer = layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp,
-                                           layout.recompute, flash, dtype)
-    held = stash_layers(shape.layers // layout.pp, layout.pp, layout.microbatches,
-                        layout.v, layout.schedule)
-    return per_layer * held
-
-
-def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
-                    dtype: str = "mixed", framework=None) -> float:
-    """The transient buffers listed in the module docstring."""
-    t, b, s = layout.tp, layout.micro_batch, shape.seq_len // layout.cp
-    act = ACTIVATION_BYTES[dtype]
-    total = b * s * shape.vocab / t * (act + 4)                   # logits + fp32 softmax
-    if layout.recompute == "full":
-        local = dataclasses.replace(shape, seq_len=s) if layout.cp > 1 else shape
-        total += layer_activation_bytes(local, b, t, layout.sp, "none", flash or layout.cp > 1,
-                                        dtype)
-    if layout.cp > 1:
-        total += 4 * kv_block_bytes(b, shape.seq_len, shape.hidden, layout.cp, t, act)
-    total += gather_bytes(shape, t, layout.shard, dtype)
-    if layout.replicas > 1:        # gradients reduce over dp x cp
-        g = (framework.grad_bytes if framework and framework.grad_bytes
-             else BYTES_PER_PARAM[dtype][1])
-        gradient = stage_params(shape, t, layout.pp) * g
-        bucket = framework.bucket_params(layout.replicas) if framework else None
-        total += 2 * min(bucket * g if bucket else BUCKET_BYTES, gradient)
-    return total
-
-
-def gather_bytes(shape: ModelShape, tp: int, shard, dtype: str = "mixed") -> float:
-    """With sharded parameters: two gathered layers and one layer's full gradient."""
-    if shard[0] == 1:
-        return 0.0
-    return 3 * tp_rank_params(shape, tp)["layer"] * ACTIVATION_BYTES[dtype]
-
-
-def grad_buffer_bytes(shape: ModelShape, layout: Layout, dtype: str, framework=None) -> float:
-    """The gradient buffer in the framework's precision (4 bytes per parameter of the G
-    shard for fp32 buffers)."""
-    g = (framework.grad_bytes if framework and framework.grad_bytes
-         else BYTES_PER_PARAM[dtype][1])
-    return g * math.ceil(stage_params(shape, layout.tp, layout.pp) / layout.shard[1])
-
-
-def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
-                  dtype: str = "mixed", framework=None) -> dict[str, float]:
-    """Everything one device holds at its peak: params, grads, optimizer, activations,
-    temporary, total (bytes). ``framework`` (a ``frameworks.Framework``) sets the gradient
-    buffer's precision and the bucket size."""
-    states = model_state_bytes(shape, layout.replicas, shard=layout.shard, tp=layout.tp,
-                               pp=layout.pp, dtype=dtype)
-    out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
-    if framework is not None and framework.grad_bytes:
-        out["grads"] = float(grad_buffer_bytes(shape, layout, dtype, framework))
-    out["activations"] = activation_bytes(shape, layout, flash, dtype)
-    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework)
-    out["total"] = sum(out.values())
-    return out

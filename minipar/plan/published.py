@@ -106,7 +106,8 @@ def ablation(model: str, layout: Layout, hardware="frontier-mi250x",
 # --------------------------------------------------------------------------------------
 # Layouts that public runs executed: each must fit (tests/test_plan_grounded.py)
 # --------------------------------------------------------------------------------------
-MPT_7B = ModelShape("mpt-7b", "gpt", 32, 4096, 32, 50368, 2048, tied_head=True, bias=False)
+MPT_7B = ModelShape("mpt-7b", "gpt", 32, 4096, 32, 50368, 2048, tied_head=True, bias=False,
+                    dropout=False)
 
 
 def executed_runs() -> list[dict]:
@@ -119,7 +120,7 @@ def executed_runs() -> list[dict]:
     """
     return [
         dict(name="MPT-7B on 8 x H100, no activation checkpointing", shape=MPT_7B,
-             hardware="dgx-h100", framework="fsdp", flash=True, mfu=46.44,
+             hardware="dgx-h100", framework="llm-foundry", flash=True, mfu=46.44,
              layout=Layout(tp=1, pp=1, dp=8, micro_batch=6, microbatches=1, shard=(8, 8, 8),
                            recompute="none"),
              source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit "
@@ -128,7 +129,7 @@ def executed_runs() -> list[dict]:
                     "shape from MPT-7B's config (32 layers, d_model 4096, 32 heads, vocab "
                     "50368, no biases, FlashAttention)"),
         dict(name="MPT-7B on 8 x A100-80GB, no activation checkpointing", shape=MPT_7B,
-             hardware="dgx-a100", framework="fsdp", flash=True, mfu=64.23,
+             hardware="dgx-a100", framework="llm-foundry", flash=True, mfu=64.23,
              layout=Layout(tp=1, pp=1, dp=8, micro_batch=6, microbatches=2, shard=(8, 8, 8),
                            recompute="none"),
              source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit "
@@ -149,10 +150,11 @@ def executed_runs() -> list[dict]:
 # --------------------------------------------------------------------------------------
 # Compute efficiency from an independent single-node step; sanity points held out from it
 # --------------------------------------------------------------------------------------
-MPT_13B = ModelShape("mpt-13b", "gpt", 40, 5120, 40, 50368, 2048, tied_head=True, bias=False)
+MPT_13B = ModelShape("mpt-13b", "gpt", 40, 5120, 40, 50368, 2048, tied_head=True, bias=False,
+                     dropout=False)
 EFFICIENCY_RUN = dict(
     name="MPT-13B on 8 x A100-80GB, no activation checkpointing", shape=MPT_13B,
-    hardware="dgx-a100", framework="fsdp", flash=True, mfu=59.57,
+    hardware="dgx-a100", framework="llm-foundry", flash=True, mfu=59.57,
     layout=Layout(tp=1, pp=1, dp=8, micro_batch=2, microbatches=3, shard=(8, 8, 8),
                   recompute="none"),
     source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), "

@@ -59,9 +59,9 @@ from .errors import PlanError
 from .estimate import Estimate, dp_exposure, dp_profile, estimate, time_parts
 from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
-from .layout import ORDERS, Layout, cp_violation, dp_per_node
-from .memory import (activation_bytes, gather_bytes, grad_buffer_bytes, model_state_bytes,
-                     stage_params, temporary_bytes)
+from .layout import ORDERS, Layout, cp_violation, dp_per_node, tp_violation
+from .peak import activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes
+from .stages import distinct, split_violation
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
 from .sharding import Shard, divisors, parse_shard, shard_violation, zero_shard
 
@@ -99,7 +99,8 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
 
     Fixing ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v`` (chunks), ``schedule``,
     ``recompute``, ``sp`` or the spec (``shard`` or ``zero``, over the dp x cp replicas)
-    narrows the search; ``max_tp`` lets TP span nodes; ``max_cp`` ranks every cp up to it
+    narrows the search; ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v``, ``zero`` and
+    ``recompute`` also take a set of allowed values (an empty one is a PlanError); ``max_tp`` lets TP span nodes; ``max_cp`` ranks every cp up to it
     (default: cp only where memory forces it, module docstring); ``framework`` limits it to
     what that framework runs (and gives the rank order, unless ``order`` is given).
     ``specs_per_layout``: how many shard specs to keep per parallel layout (tp, pp, v, b,
@@ -124,25 +125,31 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                         "of the shard spec)")
     if isinstance(shard, str):
         shard = parse_shard(shard)
-    if recompute is not None and recompute not in RECOMPUTE_MODES:
-        raise PlanError(f"unknown recomputation {recompute!r}; use {', '.join(RECOMPUTE_MODES)}")
-    if recompute is not None and recompute not in fw.recompute:
-        raise PlanError(f"{fw.name} has no {recompute!r} recomputation; it has "
-                        f"{', '.join(fw.recompute)}")
+    tps, pps, mbs, vs = (allowed(x, name) for x, name in ((tp, "tp"), (pp, "pp"),
+                                                         (micro_batch, "micro-batch"),
+                                                         (v, "chunks")))
+    zeros, recomputes = allowed(zero, "zero"), allowed(recompute, "recompute")
+    cps = allowed(cp, "cp")
+    for mode in recomputes or ():
+        if mode not in RECOMPUTE_MODES:
+            raise PlanError(f"unknown recomputation {mode!r}; use {', '.join(RECOMPUTE_MODES)}")
+    if recomputes and not set(recomputes) & set(fw.recompute):
+        raise PlanError(f"{fw.name} has no {' or '.join(map(repr, recomputes))} "
+                        f"recomputation; it has {', '.join(fw.recompute)}")
     if sp and not fw.sp:
         raise PlanError(f"{fw.name} has no sequence parallelism; leave out --sp or choose "
                         f"another --framework")
     if schedule is not None and schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(SCHEDULES)}")
-    if ((cp or 1) > 1 or (max_cp or 1) > 1) and not fw.cp:
+    if (max(cps or [1]) > 1 or (max_cp or 1) > 1) and not fw.cp:
         raise PlanError(f"{fw.name} has no context parallelism in this planner; leave out "
                         f"--cp and --max-cp or choose --framework minipar or megatron-lm")
-    if (schedule == "interleaved" or (v or 1) > 1) and not fw.interleaving:
+    if (schedule == "interleaved" or min(vs or [1]) > 1) and not fw.interleaving:
         raise PlanError(f"{fw.name} has no interleaved schedule; leave out --chunks and "
                         f"--schedule interleaved, or choose another --framework")
-    if schedule == "interleaved" and v == 1:
+    if schedule == "interleaved" and vs == (1,):
         raise PlanError("--schedule interleaved needs --chunks of 2 or more")
-    if schedule == "gpipe" and (v or 1) > 1:
+    if schedule == "gpipe" and min(vs or [1]) > 1:
         raise PlanError("--chunks > 1 needs the interleaved schedule, not gpipe")
     tokens = global_batch_tokens or shape.global_batch_tokens
     if not tokens:
@@ -152,25 +159,25 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                         f"{shape.seq_len}-token sequences; use a multiple of {shape.seq_len}")
     batch = tokens // shape.seq_len
     capacity = hw.usable_bytes(reserve if reserve is not None else fw.memory_reserve)
-    modes = [recompute] if recompute else [r for r in RECOMPUTE_MODES if r in fw.recompute]
+    modes = [r for r in RECOMPUTE_MODES if r in fw.recompute and r in (recomputes or [r])]
     if not fw.interleaving or schedule in ("gpipe", "1f1b"):
-        max_v, v = 1, 1
+        max_v, vs = 1, (1,)
     use_sp = fw.sp if sp is None else sp
 
     keep = max(4 * top, 20)
     if not fw.cp:
         tries = [[1]]
-    elif cp is not None:
-        tries = [[cp]]
+    elif cps is not None:
+        tries = [list(cps)]
     elif max_cp is not None:
         tries = [None]
     else:                      # cp where memory forces it (module docstring)
         tries = [[1], None]
     results: list[Estimate] = []
-    for cps in tries:
-        candidates, leanest = _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, tp=tp,
-                                    pp=pp, max_cp=max_cp, max_tp=max_tp, shard=shard,
-                                    zero=zero, micro_batch=micro_batch, v=v, max_v=max_v,
+    for tried in tries:
+        candidates, leanest = _scan(shape, gpus, hw, fw, batch, capacity, modes, tried,
+                                    tps=tps, pps=pps, max_cp=max_cp, max_tp=max_tp,
+                                    shard=shard, zeros=zeros, mbs=mbs, vs=vs, max_v=max_v,
                                     max_micro_batch=max_micro_batch, schedule=schedule,
                                     use_sp=use_sp, order=order, overlap=overlap, flash=flash,
                                     dtype=dtype, specs_per_layout=specs_per_layout,
@@ -216,49 +223,54 @@ def _memory_forced(found: list[Estimate], modes: list[str], objective: str) -> b
     return best.layout.recompute == "full" and modes != ["full"]
 
 
-def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, *, tp, pp, max_cp, max_tp, shard,
-          zero, micro_batch, v, max_v, max_micro_batch, schedule, use_sp, order, overlap,
+def allowed(value, name: str) -> tuple | None:
+    """A search axis's allowed values: None (free), one value, or any iterable of them, as a
+    sorted tuple; an empty set is a PlanError."""
+    if value is None:
+        return None
+    if isinstance(value, (str, int)):
+        return (value,)
+    values = tuple(sorted(set(value)))
+    if not values:
+        raise PlanError(f"the set of allowed --{name} values is empty; give at least one")
+    return values
+
+
+def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, *, tps, pps, max_cp, max_tp,
+          shard, zeros, mbs, vs, max_v, max_micro_batch, schedule, use_sp, order, overlap,
           flash, dtype, specs_per_layout, objective):
     """The pruned scan (module docstring) over ``cps`` (None: every cp that cuts the
     sequence, at most ``max_cp``): ([(key, layout)], the leanest (bytes, layout) seen)."""
     candidates: list[tuple] = []           # (key, layout), each layout's best specs
     leanest = (math.inf, None)             # for the "nothing fits" message
-    for t, p, c, d in _degrees(shape, gpus, batch, tp, pp, max_tp or hw.gpus_per_node, cps,
-                               max_cp, use_sp):
+    for t, p, c, d in _degrees(shape, gpus, batch, tps, pps, max_tp or hw.gpus_per_node,
+                               fw.stage_rule, cps, max_cp, use_sp):
         grid = Layout(tp=t, pp=p, cp=c, dp=d)
         per_node = dp_per_node(grid, hw.gpus_per_node, order)
         replicas = grid.replicas                   # ZeRO shards over dp x cp
-        if shard is not None:
-            if shard_violation(shard, replicas, per_node):
-                continue
-            specs = [tuple(shard)]
-        elif zero is not None:
-            specs = [zero_shard(zero, replicas)]
-        else:
-            specs = fw.specs(replicas, p, per_node)
-        table = sorted((_state_bytes(shape, t, p, replicas, spec, dtype, fw), spec)
-                       for spec in specs)
-        table_bytes = [row[0] for row in table]
+        specs = _specs(fw, replicas, p, per_node, shard, zeros)
+        if not specs:
+            continue
+        states = _state_table(shape, grid, specs, dtype, fw)
         profiles: dict = {}                # (spec, full recomputation) -> dp_profile
-        for b, m, chunks in _schedules(shape, p, batch // d, micro_batch, v, max_v,
-                                       max_micro_batch):
+        for b, m, chunks in _schedules(shape, p, batch // d, mbs, vs, max_v, max_micro_batch,
+                                       fw.stage_rule):
             if schedule == "interleaved" and chunks < 2:
                 continue
             for mode in modes:
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
                               recompute=mode, v=chunks, sp=use_sp and t > 1,
                               schedule="gpipe" if schedule == "gpipe" else "1f1b")
-                held = (activation_bytes(shape, base, flash, dtype)
-                        + temporary_bytes(shape, base, flash, dtype, fw))
-                leanest = min(leanest, (held + table_bytes[0], base), key=lambda x: x[0])
-                fitting = bisect.bisect_right(table_bytes, capacity - held)
+                table = _memory_table(shape, base, states, flash, dtype, fw)
+                leanest = min(leanest, (table[0][0], base), key=lambda x: x[0])
+                fitting = bisect.bisect_right([row[0] for row in table], capacity)
                 if not fitting:
                     continue
                 parts = time_parts(shape, hw, base, order, dtype, flash, fw)
                 fixed = sum(parts[k] for k in ("compute", "tp_comm", "cp_exposed", "bubble",
                                                "pp_comm"))
                 keys = []
-                for state, spec in table[:fitting]:
+                for total, spec in table[:fitting]:
                     layout = replace(base, shard=spec)
                     key = (spec, mode == "full")
                     if key not in profiles:
@@ -267,41 +279,73 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, *, tp, pp, max_cp, m
                     seconds = fixed + dp["dp_exposed"] + dp["interference"]
                     if objective == "amsp":
                         seconds = (dp["dp_comm"], seconds)
-                    keys.append((rank_key(seconds, held + state, layout), layout))
+                    keys.append((rank_key(seconds, total, layout), layout))
                 candidates += heapq.nsmallest(specs_per_layout, keys, key=lambda x: x[0])
     return candidates, leanest
 
 
-def _state_bytes(shape, t, p, d, spec, dtype, fw) -> float:
-    """Model states, the framework's gradient buffer and the gather buffers of one spec."""
-    states = model_state_bytes(stage_params(shape, t, p), d, shard=spec, dtype=dtype)
-    total = states["total"] + gather_bytes(shape, t, spec, dtype)
-    if fw.grad_bytes:
-        total += grad_buffer_bytes(shape, Layout(tp=t, pp=p, dp=d, shard=spec), dtype,
-                                   fw) - states["grads"]
-    return total
+def _specs(fw, replicas: int, pp: int, per_node: int, shard, zeros) -> list:
+    """The shard specs to try over ``replicas``: the one given, the ZeRO stages allowed
+    (those the framework runs, unless it runs every AMSP spec), or the framework's."""
+    if shard is not None:
+        return [] if shard_violation(shard, replicas, per_node) else [tuple(shard)]
+    runs = fw.specs(replicas, pp, per_node)
+    if zeros is None:
+        return runs
+    wanted = sorted({zero_shard(z, replicas) for z in zeros})
+    return wanted if fw.spec_family == "amsp" else [x for x in wanted if x in runs]
 
 
-def _degrees(shape: ModelShape, gpus: int, batch: int, tp: int | None, pp: int | None,
-             max_tp: int, cps: list[int] | None = None, max_cp: int | None = None,
-             sp: bool = True):
-    """(tp, pp, cp, dp): tp divides the heads (at most ``max_tp``), pp the layers, cp cuts the
-    sequence (``layout.cp_violation``; ``cps`` None: every such cp, at most ``max_cp``), dp
-    the batch."""
-    if tp is not None and (shape.heads % tp or gpus % tp):
-        raise PlanError(f"tp={tp} must divide the {shape.heads} heads and the {gpus} GPUs")
-    if pp is not None and (shape.layers % pp or gpus % pp):
-        raise PlanError(f"pp={pp} must divide the {shape.layers} layers and the {gpus} GPUs")
+def _state_table(shape, grid: Layout, specs, dtype, fw) -> dict:
+    """{spec: [(stage, model-state bytes of that stage)]}, and the gathered layers' bytes
+    under "gather": what depends on the spec, computed once per grid (the micro-batch,
+    the recomputation and the schedule do not change it)."""
+    stage_rows = distinct(stage_list(shape, grid, fw))
+    out = {}
+    for spec in specs:
+        lay = replace(grid, shard=spec)
+        out[spec] = ([(st, sum(state_bytes(shape, lay, dtype, fw, st).values()))
+                      for st in stage_rows], gather_bytes(shape, grid.tp, spec, dtype))
+    return out
+
+
+def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw) -> list:
+    """[(bytes per device, spec)] sorted: for each spec the largest stage's peak (``peak``):
+    its states (``_state_table``) and what this schedule holds on it."""
+    held = {st.index: (activation_bytes(shape, base, flash, dtype, st, fw)
+                       + temporary_bytes(shape, base, flash, dtype, fw, st))
+            for st in distinct(stage_list(shape, base, fw))}
+    return sorted((max(state + held[st.index] for st, state in rows) + gather, spec)
+                  for spec, (rows, gather) in states.items())
+
+
+def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
+             stage_rule: str = "even", cps: list[int] | None = None,
+             max_cp: int | None = None, sp: bool = True):
+    """(tp, pp, cp, dp): tp divides the heads and the key/value heads (``layout.
+    tp_violation``; at most ``max_tp`` unless given), pp gives the framework a stage split
+    (``stages.split_violation``), cp cuts the sequence (``layout.cp_violation``; ``cps``
+    None: every such cp, at most ``max_cp``), dp the batch. A single value given for tp, pp
+    or cp that cannot work is a PlanError; from a set, such values are skipped."""
+    for axis, values in (("tp", tps), ("pp", pps)):
+        if values is not None and len(values) == 1:
+            x = values[0]
+            why = (tp_violation(shape.heads, x, shape.kv_heads) if axis == "tp"
+                   else split_violation(shape, x, stage_rule))
+            if why or gpus % x:
+                raise PlanError(why or f"{axis}={x} must divide the {gpus} GPUs")
     if cps is not None and len(cps) == 1 and cps[0] > 1:
-        c = cps[0]
-        why = cp_violation(shape.seq_len, c, tp or 1, bool(sp and (tp or 1) > 1))
+        c, t0 = cps[0], (tps[0] if tps and len(tps) == 1 else 1)
+        why = cp_violation(shape.seq_len, c, t0, bool(sp and t0 > 1))
         if gpus % c or why:
             raise PlanError(why or f"cp={c} must divide the {gpus} GPUs")
-    tps = [tp] if tp else [t for t in divisors(shape.heads) if t <= max_tp]
-    pps = [pp] if pp else divisors(shape.layers)
+    tps = tps or [t for t in divisors(shape.heads) if t <= max_tp]
+    pps = pps or [p for p in divisors(gpus) if p <= shape.layers + 4]
     for t in tps:
+        if tp_violation(shape.heads, t, shape.kv_heads):
+            continue
         for p in pps:
-            if gpus % (t * p):
+            if gpus % (t * p) or split_violation(shape, p, stage_rule):
                 continue
             for c in cps or divisors(gpus // (t * p)):
                 if (max_cp and c > max_cp) or cp_violation(shape.seq_len, c, t, sp and t > 1):
@@ -311,16 +355,16 @@ def _degrees(shape: ModelShape, gpus: int, batch: int, tp: int | None, pp: int |
                     yield t, p, c, d
 
 
-def _schedules(shape: ModelShape, pp: int, per_replica: int, micro_batch: int | None,
-               v: int | None, max_v: int, max_micro_batch: int):
+def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int,
+               max_micro_batch: int, stage_rule: str = "even"):
     """(b, m, v): micro-batch size, micro-batch count, chunks per stage (Megatron-LM's rule:
-    interleaving needs pp > 1 and m divisible by pp)."""
+    interleaving needs pp > 1, m divisible by pp and pp v dividing the layers)."""
     for b in divisors(per_replica):
-        if b > max_micro_batch or (micro_batch and b != micro_batch):
+        if (mbs is None and b > max_micro_batch) or (mbs is not None and b not in mbs):
             continue
         m = per_replica // b
-        for chunks in divisors(shape.layers // pp):
-            if chunks > max_v or (v and chunks != v):
+        for chunks in divisors(shape.layers // pp) if shape.layers % pp == 0 else [1]:
+            if chunks > max_v or (vs is not None and chunks not in vs):
                 continue
             if chunks == 1 or (pp > 1 and m % pp == 0):
                 yield b, m, chunks
@@ -361,7 +405,8 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
                  f"temporary {_gib(mem['temporary'])})")
     if best.unvalidated:
         lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
-                     "alpha-beta model, never extrapolated from measurements)")
+                     "alpha-beta model at the measured network efficiency, never faster "
+                     "than the widest measured row)")
     if runner_up is not None:
         r = runner_up.times
         deltas = {k: r[k] - t[k] for k in _PARTS}

@@ -2,7 +2,9 @@
 
 Notation (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", SC'21): l layers, h hidden size, a attention heads, V vocabulary,
-s sequence length, B global batch in sequences, F the MLP's hidden size.
+s sequence length, B global batch in sequences, F the MLP's hidden size; and g key/value
+heads (grouped-query attention, Ainslie et al. 2023: g = a is multi-head attention, g = 1
+multi-query), so K and V are h_kv = g h / a wide.
 
 Parameters
 ----------
@@ -20,6 +22,11 @@ bias), no biases anywhere, rotary positions (no position table), untied head:
 
     P = l (4 h^2 + 3 h F + 2 h) + 2 V h + h,     F default: 2/3 * 4h rounded up to 256
 
+With grouped-query attention the K and V projections are h x h_kv, so the attention's
+4 h^2 becomes 2 h^2 + 2 h h_kv (and its biases 2h + 2 h_kv) in every count below, FLOPs
+included. Any shape can be given as a JSON file (``load_model``: the fields of
+``ModelShape``; name, arch, layers, hidden, heads, vocab and seq_len required).
+
 Training FLOPs per iteration
 ----------------------------
 Megatron-LM (Narayanan et al. 2021, section 5.1), counting matmuls only, with full activation
@@ -32,7 +39,7 @@ throughput log uses the same bracket for both (24 * factor * ... with factor 4 o
 ``megatron_flops``. Counted exactly, the logits (2BshV forward) are never recomputed, so the
 no-recomputation bracket is V/(12 l h); ``training_flops`` sums the pieces exactly:
 
-    forward per layer   2 B s (4h^2 + 2hF)   [GPT]   or 2 B s (4h^2 + 3hF)   [LLaMA]
+    forward per layer   2 B s (2h^2 + 2h h_kv + 2hF)   [GPT]   (3hF: LLaMA's SwiGLU)
                       + 4 B s^2 h            (Q K^T and attention x V, no causal saving)
     logits              2 B s h V
     training            3 x forward  (+ 1 x the layers' forward with full recomputation,
@@ -41,8 +48,10 @@ no-recomputation bracket is V/(12 l h); ``training_flops`` sums the pieces exact
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
+from pathlib import Path
 
 from .errors import PlanError
 
@@ -70,6 +79,8 @@ class ModelShape:
     tied_head: bool = True     # GPT-3/Megatron tie the head to the embedding; LLaMA, minipar do not
     bias: bool = True          # GPT: biases in every Linear and LayerNorm; LLaMA: none
     global_batch_tokens: int = 0   # the preset's usual batch (search's default), 0: unknown
+    kv_heads: int = 0          # key/value heads (grouped-query attention); 0: as many as heads
+    dropout: bool = True       # GPT: dropout after attention and MLP (masks kept); LLaMA: none
 
     def __post_init__(self):
         for what in ("layers", "hidden", "heads", "vocab", "seq_len"):
@@ -77,11 +88,40 @@ class ModelShape:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"model {self.name}: {what} must be a whole number >= 1, got "
                                 f"{value!r}")
+        for what in ("ffn_hidden", "kv_heads", "global_batch_tokens"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"model {self.name}: {what} must be a whole number >= 0 "
+                                f"(0: the default), got {value!r}")
         if self.hidden % self.heads:
             raise PlanError(f"model {self.name}: {self.heads} heads do not divide the hidden "
                             f"size {self.hidden}; choose heads that divide it")
+        if self.heads % self.groups:
+            raise PlanError(f"model {self.name}: {self.groups} key/value heads do not divide "
+                            f"the {self.heads} attention heads; use a divisor of {self.heads}")
         if self.arch not in ("gpt", "llama"):
             raise PlanError(f"model {self.name}: arch must be gpt or llama, got {self.arch!r}")
+
+    @property
+    def has_dropout(self) -> bool:
+        """Dropout layers (and their 1-byte masks) in every layer: GPT unless turned off
+        (MPT, for one, trains without); never LLaMA."""
+        return self.dropout and self.arch == "gpt"
+
+    @property
+    def groups(self) -> int:
+        """Key/value heads g (query groups): ``kv_heads``, or every head (multi-head)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of K (and of V): g heads of h / a."""
+        return self.groups * (self.hidden // self.heads)
+
+    @property
+    def attention_params(self) -> int:
+        """Q, K, V and output projections' weights: 2 h^2 + 2 h h_kv (4 h^2 when g = a)."""
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_hidden
 
     @property
     def ffn(self) -> int:
@@ -94,9 +134,9 @@ class ModelShape:
         """Parameters of one transformer layer."""
         h, f = self.hidden, self.ffn
         if self.arch == "llama":
-            return 4 * h * h + 3 * h * f + 2 * h
+            return self.attention_params + 3 * h * f + 2 * h
         b = 1 if self.bias else 0
-        attention = 4 * h * h + b * 4 * h
+        attention = self.attention_params + b * (2 * h + 2 * self.kv_hidden)
         mlp = 2 * h * f + b * (f + h)
         norms = 2 * (2 * h if self.bias else h)
         return attention + mlp + norms
@@ -161,7 +201,7 @@ def forward_flops(shape: ModelShape, batch: int, seq_len: int | None = None) -> 
     s = seq_len or shape.seq_len
     h, f = shape.hidden, shape.ffn
     mlp = 2 * h * f if shape.arch == "gpt" else 3 * h * f
-    dense = 2 * batch * s * (4 * h * h + mlp)      # QKV, output projection, MLP
+    dense = 2 * batch * s * (shape.attention_params + mlp)   # QKV, output projection, MLP
     attention = 4 * batch * s * s * h              # Q K^T and scores x V
     logits = 2 * batch * s * h * shape.vocab
     return {"dense": dense, "attention": attention, "logits": logits}
@@ -213,6 +253,7 @@ def stage_flops(shape: ModelShape, batch: int, pp: int = 1, recompute: str = "no
 # --------------------------------------------------------------------------------------
 _GPT3_BATCH = 1536 * 2048      # GPT-3 175B's 3.2M-token batch (Brown et al. 2020, Table 2.1)
 _LLAMA_BATCH = 2048 * 2048     # LLaMA's 4M-token batch (Touvron et al. 2023, Table 2)
+_LLAMA3_BATCH = 512 * 8192     # Llama 3's 4M-token batch at 8,192 tokens (Dubey et al. 2024)
 
 PRESETS: dict[str, ModelShape] = {
     # The Frontier study's shapes (Dash et al. 2023). Vocabulary 51200 is our choice: GPT-2's
@@ -230,6 +271,17 @@ PRESETS: dict[str, ModelShape] = {
                             tied_head=False, bias=False, global_batch_tokens=_LLAMA_BATCH),
     "llama-30b": ModelShape("llama-30b", "llama", 60, 6656, 52, 32000, 2048, 17920,
                             tied_head=False, bias=False, global_batch_tokens=_LLAMA_BATCH),
+    # Llama 3.1 (Dubey et al. 2024, Table 3; the released config.json files): grouped-query
+    # attention with 8 key/value heads, vocabulary 128,256, sequence 8,192, untied head
+    "llama3-8b": ModelShape("llama3-8b", "llama", 32, 4096, 32, 128256, 8192, 14336,
+                            tied_head=False, bias=False, global_batch_tokens=_LLAMA3_BATCH,
+                            kv_heads=8),
+    "llama3-70b": ModelShape("llama3-70b", "llama", 80, 8192, 64, 128256, 8192, 28672,
+                             tied_head=False, bias=False, global_batch_tokens=_LLAMA3_BATCH,
+                             kv_heads=8),
+    "llama3-405b": ModelShape("llama3-405b", "llama", 126, 16384, 128, 128256, 8192, 53248,
+                              tied_head=False, bias=False,
+                              global_batch_tokens=_LLAMA3_BATCH, kv_heads=8),
 }
 
 
@@ -247,7 +299,11 @@ def trainer_presets() -> dict[str, ModelShape]:
 
 
 def model_preset(name: str, seq_len: int | None = None) -> ModelShape:
-    """A shape by preset name (planner presets first, then the trainer's)."""
+    """A shape by preset name (planner presets first, then the trainer's), or from a JSON
+    file (a name ending in .json: ``load_model``)."""
+    if str(name).endswith(".json"):
+        shape = load_model(name)
+        return with_seq_len(shape, seq_len) if seq_len else shape
     shape = PRESETS.get(name)
     if shape is None:
         try:
@@ -258,6 +314,49 @@ def model_preset(name: str, seq_len: int | None = None) -> ModelShape:
         if shape is None:
             raise PlanError(f"unknown model {name!r}; use one of: {', '.join(known)}")
     return with_seq_len(shape, seq_len) if seq_len else shape
+
+
+REQUIRED_FIELDS = ("arch", "layers", "hidden", "heads", "vocab", "seq_len")
+
+
+def model_from_dict(data: dict, where: str = "model") -> ModelShape:
+    """A ``ModelShape`` from a dict of its fields (a model file's contents): the required
+    ones present, no unknown ones, every value of its field's kind; else one PlanError."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{where} must hold a JSON object with the fields "
+                        f"{', '.join(REQUIRED_FIELDS)}")
+    known = {f.name: f for f in fields(ModelShape)}
+    missing = [k for k in REQUIRED_FIELDS if k not in data]
+    if missing:
+        raise PlanError(f"{where} lacks {', '.join(missing)}; a model file needs "
+                        f"{', '.join(REQUIRED_FIELDS)} (optional: kv_heads, ffn_hidden, "
+                        f"tied_head, bias, dropout, global_batch_tokens, name)")
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise PlanError(f"{where} has unknown field(s) {', '.join(unknown)}; known fields: "
+                        f"{', '.join(known)}")
+    for key in ("tied_head", "bias", "dropout"):
+        if key in data and not isinstance(data[key], bool):
+            raise PlanError(f"{where}: {key} must be true or false, got {data[key]!r}")
+    values = dict(data)
+    values.setdefault("name", Path(where).stem if where != "model" else "custom")
+    if values["arch"] == "llama":        # LLaMA's defaults: untied head, no biases
+        values.setdefault("tied_head", False)
+        values.setdefault("bias", False)
+    defaults = {n: f.default for n, f in known.items() if f.default is not MISSING}
+    return ModelShape(**{**defaults, **values})
+
+
+def load_model(path: str | Path) -> ModelShape:
+    """A model shape from a JSON file (``model_from_dict``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read model file {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanError(f"model file {path} is not valid JSON: {e}") from None
+    return model_from_dict(data, where=str(path))
 
 
 def with_seq_len(shape: ModelShape, seq_len: int) -> ModelShape:

@@ -15,11 +15,14 @@ MI250X). A group that spans nodes shares each node's NICs with every device of t
 (all groups run at once in lockstep), so each device gets ``inter_node_bandwidth /
 gpus_per_node``; a ring visiting k of its members in a node crosses that node's boundary
 once, carrying their k shares, so its slowest link runs at k x that (capped by the
-intra-node link). ``bandwidth_by_size`` derates medium messages (RCCL's correction table).
+intra-node link), times the measured fraction NCCL reaches over that many nodes
+(``network_efficiency``: a NIC's protocol overhead, and a fabric that delivers less as the
+group widens: costs that grow with width as measured, not as the line rate says). ``bandwidth_by_size`` derates medium messages (RCCL's correction table).
 Where the hardware carries a measured ``collective_table`` with the op and placement, its
 interpolated time replaces all of this (``table_time``): between measured sizes (linearly in
-bytes) and between measured node counts (linearly in log2(nodes)), never beyond the widest
-measured group nor below the smallest measured size. A collective the table does not cover,
+bytes) and between measured node counts (linearly in log2(nodes)), never below the smallest
+measured size; beyond the widest measured group the model times it, but never faster than
+the widest measurement at that size (widening a group never makes a byte cheaper). A collective the table does not cover,
 that spans nodes, is wider than the table or smaller than its rows, is timed by the model
 above and named by ``coverage``: the estimate lists it under ``unvalidated``, and so does
 ``search``'s output.
@@ -72,11 +75,36 @@ def size_factor(nbytes: float, hw: Hardware) -> float:
     return factor
 
 
-def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
-    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+def network_efficiency(nodes: int, hw: Hardware) -> float:
+    """The fraction of ``inter_node_bandwidth`` a ring over ``nodes`` nodes reaches: the
+    hardware's measured ``inter_node_efficiency`` rows, linear in log2(nodes) between
+    them, held beyond the first and the last; 1 without rows."""
+    rows = sorted(hw.inter_node_efficiency)
+    if not rows:
+        return 1.0
+    if nodes <= rows[0][0]:
+        return rows[0][1]
+    for (n0, e0), (n1, e1) in zip(rows, rows[1:]):
+        if n0 <= nodes <= n1:
+            w = (math.log2(nodes) - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
+            return (1 - w) * e0 + w * e1
+    return rows[-1][1]
+
+
+def link_bandwidth(per_node: int, nodes: int, stride: int, hw: Hardware) -> float:
+    """The slowest link a ring over ``per_node`` members per node on ``nodes`` nodes crosses:
+    inside a node ``intra_bandwidth``, across nodes the node's share of the NICs times
+    their measured efficiency at that width (module docstring)."""
     beta = intra_bandwidth(per_node, stride, hw)
     if nodes > 1:
-        beta = min(beta, hw.inter_node_bandwidth * per_node / hw.gpus_per_node)
+        beta = min(beta, hw.inter_node_bandwidth * per_node / hw.gpus_per_node
+                   * network_efficiency(nodes, hw))
+    return beta
+
+
+def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+    beta = link_bandwidth(per_node, nodes, stride, hw)
     phases = 2 if op == "all_reduce" else 1
     steps = phases * (size - 1)
     if nodes == 1:
@@ -93,9 +121,7 @@ def tree_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
     """A tree all-reduce (NCCL's double binary tree across nodes, a chain inside)."""
     tree = hw.tree
     per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    beta = intra_bandwidth(per_node, stride, hw)
-    if nodes > 1:
-        beta = min(beta, hw.inter_node_bandwidth * per_node / hw.gpus_per_node)
+    beta = link_bandwidth(per_node, nodes, stride, hw)
     latency = tree["base_latency"] + 2 * ((per_node - 1) * tree["intra_latency"]
                                           + math.ceil(math.log2(nodes)) * tree["inter_latency"])
     return latency + 2 * nbytes / (beta * tree["bandwidth_factor"])
@@ -212,12 +238,28 @@ def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware
     t = ring_time(op, nbytes, size, stride, hw)
     if op == "all_reduce" and hw.tree:
         t = min(t, tree_time(nbytes, size, stride, hw))
-    return t
+    widest = _widest_time(op, nbytes, size, stride, hw)
+    return t if widest is None else max(t, widest)
+
+
+def _widest_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float | None:
+    """The time the widest measured group of this op and placement took for ``nbytes``,
+    where this group is wider still (a floor: module docstring); else None."""
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
+    counts = [r["nodes"] for r in hw.collective_table or []
+              if r["op"] == op and r["per_node"] == per_node]
+    if not counts or nodes <= max(counts):
+        return None
+    rows = [(r["bytes"], r["seconds"]) for r in hw.collective_table
+            if r["op"] == op and r["per_node"] == per_node and r["nodes"] == max(counts)]
+    return _size_time(rows, nbytes)
 
 
 def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware) -> float:
-    """One point-to-point send; across nodes every device of the node sends at once."""
+    """One point-to-point send; across nodes every device of the node sends at once, at the
+    NICs' measured efficiency between two nodes."""
     if across_nodes:
         return (hw.collective_latency + hw.inter_node_latency
-                + nbytes / (hw.inter_node_bandwidth / hw.gpus_per_node))
+                + nbytes / (hw.inter_node_bandwidth / hw.gpus_per_node
+                            * network_efficiency(2, hw)))
     return hw.collective_latency + hw.intra_node_latency + nbytes / hw.intra_node_bandwidth

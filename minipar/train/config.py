@@ -278,12 +278,13 @@ def parse_config(argv: list[str]) -> RunConfig:
     if a.backend == "nccl" or (a.backend == "auto" and a.nproc is not None):
         dist.resolve_backend(a.backend, a.nproc if a.nproc is not None else 1)
     if a.tp > 1:
-        _refuse(rules.tp_violation(model_cfg.n_head, model_cfg.d_model, model_cfg.ffn, a.tp,
-                                   model_cfg.seq_len, a.sp))
+        _refuse(rules.tp_violation(model_cfg.n_head, a.tp, hidden=model_cfg.d_model,
+                                   ffn=model_cfg.ffn, seq_len=model_cfg.seq_len, sp=a.sp))
     elif a.sp:
         raise UsageError("--sp splits the sequence inside the tensor-parallel group; it needs --tp > 1")
     if a.pp > 1:
-        _refuse(rules.pp_violation(model_cfg.n_layer, a.pp, a.chunks, m, a.schedule == "interleaved"))
+        v = a.chunks if a.schedule == "interleaved" else 1
+        _refuse(rules.interleave_violation(a.pp, m, v) or rules.pp_violation(model_cfg.n_layer, a.pp, v))
     elif a.schedule == "interleaved":
         raise UsageError("--schedule interleaved needs --pp > 1")
     # ZeRO shards over every rank holding the same parameters: dp x cp; plain DP: no spec

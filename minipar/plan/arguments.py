@@ -1,0 +1,133 @@
+"""The planner's shared flags: any model from the command line, and sets of allowed values.
+
+* A model is ``--model NAME`` (a preset), ``--model FILE.json`` (``shapes.load_model``), or
+  the shape itself: ``--layers --hidden --heads --vocab --seq-len`` with ``--kv-heads``,
+  ``--ffn-hidden``, ``--arch gpt|llama``, ``--tied/--untied``, ``--no-bias``,
+  ``--no-dropout``. Given with ``--model``, a shape flag overrides the preset's field
+  (``--model llama-7b --kv-heads 8``). ``params``, ``flops``, ``memory``, ``estimate`` and
+  ``search`` all take them (``shape_from_args``).
+* A search axis takes one value (``--tp 4``), a set (``--tp 1,2,4``) or a range
+  (``--tp 1-8``: every value from 1 to 8 that the model allows); ``--zero 0,1`` and
+  ``--recompute none,full`` likewise. An empty set is bad input (exit 2, one line).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from ..runtime.cli import positive_int as positive
+from .errors import PlanError
+from .shapes import RECOMPUTE_MODES, ModelShape, model_preset
+
+SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "seq_len", "ffn_hidden")
+REQUIRED = ("layers", "hidden", "heads", "vocab", "seq_len")
+
+
+def add_shape(p, model_help: str = "a preset (gpt-22b, gpt-175b, gpt-1t, llama-7b, "
+              "llama3-8b, ...) or a model JSON file (the fields of ModelShape)") -> None:
+    """The model flags (module docstring)."""
+    p.add_argument("--model", help=model_help)
+    p.add_argument("--layers", type=positive, help="transformer layers l")
+    p.add_argument("--hidden", type=positive, help="hidden size h")
+    p.add_argument("--heads", type=positive, help="attention heads a")
+    p.add_argument("--kv-heads", type=positive,
+                   help="key/value heads g of grouped-query attention (default: as many as "
+                        "--heads); must divide --heads")
+    p.add_argument("--vocab", type=positive, help="vocabulary size V")
+    p.add_argument("--seq-len", type=positive, help="sequence length s")
+    p.add_argument("--ffn-hidden", type=positive,
+                   help="MLP width (default 4h; LLaMA: 2/3 of 4h rounded up to 256)")
+    p.add_argument("--arch", choices=["gpt", "llama"], default=None,
+                   help="layer design: gpt (GELU, LayerNorm, learned positions, biases) or "
+                        "llama (SwiGLU, RMSNorm, rotary, no biases) (default: gpt, or the "
+                        "preset's)")
+    tie = p.add_mutually_exclusive_group()
+    tie.add_argument("--tied", dest="tied", action="store_true", default=None,
+                     help="the head shares the embedding's matrix (default for gpt)")
+    tie.add_argument("--untied", "--untied-head", dest="tied", action="store_false",
+                     help="the head has its own matrix (default for llama)")
+    p.add_argument("--no-bias", action="store_true", help="GPT without biases")
+    p.add_argument("--no-dropout", action="store_true",
+                   help="GPT trained without dropout (no masks kept, as MPT)")
+
+
+def shape_from_args(args, need_heads: bool = True) -> ModelShape:
+    """A preset or model file (``--model``) with any shape flag overriding its field, or a
+    shape from the flags alone (all of --layers --hidden --heads --vocab --seq-len;
+    ``need_heads=False``: --heads may be left out, as ``params`` and ``flops`` need none)."""
+    given = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k, None) is not None}
+    if args.model:
+        shape = model_preset(args.model)
+        arch = args.arch or shape.arch
+        if arch != shape.arch:
+            given.update(arch=arch, tied_head=arch != "llama", bias=arch != "llama")
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k in REQUIRED
+                   if k not in given and (need_heads or k != "heads")]
+        if missing:
+            raise PlanError(f"give --model NAME|FILE.json or all of --layers --hidden --heads "
+                            f"--vocab --seq-len (missing {' '.join(missing)})")
+        arch = args.arch or "gpt"
+        shape = ModelShape("custom", arch, given.pop("layers"), given.pop("hidden"),
+                           given.pop("heads", 1), given.pop("vocab"), given.pop("seq_len"),
+                           tied_head=arch != "llama", bias=arch != "llama")
+    if args.tied is not None:
+        given["tied_head"] = args.tied
+    if args.no_bias:
+        given["bias"] = False
+    if args.no_dropout:
+        given["dropout"] = False
+    if "seq_len" in given and shape.global_batch_tokens:   # keep the number of sequences
+        sequences = shape.global_batch_tokens // shape.seq_len
+        given["global_batch_tokens"] = sequences * given["seq_len"]
+    return replace(shape, **given) if given else shape
+
+
+def _values(text: str, flag: str, parse, ranges: bool = False) -> tuple:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"the set of allowed {flag} values is empty; give "
+                                         f"at least one")
+    out = []
+    for item in items:
+        if ranges and "-" in item:
+            lo, _, hi = item.partition("-")
+            lo, hi = parse(lo), parse(hi)
+            if lo > hi:
+                raise argparse.ArgumentTypeError(f"{flag} range {item} is empty (low > high)")
+            out += range(lo, hi + 1)
+        else:
+            out.append(parse(item))
+    return tuple(sorted(set(out)))
+
+
+def int_set(flag: str, low: int = 1, high: int | None = None):
+    """A ``type=`` for a search axis: one int (kept an int), or a set/range as a tuple."""
+    def parse(text: str):
+        def one(x):
+            try:
+                v = int(x)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{flag} takes whole numbers, sets (1,2,4) or ranges (1-8), got {text!r}"
+                ) from None
+            if v < low or (high is not None and v > high):
+                bound = f">= {low}" if high is None else f"from {low} to {high}"
+                raise argparse.ArgumentTypeError(f"{flag} values must be {bound}, got {v}")
+            return v
+        values = _values(text, flag, one, ranges=True)
+        if len(values) == 1 and "," not in text and "-" not in text:
+            return values[0]
+        return values
+    return parse
+
+
+def mode_set(text: str):
+    """``--recompute`` for the search: one mode or a set of them."""
+    def one(x):
+        if x not in RECOMPUTE_MODES:
+            raise argparse.ArgumentTypeError(f"unknown recomputation {x!r}; use "
+                                             f"{', '.join(RECOMPUTE_MODES)} or a set of them")
+        return x
+    values = _values(text, "--recompute", one)
+    return values[0] if len(values) == 1 and "," not in text else values

@@ -1,0 +1,200 @@
+"""What one device holds at its peak, stage by stage: model states, stashed activations,
+transient buffers (``memory`` has the formulas they are built from).
+
+Each pipeline stage is its own device (``stages``: the stages the framework builds, with
+their own layers, embedding and head), so the peak is the largest of the stages' peaks, and
+``device_memory`` says which stage it is. Per stage r of p:
+
+* model states of its own parameters (``memory.stage_params`` of the stage), sharded over
+  the dp x cp replicas; the gradient buffer in the framework's precision (Megatron-LM and
+  DeepSpeed's BF16 optimizer accumulate into fp32: 4 bytes per parameter of the G shard);
+* stashed activations (Korthikanti et al. 2022, section 4.2.3, the pipeline-parallel case):
+  its layers x the micro-batches in flight, m under GPipe, min(m, p - r) under 1F1B, and
+  interleaved with v chunks min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk-micro-batches of
+  l/(p v) layers (Megatron-LM's warm-up count plus the one in flight; p (v + 1) - 1 on the
+  first stage). A framework that saves the all-gathered input of the column-parallel GEMMs
+  under sequence parallelism (nanotron before its ``tp_recompute_allgather``, 2024-07, the
+  version the Ultra-Scale Playbook's sweep ran: its ``column_linear`` all-gathers and calls
+  ``F.linear``, whose autograd keeps the gathered input) keeps those two inputs whole:
+  + 2 x 2 s b h (1 - 1/t) bytes per layer and micro-batch;
+* transient buffers, our accounting (each cites the code it follows):
+  - on the stage with the head, the loss over one micro-batch's logits: b s V/t logits of
+    the framework's ``logit_bytes`` each at the loss's peak (Megatron-LM casts the 16-bit
+    logits to fp32 once and works in place: 2 + 4; nanotron subtracts the max out of place:
+    4 + 4; ``torch.nn.functional.cross_entropy`` on a ``.float()`` copy keeps the 16-bit
+    logits, the fp32 copy and the fp32 log-softmax it saves: 2 + 4 + 4), 8 in fp32.
+    Measured for this issue on one H100 (torch 2.11, CUDA 13.0), 4,096 tokens x 128,256
+    logits, the three patterns written out: forward peaks of 6.0, 8.0 and 10.0 bytes per
+    logit; the backward adds the 16-bit gradient of the logits only while the 16-bit logits
+    are still referenced (torch's then peaks at 12);
+  - the backward's working set: the gradients a layer's backward holds at once, the MLP's
+    two F-wide ones and the layer input's, (4 F/h + 2) s b h / t bytes (x2 in fp32), and
+    with full recomputation the complete activations of the layer being recomputed;
+  - with sharded parameters (s_p > 1), two gathered layers (the one computing and the next,
+    prefetched) and one layer's full gradient before its reduce-scatter;
+  - under context parallelism, the ring's blocks in flight (``minipar.cp``): the layer's K/V
+    stacked into one message, the next block arriving, and in backward the travelling K/V
+    gradient and its arriving copy: 4 B, B = 2 b (s/cp) (h_kv/t) e (``kv_block_bytes``);
+  - gradient buckets in flight: two of the framework's buckets (Megatron-LM's 40M
+    parameters, DeepSpeed's 5e8 elements; minipar and FSDP reduce one unit at a time, and
+    PyTorch DDP's default 25 MiB stands in for them), or of the whole gradient, if smaller.
+
+What the device can give to all of this is ``Hardware.usable_bytes``: its memory less the
+runtime's share (context, the collective library's buffers, BLAS workspaces:
+``runtime_bytes``), less what the allocator holds beyond live tensors, (reserved - allocated)
+/ reserved: the framework profile's measured ``memory_reserve``, else the hardware's
+``fragmentation``. Layouts that public runs executed must fit (``published.EXECUTED``,
+tests/test_plan_grounded.py), and published peaks are held against ``device_memory``
+(``anchors``, docs/reference.md).
+"""
+from __future__ import annotations
+
+import math
+
+from .layout import Layout
+from .memory import (ACTIVATION_BYTES, BYTES_PER_PARAM, _check_dtype, cp_layer_activation_bytes,
+                     kv_block_bytes, layer_activation_bytes, model_state_bytes, stage_params,
+                     tp_rank_params)
+from .shapes import ModelShape
+from .stages import Stage, distinct, stages
+
+BUCKET_BYTES = 25 * 2**20          # PyTorch DDP's default bucket_cap_mb
+FP32_LOGIT_BYTES = 8               # fp32 training: the logits and their fp32 softmax
+DEFAULT_LOGIT_BYTES = 10           # F.cross_entropy on a .float() copy (module docstring)
+
+
+def stage_list(shape: ModelShape, layout: Layout, framework=None) -> tuple[Stage, ...]:
+    """The stages ``framework`` builds for ``layout`` (``stages``; even without one)."""
+    rule = framework.stage_rule if framework is not None else "even"
+    return stages(shape, layout.pp, rule, layout.v)
+
+
+def in_flight(stage: Stage, pp: int, microbatches: int, v: int = 1,
+              schedule: str = "1f1b") -> float:
+    """Layer-micro-batches of activations stage ``stage`` holds at its peak (module
+    docstring)."""
+    r, m, p = stage.index, microbatches, pp
+    if schedule == "gpipe":
+        return stage.layers * m
+    if v == 1:
+        return stage.layers * min(m, p - r)
+    chunks = min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+    return stage.layers / v * chunks
+
+
+def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
+                 schedule: str = "1f1b") -> float:
+    """Layer-micro-batches of activations the first of ``pp`` equal stages holds."""
+    return in_flight(Stage(0, layers_per_stage, True, pp == 1), pp, microbatches, v, schedule)
+
+
+def layer_bytes(shape: ModelShape, layout: Layout, flash: bool = False, dtype: str = "mixed",
+                framework=None, recompute: str | None = None) -> float:
+    """Bytes one layer keeps for one micro-batch on one rank of this layout (under cp a layer
+    of s/cp tokens, the scores never stored; a framework that keeps SP's gathered inputs
+    keeps them whole: module docstring)."""
+    recompute = layout.recompute if recompute is None else recompute
+    if layout.cp > 1:
+        out = cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
+                                        layout.sp, recompute, flash, dtype)
+    else:
+        out = layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp,
+                                     recompute, flash, dtype)
+    t = layout.tp
+    if framework is not None and framework.keeps_gathered_input and layout.sp and t > 1 \
+            and recompute != "full":
+        tokens = layout.micro_batch * shape.seq_len // layout.cp
+        out += 2 * tokens * shape.hidden * ACTIVATION_BYTES[dtype] * (1 - 1 / t)
+    return out
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
+                     dtype: str = "mixed", stage: Stage | None = None, framework=None) -> float:
+    """Stashed activations of ``stage`` (default: the first of equal stages)."""
+    stage = stage or Stage(0, shape.layers // layout.pp, True, layout.pp == 1)
+    held = in_flight(stage, layout.pp, layout.microbatches, layout.v, layout.schedule)
+    return layer_bytes(shape, layout, flash, dtype, framework) * held
+
+
+def logit_bytes(dtype: str, framework=None) -> float:
+    """Bytes per logit at the loss's peak (module docstring)."""
+    if dtype == "fp32":
+        return FP32_LOGIT_BYTES
+    return framework.logit_bytes if framework is not None else DEFAULT_LOGIT_BYTES
+
+
+def gather_bytes(shape: ModelShape, tp: int, shard, dtype: str = "mixed") -> float:
+    """With sharded parameters: two gathered layers and one layer's full gradient."""
+    if shard[0] == 1:
+        return 0.0
+    return 3 * tp_rank_params(shape, tp)["layer"] * ACTIVATION_BYTES[dtype]
+
+
+def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
+                    dtype: str = "mixed", framework=None, stage: Stage | None = None) -> float:
+    """The transient buffers of ``stage`` listed in the module docstring (default: a stage
+    holding the head, as a pipeline of one does)."""
+    stage = stage or Stage(layout.pp - 1, shape.layers // layout.pp, layout.pp == 1, True)
+    t, b, s = layout.tp, layout.micro_batch, shape.seq_len // layout.cp
+    act = ACTIVATION_BYTES[dtype]
+    total = 0.0
+    if stage.head:
+        total += b * s * math.ceil(shape.vocab / t) * logit_bytes(dtype, framework)
+    if stage.layers:       # backward's working set (module docstring)
+        total += (4 * shape.ffn / shape.hidden + 2) * b * s * shape.hidden * act / 2 / t
+    if stage.layers and layout.recompute == "full":
+        total += layer_bytes(shape, layout, flash, dtype, framework, recompute="none")
+    if layout.cp > 1:
+        total += 4 * kv_block_bytes(b, shape.seq_len, shape.kv_hidden, layout.cp, t, act)
+    total += gather_bytes(shape, t, layout.shard, dtype)
+    if layout.replicas > 1:        # gradients reduce over dp x cp
+        g = (framework.grad_bytes if framework and framework.grad_bytes
+             else BYTES_PER_PARAM[dtype][1])
+        gradient = stage_params(shape, t, layout.pp, stage) * g
+        bucket = framework.bucket_params(layout.replicas) if framework else None
+        total += 2 * min(bucket * g if bucket else BUCKET_BYTES, gradient)
+    return total
+
+
+def grad_buffer_bytes(shape: ModelShape, layout: Layout, dtype: str, framework=None,
+                      stage: Stage | None = None) -> float:
+    """The gradient buffer in the framework's precision (4 bytes per parameter of the G
+    shard for fp32 buffers)."""
+    g = (framework.grad_bytes if framework and framework.grad_bytes
+         else BYTES_PER_PARAM[dtype][1])
+    phi = stage_params(shape, layout.tp, layout.pp, stage)
+    return g * math.ceil(phi / layout.shard[1])
+
+
+def state_bytes(shape: ModelShape, layout: Layout, dtype: str = "mixed", framework=None,
+                stage: Stage | None = None) -> dict[str, float]:
+    """Model states of ``stage`` on one device: {"params", "grads", "optimizer"}."""
+    phi = stage_params(shape, layout.tp, layout.pp, stage)
+    states = model_state_bytes(phi, layout.replicas, shard=layout.shard, dtype=dtype)
+    out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
+    if framework is not None and framework.grad_bytes:
+        out["grads"] = float(grad_buffer_bytes(shape, layout, dtype, framework, stage))
+    return out
+
+
+def stage_memory(shape: ModelShape, layout: Layout, stage: Stage, flash: bool = False,
+                 dtype: str = "mixed", framework=None) -> dict[str, float]:
+    """Everything one device of ``stage`` holds at its peak (module docstring)."""
+    _check_dtype(dtype)
+    out = state_bytes(shape, layout, dtype, framework, stage)
+    out["activations"] = activation_bytes(shape, layout, flash, dtype, stage, framework)
+    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage)
+    out["total"] = sum(out.values())
+    return out
+
+
+def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
+                  dtype: str = "mixed", framework=None) -> dict[str, float]:
+    """The largest stage's peak: params, grads, optimizer, activations, temporary, total
+    (bytes), and "stage", the index of the stage that holds it."""
+    best = None
+    for st in distinct(stage_list(shape, layout, framework)):
+        mem = stage_memory(shape, layout, st, flash, dtype, framework)
+        if best is None or mem["total"] > best["total"]:
+            best = dict(mem, stage=st.index)
+    return best
