@@ -4,7 +4,7 @@ All-reduce sums a tensor over every rank. The bandwidth-optimal way does it on a
 cut the tensor into n chunks; in n-1 reduce-scatter steps each rank passes a chunk to its
 right neighbour and adds the one arriving from its left, so that each rank ends up owning one
 fully summed chunk; in n-1 all-gather steps the finished chunks travel once more around the
-ring. Use `isend(tensor, dst)` (returns a handle: call `.wait()`), `recv(tensor, src)` and the
+ring. Use `comm.isend(tensor, dst)` (returns a handle: call `.wait()`), `comm.recv(tensor, src)` and the
 `chunks`, `incoming`, `left`, `right`, `r`, `n` already prepared for you.
 
 The order of each step's send and receive matters. On GPUs (NCCL, RCCL) a send completes only
@@ -18,13 +18,13 @@ Fill in every block marked `# TODO ex01`, then run:
 
     python -m minipar.exercises check ex01
 
-Generated from minipar.comm by `python -m minipar.exercises make ex01`; the
+Generated from minipar.p2p_order by `python -m minipar.exercises make ex01`; the
 solution is the package's own code, so peek only when stuck.
 """
-from minipar.comm import *  # noqa: F401,F403  everything else, as the package has it
+from minipar.p2p_order import *  # noqa: F401,F403  everything else, as the package has it
 
 
-def ring_all_reduce(t: torch.Tensor, group=WORLD) -> torch.Tensor:
+def ring_all_reduce(t: torch.Tensor, group=comm.WORLD) -> torch.Tensor:
     """Sum ``t`` over ``group`` in place with 2(n-1) neighbour exchanges of N/n bytes each.
 
     The tensor is cut into n chunks. Reduce-scatter: at step k, rank r sends chunk (r-k) to
@@ -39,16 +39,16 @@ def ring_all_reduce(t: torch.Tensor, group=WORLD) -> torch.Tensor:
     a cycle, and a hang (gloo buffers sends, so it would pass on CPU). So even ranks send
     first and odd ranks receive first: every send meets a posted receive, and with n odd the
     two even neighbours (n-1 and 0) are served once the others have moved on
-    (``minipar.p2p_order`` replays this order under NCCL's rule). The chunk in flight is never
+    (``replay`` below checks this order under NCCL's rule). The chunk in flight is never
     the one being written, and each send is waited for before the next step: no copy needed.
     """
-    n, r = size(group), rank(group)
+    n, r = comm.size(group), comm.rank(group)
     if n == 1:
         return t
     if t.numel() % n:
         raise ValueError(f"ring_all_reduce cuts the tensor into {n} equal chunks, but it has "
                          f"{t.numel()} elements; pad it to a multiple of {n}")
-    peers = global_ranks(group)
+    peers = comm.global_ranks(group)
     right, left = peers[(r + 1) % n], peers[(r - 1) % n]
     chunks = t.view(n, -1)
     incoming = torch.empty_like(chunks[0])

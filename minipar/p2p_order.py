@@ -1,4 +1,8 @@
-"""Will this order of sends and receives run on NCCL? Record it on gloo, replay it under NCCL's rule.
+"""Point to point: a ring all-reduce from send/recv, and the order of sends and receives NCCL can run.
+
+``ring_all_reduce`` is what an all-reduce does inside, written with ``comm.isend`` and
+``comm.recv`` (exercise ex01, notebook 00). Whether such an order runs on NCCL is the rest of
+this module: record it on gloo, replay it under NCCL's rule.
 
 gloo runs a send in a background thread and buffers it, so almost any order of sends and
 receives finishes on a CPU. NCCL (and RCCL on ROCm) promise much less:
@@ -29,7 +33,7 @@ runs the ranks' recordings together under the rules above and returns what would
 
 A host that waits for an op (a blocking call, ``Handle.wait()``) stops there until it
 completes; on a GPU the stream waits instead, which delays every later op just the same.
-The pipeline's schedule checker (``minipar.pp.validate_schedule``) replays its instruction
+The pipeline's schedule checker (``minipar.schedules.validate_schedule``) replays its instruction
 lists with the same function. What this model leaves out: ops that bypass ``minipar.comm``
 (checkpoint and trace bookkeeping), and kernels of different communicators competing for
 the GPU (NCCL's advice: one order of communicators on every rank).
@@ -40,7 +44,66 @@ import contextlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
+import torch
+
+from . import comm
+
 MODES = ("eager", "lazy")
+
+
+# --------------------------------------------------------------------------------------
+# A ring all-reduce from send/recv (what all_reduce does inside, for teaching)
+# --------------------------------------------------------------------------------------
+def ring_all_reduce(t: torch.Tensor, group=comm.WORLD) -> torch.Tensor:
+    """Sum ``t`` over ``group`` in place with 2(n-1) neighbour exchanges of N/n bytes each.
+
+    The tensor is cut into n chunks. Reduce-scatter: at step k, rank r sends chunk (r-k) to
+    its right neighbour and adds the chunk (r-k-1) arriving from its left; after n-1 steps rank r
+    holds the full sum of chunk (r+1). All-gather: n-1 more steps pass the finished chunks
+    around the ring. Each rank sends 2(n-1)/n N bytes whatever n is: that is why the ring is
+    bandwidth-optimal. ``t.numel()`` must divide by n.
+
+    The order of each exchange matters. NCCL completes a send only together with the matching
+    receive, and runs a rank's sends and receives in the order it posted them. If every rank
+    sent first, every rank would wait in its send for a neighbour that also waits in its send:
+    a cycle, and a hang (gloo buffers sends, so it would pass on CPU). So even ranks send
+    first and odd ranks receive first: every send meets a posted receive, and with n odd the
+    two even neighbours (n-1 and 0) are served once the others have moved on
+    (``replay`` below checks this order under NCCL's rule). The chunk in flight is never
+    the one being written, and each send is waited for before the next step: no copy needed.
+    """
+    n, r = comm.size(group), comm.rank(group)
+    if n == 1:
+        return t
+    if t.numel() % n:
+        raise ValueError(f"ring_all_reduce cuts the tensor into {n} equal chunks, but it has "
+                         f"{t.numel()} elements; pad it to a multiple of {n}")
+    peers = comm.global_ranks(group)
+    right, left = peers[(r + 1) % n], peers[(r - 1) % n]
+    chunks = t.view(n, -1)
+    incoming = torch.empty_like(chunks[0])
+    # EXERCISE ex01 begin
+    # reduce-scatter phase (n-1 steps), then all-gather phase (n-1 steps); in every step
+    # even ranks send first and odd ranks receive first (NCCL pairs each send with its
+    # receive in the order posted: if all sent first, all would wait)
+    def exchange(outgoing):
+        if r % 2 == 0:
+            handle = comm.isend(outgoing, right)
+            comm.recv(incoming, left)
+        else:
+            comm.recv(incoming, left)
+            handle = comm.isend(outgoing, right)
+        handle.wait()
+
+    for k in range(n - 1):
+        exchange(chunks[(r - k) % n])
+        chunks[(r - k - 1) % n] += incoming
+    for k in range(n - 1):
+        exchange(chunks[(r + 1 - k) % n])
+        chunks[(r - k) % n].copy_(incoming)
+    # EXERCISE ex01 end
+    return t
+
 
 
 @dataclass(frozen=True)

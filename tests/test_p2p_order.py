@@ -149,7 +149,7 @@ def _old_order_shift(self, send, into):
 
 
 def _old_ring_all_reduce(t, group):
-    """comm.ring_all_reduce before the fix: every rank sends first (isend, then a blocking recv)."""
+    """p2p_order.ring_all_reduce before the fix: every rank sends first (isend, then a blocking recv)."""
     n, r = comm.size(group), comm.rank(group)
     peers = comm.global_ranks(group)
     right, left = peers[(r + 1) % n], peers[(r - 1) % n]
@@ -170,7 +170,7 @@ def _old_ring_all_reduce(t, group):
 def _ring_all_reduce_orders():
     r, n = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out = {}
-    for name, fn in (("now", comm.ring_all_reduce), ("old", _old_ring_all_reduce)):
+    for name, fn in (("now", p2p_order.ring_all_reduce), ("old", _old_ring_all_reduce)):
         t = torch.arange(4.0 * n) * (r + 1)
         with p2p_order.record() as log:
             fn(t, comm.WORLD)

@@ -2,14 +2,14 @@
 import torch
 
 TITLE = "Ring all-reduce from send and recv"
-MODULE = "minipar.comm"
+MODULE = "minipar.p2p_order"
 NAMES = ["ring_all_reduce"]
 INTRO = """
 All-reduce sums a tensor over every rank. The bandwidth-optimal way does it on a ring:
 cut the tensor into n chunks; in n-1 reduce-scatter steps each rank passes a chunk to its
 right neighbour and adds the one arriving from its left, so that each rank ends up owning one
 fully summed chunk; in n-1 all-gather steps the finished chunks travel once more around the
-ring. Use `isend(tensor, dst)` (returns a handle: call `.wait()`), `recv(tensor, src)` and the
+ring. Use `comm.isend(tensor, dst)` (returns a handle: call `.wait()`), `comm.recv(tensor, src)` and the
 `chunks`, `incoming`, `left`, `right`, `r`, `n` already prepared for you.
 
 The order of each step's send and receive matters. On GPUs (NCCL, RCCL) a send completes only

@@ -2,7 +2,7 @@
 
 The rank-side functions run on every rank inside ``minipar.runtime.dist.launch`` and return plain
 data. None of them re-implements anything: the collectives are ``minipar.comm``'s and the
-ring is ``comm.ring_all_reduce``; they only prepare inputs, time, and watch. The notebook
+ring is ``p2p_order.ring_all_reduce``; they only prepare inputs, time, and watch. The notebook
 holds the bytes each rank recorded against ``minipar.plan.ring_bytes`` (N bytes, n ranks)::
 
     all_reduce 2(n-1)/n N     reduce_scatter (n-1)/n N_in     all_gather (n-1)/n N_out
@@ -67,7 +67,7 @@ def collectives_tour() -> dict[str, dict]:
 
 
 def ring_trace() -> list[list[int]]:
-    """Watch ``comm.ring_all_reduce`` work, one snapshot of this rank's chunks per step.
+    """Watch ``p2p_order.ring_all_reduce`` work, one snapshot of this rank's chunks per step.
 
     Rank r starts with every element equal to 2**r, so a chunk's value, read in binary, says
     which ranks have been summed into it (0b0101: ranks 0 and 2). A spy on ``comm.recv``
@@ -85,7 +85,7 @@ def ring_trace() -> list[list[int]]:
 
     comm.recv = spy
     try:
-        comm.ring_all_reduce(t, comm.WORLD)
+        p2p_order.ring_all_reduce(t, comm.WORLD)
     finally:
         comm.recv = real_recv
     snapshots.append([int(v) for v in t.tolist()])
@@ -108,7 +108,7 @@ def ring_vs_all_reduce(numel: int = 2**16, repeats: int = 5) -> dict:
             comm.barrier(comm.WORLD)
             t0 = time.perf_counter()
             if name == "ring":
-                comm.ring_all_reduce(y, comm.WORLD)
+                p2p_order.ring_all_reduce(y, comm.WORLD)
             else:
                 comm.all_reduce(y, comm.WORLD)
             times[name].append(time.perf_counter() - t0)
@@ -125,7 +125,7 @@ def ring_orders() -> dict[str, list]:
 
     ``"everyone receives first"`` and ``"everyone sends first"`` are the two obvious orders
     (each rank posts both ops, then waits for both: ``isend``/``irecv``, which gloo finishes in
-    any order); ``"ring_all_reduce"`` is ``comm.ring_all_reduce`` itself (even ranks send
+    any order); ``"ring_all_reduce"`` is ``p2p_order.ring_all_reduce`` itself (even ranks send
     first, odd ranks receive first). Returns this rank's recording of each
     (``minipar.p2p_order``), for the notebook to replay under NCCL's rule.
     """
@@ -143,13 +143,13 @@ def ring_orders() -> dict[str, list]:
         assert theirs[0].item() == left                 # gloo delivered it either way
         out[name] = log.events
     with p2p_order.record() as log:
-        comm.ring_all_reduce(torch.ones(4 * n), comm.WORLD)
+        p2p_order.ring_all_reduce(torch.ones(4 * n), comm.WORLD)
     out["ring_all_reduce"] = log.events
     return out
 
 
 def collective_sweep(sizes: list[int], repeats: int = 10) -> dict[str, list[list[float]]]:
-    """Seconds per call of ``comm.all_reduce`` and ``comm.ring_all_reduce`` per message size.
+    """Seconds per call of ``comm.all_reduce`` and ``p2p_order.ring_all_reduce`` per message size.
 
     ``sizes`` are float32 element counts (each a multiple of the world size). Every call
     starts after a barrier, and the sizes take turns in each of the ``repeats`` rounds, so a
@@ -158,7 +158,7 @@ def collective_sweep(sizes: list[int], repeats: int = 10) -> dict[str, list[list
     of each size, in the order of ``sizes``.
     """
     ops = {"all_reduce": lambda y: comm.all_reduce(y, comm.WORLD),
-           "ring": lambda y: comm.ring_all_reduce(y, comm.WORLD)}
+           "ring": lambda y: p2p_order.ring_all_reduce(y, comm.WORLD)}
     times = {(name, numel): [] for name in ops for numel in sizes}
     for round_ in range(repeats + 1):          # round 0 is a warm-up: connections, buffers
         for numel in sizes:
