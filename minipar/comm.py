@@ -309,7 +309,7 @@ class Handle:
         if self.done:
             return
         t = _start_timer() if _tracking[-1] else None
-        host = time.perf_counter()               # the trace's clock (minipar.trace)
+        host = time.perf_counter()               # the trace's clock (minipar.runtime.trace)
         if self.work is not None:
             self.work.wait()
         _waited(self.posted)

@@ -310,7 +310,7 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Every expert's parameters (found by module structure: ``MoE.experts``), in model order.
-    The router and everything else is dense. ``minipar.groups`` builds the reduce groups from it."""
+    The router and everything else is dense. ``minipar.mesh`` builds the reduce groups from it."""
     return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
 
 

@@ -1,4 +1,4 @@
-"""The command lines' shared plumbing (minipar.cli): defaults in --help, bad input is one
+"""The command lines' shared plumbing (minipar.runtime.cli): defaults in --help, bad input is one
 line and exit status 2, the number parsers."""
 import argparse
 import os

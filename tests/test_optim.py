@@ -1,4 +1,4 @@
-"""Around Adam (minipar.optim): LR schedule, global gradient clipping, weight decay.
+"""Around Adam (minipar.train.optim): LR schedule, global gradient clipping, weight decay.
 
 Clipping is checked where it is subtle: the global norm must count every element of the serial
 model's gradient exactly once in every layout (TP slices and replicated norms, pipeline

@@ -1,9 +1,9 @@
 """Activation recomputation (--recompute selective|full): the same gradients as without it,
 in every layout it composes with, and the activation memory it saves, measured (bytes autograd
-saves for backward, ``minipar.memory``) and held against the planner's formula.
+saves for backward, ``minipar.train.memory``) and held against the planner's formula.
 
 Per layer and micro-batch of b sequences (s tokens, h wide, a heads, e bytes per element),
-what our Block saves with SDPA's fused kernel and dropout 0 (``minipar.memory``'s docstring):
+what our Block saves with SDPA's fused kernel and dropout 0 (``minipar.train.memory``'s docstring):
 
     none       16 s b h e  + LayerNorm statistics 4 b s e + the kernel's log-sum-exp 4 a b s
     selective  16 s b h e  + LayerNorm statistics 4 b s e

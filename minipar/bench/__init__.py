@@ -36,7 +36,7 @@ def median(xs):
 
 def launch(path: str | None, fn, nprocs: int, *args, **kwargs) -> list:
     """``dist.launch(fn, nprocs, ...)``, every rank traced to ``path`` when it is given
-    (the benches' ``--trace FILE``, ``minipar.trace``)."""
+    (the benches' ``--trace FILE``, ``minipar.runtime.trace``)."""
     from ..runtime import dist, trace
     if path is None:
         return dist.launch(fn, nprocs, *args, **kwargs)

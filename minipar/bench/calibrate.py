@@ -10,7 +10,7 @@ here; ``minipar.bench.validate`` holds the comparisons).
 ``calibrate`` measures, all quickly:
 
 * matmul FLOP/s (``peak_flops``): an n x n fp32 matmul (2 n^3 FLOPs) on one thread, since
-  ``minipar.dist.launch`` gives each process (each "device") one thread; and the rate of
+  ``minipar.runtime.dist.launch`` gives each process (each "device") one thread; and the rate of
   each GEMM shape the calibration model runs at tensor-parallel degrees 1 and 2
   (``matmul_table``: the planner times each matmul of a step at its shape's rate);
 * memory bandwidth (``hbm_bandwidth``): a large tensor copy, bytes read and written over
@@ -82,7 +82,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 def collective_times(sizes: list[int], repeats: int, work_s: float = WORK_S,
                      ops: tuple = ("all_reduce",)) -> dict[str, list[float]]:
-    """Run on every rank (by ``minipar.dist.launch``): mean seconds per call by op and
+    """Run on every rank (by ``minipar.runtime.dist.launch``): mean seconds per call by op and
     size (bytes of the full buffer: the all-reduce's, the gather's output, the
     reduce-scatter's input), through ``minipar.comm`` as the trainer calls them.
 

@@ -80,7 +80,7 @@ def main(argv=None):
     p.add_argument("--batch-per-rank", type=cli.positive_int, default=8)
     p.add_argument("--bucket-mb", type=cli.positive_float, default=1.0)
     p.add_argument("--trace", default=None, metavar="FILE",
-                   help="write every rank's timeline as a Chrome/Perfetto trace (minipar.trace)")
+                   help="write every rank's timeline as a Chrome/Perfetto trace (minipar.runtime.trace)")
     args = p.parse_args(argv)
     if args.trace:
         cli.check_output_file(args.trace, "--trace")

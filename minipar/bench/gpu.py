@@ -11,7 +11,7 @@ one after the other in this process:
   compiled with ``--compile``, and everything the trainer does per step (metrics included).
 
 Printed: median step time after warm-up, tokens/s, MFU (the planner's model FLOPs over the
-GPU's dense peak, ``minipar.mfu``) and the ratio minipar / plain (the goal: <= 1.05). Each
+GPU's dense peak, ``minipar.train.mfu``) and the ratio minipar / plain (the goal: <= 1.05). Each
 step ends with ``torch.cuda.synchronize()`` in both, so the times are comparable.
 
 Without a GPU it refuses (exit 2) rather than time a CPU; ``--device cpu`` runs it on the

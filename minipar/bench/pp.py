@@ -9,7 +9,7 @@
 
 ``compare_with_torch`` is also what tests/test_pp.py uses to check that both pipelines
 compute the same losses and gradients; ``measure_pipeline`` (one rank per stage, inside
-``minipar.dist.launch``) is what the bubble rows, notebook 03 and tests/test_pp.py time.
+``minipar.runtime.dist.launch``) is what the bubble rows, notebook 03 and tests/test_pp.py time.
 """
 from __future__ import annotations
 

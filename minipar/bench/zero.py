@@ -265,7 +265,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=cli.nonnegative_int, default=3)
     p.add_argument("--batch-per-rank", type=cli.positive_int, default=8)
     p.add_argument("--trace", default=None, metavar="FILE",
-                   help="write every rank's timeline as a Chrome/Perfetto trace (minipar.trace); "
+                   help="write every rank's timeline as a Chrome/Perfetto trace (minipar.runtime.trace); "
                         "with several --nproc, one file each: FILE with -nN before its extension")
     args = p.parse_args(argv)
     paths = {n: _per_count(args.trace, n, len(args.nproc)) for n in args.nproc}

@@ -15,7 +15,7 @@
 
 A notebook imports its module (``from minipar.lab import nb03``) and the package it teaches;
 it carries no second copy of the code. Functions named ``*_experiment`` or documented as
-running "on every rank" run inside ``minipar.dist.launch`` and return plain data; the
+running "on every rank" run inside ``minipar.runtime.dist.launch`` and return plain data; the
 ``draw_*`` functions turn results into figures (matplotlib is imported only when drawing).
 The volumes they are checked against come from the planner (``minipar.plan``), the only
 home of the closed forms.

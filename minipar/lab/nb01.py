@@ -1,6 +1,6 @@
 """Notebook 01_data_parallel: where the gradient all-reduces happen in a step.
 
-``dp_timelines`` runs on every rank inside ``minipar.dist.launch``; ``draw_buckets`` and
+``dp_timelines`` runs on every rank inside ``minipar.runtime.dist.launch``; ``draw_buckets`` and
 ``draw_timelines`` draw; ``measure`` is the DP benchmark's (``python -m minipar.bench dp``):
 naive, bucketed and overlapped DP against torch's DDP in one process tree.
 """

@@ -1,6 +1,6 @@
 """Notebook 02_tensor_parallel: splits, bytes, memory and time of Megatron's TP.
 
-The ``*_experiment`` functions run on every rank inside ``minipar.dist.launch`` (or alone, as
+The ``*_experiment`` functions run on every rank inside ``minipar.runtime.dist.launch`` (or alone, as
 one rank, for ``memory_experiment``) and return plain data; the formulas they are held
 against are the planner's (``minipar.plan.tp_block_comm_bytes``). ``draw_splits`` and
 ``tp_cost`` draw the notebook's figures.

@@ -1,11 +1,11 @@
 """Notebook 03_pipeline_parallel: timelines, bubbles and the activations a schedule holds.
 
 ``measure_pipeline`` (``minipar.bench.pp``'s, re-exported) runs on every rank inside
-``minipar.dist.launch`` (one rank per stage) and returns measured timelines (``schedules.Timeline``,
+``minipar.runtime.dist.launch`` (one rank per stage) and returns measured timelines (``schedules.Timeline``,
 seconds); ``ideal_like`` is the ideal
 schedule with the measured mean forward and backward times; ``explore`` draws any schedule's
 ideal timeline; ``bubble_vs_microbatches`` and ``stash_bars`` draw the rest. Timelines are
-drawn by ``minipar.plots.pipeline_timeline`` (shared with the slides), and
+drawn by ``minipar.lab.plots.pipeline_timeline`` (shared with the slides), and
 ``plots.check_timeline_drawn`` asserts that a drawn figure shows its timeline. The bubble's
 closed form is the planner's, ``minipar.plan.bubble_fraction``.
 """

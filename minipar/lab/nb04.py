@@ -1,7 +1,7 @@
 """Notebook 04_zero_and_amsp: where the memory goes, ZeRO/AMSP measured, AMSP's space.
 
 ``census`` runs in one process; ``walkthrough`` and ``prefetch_effect`` run on every rank
-inside ``minipar.dist.launch`` with the ZeRO benchmark's ``Variant`` (minipar's engine with
+inside ``minipar.runtime.dist.launch`` with the ZeRO benchmark's ``Variant`` (minipar's engine with
 a spec); the formulas they are held against are the planner's (``model_state_bytes``,
 ``zero_comm_bytes``, ``zero_comm_bytes_by_group`` with the engine's units). ``amsp_space``,
 ``draw_*`` and ``explore`` draw AMSP's trade-off for models at scale.

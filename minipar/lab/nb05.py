@@ -13,7 +13,7 @@
 * ``train_layouts``: several 3D layouts trained for a few steps, with their loss curves,
   step time, model-state memory and traffic (``draw_layouts``).
 
-Functions documented as running "on every rank" run inside ``minipar.dist.launch`` and return
+Functions documented as running "on every rank" run inside ``minipar.runtime.dist.launch`` and return
 plain data; the ``draw_*`` functions import matplotlib.
 """
 from __future__ import annotations

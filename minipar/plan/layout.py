@@ -14,7 +14,7 @@ order (tp-cp-ep-dp-pp) alike, so neither order string names it.
 
 The parameters are replicated over cp as over dp, so the data-parallel side of a layout (the
 gradient reduction, the ZeRO/AMSP shards) spans the dp x cp ``replicas``, as the trainer's
-``dp_cp`` mesh axis does (``minipar.groups``).
+``dp_cp`` mesh axis does (``minipar.mesh``).
 """
 from __future__ import annotations
 

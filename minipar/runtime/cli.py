@@ -4,7 +4,7 @@
   flag raises ``UsageError`` (one line, see below) instead of printing the usage block.
 * ``main_guard(main)``: runs an entry point; ``UsageError`` (bad input, found before any
   work starts) becomes ``error: ...`` on stderr and exit status 2; a failed or timed-out
-  rank (``minipar.dist.RankFailed``, ``TimeoutError``) its message and exit status 1;
+  rank (``minipar.runtime.dist.RankFailed``, ``TimeoutError``) its message and exit status 1;
   Ctrl-C one line and 130, a launcher stopped by SIGTERM one line and 143; a reader who
   leaves early (``| head``) is not an error.
 * Number parsers for ``type=``: ``positive_int`` (1, 2, ...), ``nonnegative_int`` (0, 1, ...),

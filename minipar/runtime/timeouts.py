@@ -7,7 +7,7 @@ rendezvous and the watchdog, and the first rank to arrive may wait minutes for t
 import torch from a shared file system and create their communicators. ``--compile`` raises the
 default (``timeout_default``), since one rank may still be compiling its first step while the
 others already wait in a collective. ``new_group`` is the one place sub-groups are made
-(``minipar.mesh``); ``minipar.dist`` re-exports all of it.
+(``minipar.mesh``); ``minipar.runtime.dist`` re-exports all of it.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ where. Our keys are what PyTorch's own ``get_state_dict(model, optimizer)`` give
 
 so a checkpoint saved by any layout loads into any other, and into a plain serial model with
 ``dcp.load`` + ``set_state_dict`` (the tests do that). Each rank contributes the boxes it owns
-(``minipar.pieces``): a TP slice is one box per split group, a ZeRO rank's OS shard is a few
+(``minipar.train.pieces``): a TP slice is one box per split group, a ZeRO rank's OS shard is a few
 row-boxes of each parameter it touches, replicas write nothing twice. Loading is resharding:
 DCP reads, for every box a rank asks for, the overlapping parts of the saved boxes.
 
@@ -27,7 +27,7 @@ folder to ``DIR/step-000010`` (atomic). A save killed at any point leaves no fol
 ``--resume`` takes as complete. ``--keep N`` then removes all but the newest N.
 
 The data position is the step: step k's batch is a function of (seed, k) (``minipar.data``),
-and so is the learning rate (``minipar.optim``), so a resumed run continues both exactly.
+and so is the learning rate (``minipar.train.optim``), so a resumed run continues both exactly.
 """
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="with --nproc: kill every rank after this many seconds")
-    # a full training run: schedule, clipping, decay, evaluation, checkpoints (minipar.optim,
+    # a full training run: schedule, clipping, decay, evaluation, checkpoints (minipar.train.optim,
     # minipar.checkpoint)
     p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                    help="clip the global gradient norm (over every shard) to NORM")
@@ -174,7 +174,7 @@ class RunConfig:
     loss_scale_init: float = 2.0**16   # fp16's dynamic loss scaler
     loss_scale_window: int = 2000
     cp: int = 1                    # context parallelism: each sequence over cp ranks
-    trace: str | None = None       # --trace FILE (minipar.trace)
+    trace: str | None = None       # --trace FILE (minipar.runtime.trace)
 
     @property
     def world(self) -> int:

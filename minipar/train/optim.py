@@ -14,7 +14,7 @@ gradient, so every layout must count each element exactly once:
 * plain DP replicas hold the same averaged gradient (count it once); a ZeRO rank's optimizer
   sees only its OS shard of the averaged gradient (sum over the shards, once per replica).
 
-``minipar.pieces`` gives exactly that set: the pieces a rank *owns* tile the serial model.
+``minipar.train.pieces`` gives exactly that set: the pieces a rank *owns* tile the serial model.
 So ``norm^2 = all_reduce(sum over owned pieces of grad^2)`` over every rank (one 8-byte
 scalar; metrics bookkeeping, not counted in ``comm_bytes``), and every rank scales all the
 gradients its optimizer sees by the same ``min(1, max_norm / (norm + 1e-6))``, as

@@ -7,7 +7,7 @@ rank's optimizer sees a contiguous range of a unit's flat buffer that may start 
 of one parameter and end in the middle of another. Two things want the serial picture back:
 
 * a checkpoint that any other layout can load (``minipar.checkpoint``), and
-* the global gradient norm for clipping (``minipar.optim``): every element once.
+* the global gradient norm for clipping (``minipar.train.optim``): every element once.
 
 The engines describe what their optimizer updates as flat ranges of their local parameters
 (``engine.flat_ranges()``: local name, local shape, first element, 1-D views of the

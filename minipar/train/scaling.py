@@ -33,7 +33,7 @@ Where each point runs:
   ...`` with K = ``--tasks-per-node`` (so N ranks fill whole nodes and TP groups stay inside
   one), a fresh MASTER_PORT per step, and the metrics in ``--workdir`` (shared by the nodes);
 * ``launcher="inprocess"`` (used by the notebooks): ``train.worker`` on N ranks started by
-  ``minipar.dist.launch`` from this interpreter's preloaded fork server (fast), with the
+  ``minipar.runtime.dist.launch`` from this interpreter's preloaded fork server (fast), with the
   trainer's summary lines silenced.
 
 Beside each measured point the planner predicts the same layout

@@ -7,7 +7,7 @@ or saves. With the default ``--log-every 1`` every step is one, as before.
 
 * A **non-logging step** costs no host sync and no collective: its loss stays on the device
   (a 0-d tensor on the rank that holds it), and the gradient norm is not computed unless
-  ``--clip-grad`` needs it (``minipar.optim``).
+  ``--clip-grad`` needs it (``minipar.train.optim``).
 * A **logging step** synchronizes once, reduces the losses of every step since the previous
   logging step in one all-reduce (and the step time, model-state bytes and peak memory in one
   max-reduce), and returns one record per step. Every record holds
