@@ -80,7 +80,7 @@ def _mutant(tmp_path, ex_id, old, new):
     ("ex01", "chunks[(r - k - 1) % n] += incoming", "chunks[(r - k - 1) % n].copy_(incoming)",
      "sum"),
     ("ex01", "    for k in range(n - 1):\n        exchange(chunks[(r + 1 - k) % n])",
-     "    all_reduce(t, WORLD); return t\n    for k in range(n - 1):\n        exchange(chunks[(r + 1 - k) % n])",
+     "    comm.all_reduce(t, comm.WORLD); return t\n    for k in range(n - 1):\n        exchange(chunks[(r + 1 - k) % n])",
      "isend/recv only"),
     # every rank sends first: gloo buffers the sends and passes it; NCCL would hang
     ("ex01", "if r % 2 == 0:", "if True:", "would hang on NCCL"),
