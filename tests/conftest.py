@@ -84,7 +84,7 @@ _warm_forkserver()
 STILL_RUNNING_S = 20.0   # a test still running after this long is named, and every minute after
 
 # The files that take longest, heaviest first (CPU seconds of a whole run, logged per test:
-# README "Test time"). pytest-xdist hands whole files to its two workers in this order, so the
+# the first session that logged them). pytest-xdist hands whole files to its two workers in this order, so the
 # run does not end with one worker busy on a long file while the other waits. Order only:
 # every file runs, and a file missing here runs after these.
 HEAVY_FIRST = [
