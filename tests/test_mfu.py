@@ -95,3 +95,12 @@ def test_compile_trains_like_eager():
     compiled = run(NANO + ["--recompute", "full", "--compile"])
     for a, b in zip(eager, compiled):
         assert abs(a["loss"] - b["loss"]) <= 1e-5
+
+
+def test_bench_gpu_reads_the_peak_off_the_logging_steps_records():
+    """With --log-every K only the logging steps' records carry the interval's peak memory:
+    bench gpu --log-every 10 on an H100 raised a KeyError after printing its ratio."""
+    from minipar.bench.gpu import peak_memory
+    history = [{"step": 1}, {"step": 2, "peak_memory_bytes": 5}, {"step": 3},
+               {"step": 4, "peak_memory_bytes": 7}]
+    assert peak_memory(history) == 7
