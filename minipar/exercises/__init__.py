@@ -192,6 +192,29 @@ def student_source(ex_id: str) -> str:
     return header + imports + (extra.strip() + "\n" if extra else "") + "\n\n" + "\n\n".join(parts)
 
 
+def solution_regions(ex_id: str) -> list[tuple[str, str]]:
+    """Each ``# EXERCISE ex_id begin ... end`` region of the package's solution, dedented, with
+    where it sits (``Class.method``): what the instructor deck shows and the attendee's must not."""
+    import textwrap
+    ex = get(ex_id)
+    module = importlib.import_module(ex.MODULE)
+    out = []
+    for name in ex.NAMES:
+        where, inside, lines = name, False, []
+        for line in inspect.getsource(getattr(module, name)).splitlines():
+            m = re.match(r"\s*(?:def|class) (\w+)", line)
+            if m and not inside:
+                where = name if m.group(1) == name else f"{name}.{m.group(1)}"
+            if re.match(rf"\s*# EXERCISE {ex_id} begin", line):
+                inside, lines = True, []
+            elif re.match(rf"\s*# EXERCISE {ex_id} end", line):
+                inside = False
+                out.append((where, textwrap.dedent("\n".join(lines))))
+            elif inside:
+                lines.append(line)
+    return out
+
+
 README_BEGIN = "<!-- exercises table: written by `python -m minipar.exercises make` -->"
 README_END = "<!-- /exercises table -->"
 
