@@ -1,11 +1,7 @@
-"""ex06: ZeRO-1, the sharded optimizer step, over AMSP's shard mesh.
-
-``check_training`` (shared with ex07) trains the nano model on 4 ranks with the student's
-function in place of the package's, wrapped in a spy that compares, at every call, what the
-function did with what it should have done (the gradient Adam reads, the buffers it wrote, the
-slices every rank holds after), so that a failure names the step, the unit and the shard.
-"""
+"""ex06: ZeRO-1, the sharded optimizer step, over AMSP's shard mesh."""
 import torch
+
+from .training import _close, _unit_name, check_training
 
 TITLE = "ZeRO-1 sharded optimizer step"
 SUMMARY = "ZeRO-1's sharded optimizer step over the (rep, os, g, p) shard mesh"
@@ -75,20 +71,9 @@ def mesh_table(d: int, spec) -> list[str]:
     return out
 
 
-ARGV = ["--model", "nano", "--batch-size", "8", "--steps", "6", "--quiet", "--lr", "3e-3"]
-
-
 # --------------------------------------------------------------------------------------
 # The spies: what the student's function did, call by call, on each rank
 # --------------------------------------------------------------------------------------
-def _unit_name(units, u) -> str:
-    return f"unit {units.index(u)} ({type(u.module).__name__})"
-
-
-def _close(a, b):
-    return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=1e-5)
-
-
 def spy_optimizer_step(student_fn, findings: list):
     """The student's ``sharded_optimizer_step`` with its effects compared, unit by unit."""
     from minipar import comm
@@ -150,72 +135,6 @@ def spy_optimizer_step(student_fn, findings: list):
     return call
 
 
-# --------------------------------------------------------------------------------------
-# Training with the spy, against one process
-# --------------------------------------------------------------------------------------
-def _train(student, argv, patch):
-    """One rank: the trainer, with the student's function (spied on) in place of the package's."""
-    import contextlib
-    import io
-    from minipar import train, zero
-    from minipar.exercises import ex07
-    findings: list = []
-    spies = {"sharded_optimizer_step": spy_optimizer_step,
-             "reduce_scatter_gradient": ex07.spy_reduce_scatter}
-    real = {name: getattr(zero, name) for name in spies}
-    try:
-        if patch == "reduce_scatter_gradient":
-            setattr(zero, "sharded_optimizer_step",
-                    ex07.step_counter(real["sharded_optimizer_step"], findings))
-        setattr(zero, patch, spies[patch](getattr(student, patch), findings))
-        with contextlib.redirect_stdout(io.StringIO()):
-            out = train.worker(train.parse_config(argv), train.Hooks(end=train.with_state))
-    finally:
-        for name, fn in real.items():
-            setattr(zero, name, fn)
-    out["findings"] = findings
-    return out
-
-
-def check_training(student, report, patch: str, runs, hint_wrong_weights: str) -> None:
-    """Train with each (flags, expect) in ``runs`` on 4 ranks; compare with one process."""
-    from minipar import train
-    from minipar.exercises import launch_student
-    from minipar.model import build
-    import contextlib
-    import io
-    with contextlib.redirect_stdout(io.StringIO()):
-        ref = train.run_state(ARGV, 1)
-    sizes = [sum(p.numel() for p in part.parameters()) for part in build("nano").parts()]
-    psi = 4 * sum(sizes)
-    for flags, expect, verified in runs:
-        where = " ".join(flags)
-        start = report.count
-        out = launch_student(_train, 4, student, ARGV + flags, patch)
-        found = {r: res["findings"][0] for r, res in enumerate(out) if res["findings"]}
-        report.fail_ranks(where, found, 4)
-        losses = [h["loss"] for h in out[0]["history"]]
-        if len(losses) != len(ref["losses"]):
-            report.fail(f"{where}: {len(losses)} steps ran, {len(ref['losses'])} expected")
-        for step, (a, b) in enumerate(zip(losses, ref["losses"]), 1):
-            if abs(a - b) > 1e-5:
-                report.fail(f"{where}: the loss at step {step} is {a:.6f}, one process gets "
-                            f"{b:.6f}" + ("" if found else ": the gradient or the update is wrong"))
-                break
-        if report.count == start:
-            for rank, r in enumerate(out):
-                bad = [n for n, p in r["params"].items()
-                       if not torch.allclose(p, ref["params"][n], atol=1e-4, rtol=1e-4)]
-                if bad:
-                    report.fail(f"{where}: after training rank {rank} holds different weights "
-                                f"than one process (e.g. {bad[0]}): {hint_wrong_weights}")
-                    break
-        for problem in expect(where, out[0]["history"][-1], psi, len(sizes)):
-            report.fail(problem)
-        if report.count == start:
-            report.ok(f"{where}: {verified}")
-
-
 def _expect(d_os, replicas):
     def expect(where, record, psi, units):
         sent, state, failures = record["comm_bytes"], record["model_state_bytes"], []
@@ -246,4 +165,4 @@ def check(student, report) -> None:
         (["--shard", "1,1,2"], _expect(2, 2), "the same with optimizer states sharded over pairs "
          "of ranks and the two replicas all-reduced")],
         hint_wrong_weights="check the average (sum, then divide by d) and that every rank gets "
-                           "every updated slice")
+                           "every updated slice", spy=spy_optimizer_step)

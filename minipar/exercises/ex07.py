@@ -1,7 +1,7 @@
 """ex07: ZeRO-2, reduce-scatter each unit's gradient as soon as backward is done with it."""
 import torch
 
-from .ex06 import _close, _unit_name, check_training
+from .training import _close, check_training
 
 TITLE = "ZeRO-2 gradient reduce-scatter"
 SUMMARY = "ZeRO-2's gradient reduce-scatter, micro-batch by micro-batch"
@@ -120,4 +120,4 @@ def check(student, report) -> None:
          "shards accumulate both"),
         (["--shard", "1,2,4"], _expect(2, 4, 1), "with gradients sharded over pairs of ranks")],
         hint_wrong_weights="the G shard must be the sum over the G group of every micro-batch's "
-                           "gradient (add, do not divide)")
+                           "gradient (add, do not divide)", spy=spy_reduce_scatter, wrap_step=step_counter)
