@@ -38,7 +38,6 @@ def _run(student, t, vocab, scale):
     import torch.nn.functional as F
     from minipar import comm, tp
     from minipar.train import pieces
-    from minipar.runtime import dist
     from minipar.plan import ring_bytes
     grid = Mesh(1, 1, t)
     group, r = grid.group("tp"), grid.coord("tp")

@@ -1,6 +1,4 @@
 """ex07: ZeRO-2, reduce-scatter each unit's gradient as soon as backward is done with it."""
-import torch
-
 from .training import _close, check_training
 
 TITLE = "ZeRO-2 gradient reduce-scatter"
