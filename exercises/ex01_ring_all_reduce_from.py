@@ -7,12 +7,32 @@ fully summed chunk; in n-1 all-gather steps the finished chunks travel once more
 ring. Use `comm.isend(tensor, dst)` (returns a handle: call `.wait()`), `comm.recv(tensor, src)` and the
 `chunks`, `incoming`, `left`, `right`, `r`, `n` already prepared for you.
 
+Which chunk, at step k (0-based), on rank r (notebook 00, section 2, derives it by hand):
+
+    reduce-scatter  send chunk (r - k) mod n,     add the incoming one into chunk (r - k - 1) mod n
+    all-gather      send chunk (r + 1 - k) mod n, copy the incoming one into chunk (r - k) mod n
+
+`chunks` is `t.view(n, -1)`: row c is a view of t, so `chunks[c] += incoming` and
+`chunks[c].copy_(incoming)` write into t itself. `c = chunks[i]; c = c + incoming` does not:
+it only gives the name `c` a new tensor (a rebound name, not an in-place write).
+
 The order of each step's send and receive matters. On GPUs (NCCL, RCCL) a send completes only
 together with the matching receive, and a rank's sends and receives run in the order it posted
 them: if every rank sends first, every rank waits in its send for a neighbour that is also
 sending, and nothing moves. gloo buffers sends, so that order would still pass on this CPU. The
 checker replays the order your ranks used under NCCL's rule (`minipar.p2p_order`) and fails it
 if it could hang: let even ranks send first and odd ranks receive first.
+
+What you may call (already imported; signatures from the package):
+
+    comm.isend(t: Tensor, dst: int, label: str = 'p2p') -> Handle
+        Asynchronous send to global rank ``dst``; ``label`` files its bytes (e.g. ``"cp"``).
+    comm.recv(t: Tensor, src: int) -> None
+        Blocking point-to-point receive from global rank ``src`` into ``t``.
+    comm.size(group) -> int
+        Ranks in ``group``; 1 for ``None``/``SOLO`` (a group of one) or without a process
+        group.
+    comm.rank(group) -> int
 
 Fill in every block marked `# TODO ex01`, then run:
 

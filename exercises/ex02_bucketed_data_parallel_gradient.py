@@ -7,6 +7,21 @@ to first, as backward produces them, starting a new `Bucket` whenever adding the
 would exceed `bucket_bytes` or its dtype differs) and `sync_buckets` (one all-reduce per bucket
 with `comm.all_reduce`; gloo has no AVG, so sum and then divide by `comm.size(group)`).
 
+`Bucket(params)` allocates one flat buffer `b.buffer` for its parameters (in the order given)
+and `b.attach()` makes every `p.grad` a view into it: an in-place change of `b.buffer` is a
+change of every `p.grad` of the bucket. A parameter's size in bytes is
+`p.numel() * p.element_size()`.
+
+What you may call (already imported; signatures from the package):
+
+    dp.Bucket(params: list[nn.Parameter])
+        A flat gradient buffer; each parameter's ``.grad`` is a view into it.
+    comm.all_reduce(t: Tensor, group=None, op: str = 'sum', async_op: bool = False)
+        In place: every rank ends with the reduction of all ranks' ``t``. Sends 2(n-1)/n N.
+    comm.size(group) -> int
+        Ranks in ``group``; 1 for ``None``/``SOLO`` (a group of one) or without a process
+        group.
+
 Fill in every block marked `# TODO ex02`, then run:
 
     python -m minipar.exercises check ex02

@@ -1,20 +1,47 @@
 """Exercise ex03: Column and row parallel linear layers
 
-Tensor parallelism splits a linear layer Y = X A^T + b over the t ranks of a group.
-ColumnParallelLinear keeps out/t rows of A (output features): every rank needs all of X and
-computes its slice of Y, with no communication forward. RowParallelLinear keeps in/t columns
-of A: its input arrives already split by features, each rank computes a partial product, and
-the partial products are summed over the group. The two conjugate operators glue this to
-autograd: f (CopyToTP) is the identity forward and an all-reduce of the gradient backward;
-g (ReduceFromTP) is an all-reduce forward and the identity backward.
+Tensor parallelism splits a linear layer over the t ranks of a group. Write the `forward` of
+the two split layers; f and g (ex03a) come from the package.
 
-Write the forward and backward of f and g (use `comm.all_reduce(tensor, group)`, which works
-in place: reduce a copy), then the two `forward`s: ColumnParallelLinear enters through f
-(through `all_gather_seq` when `self.sequence_parallel`), and gathers its output with
-`gather_from_tp` if `self.gather_output` (trim it to `self.out_features`);
-RowParallelLinear sums with g (`reduce_scatter_seq` under sequence parallelism) and adds the
-bias once, after the sum. A column layer followed by a row layer must cost exactly one
-all-reduce forward and one backward.
+From the notebook's notation to nn.Linear's: the notebook writes Y = X A with A of shape
+(in, out), so "by columns" means by output features. nn.Linear stores `weight` = A^T, of shape
+(out, in), and computes `F.linear(x, weight, bias)` = x weight^T + bias. So:
+
+    ColumnParallelLinear   A by columns = weight by ROWS:    self.weight (out/t, in),  bias (out/t)
+                           x (b, s, in) whole on every rank  ->  y (b, s, out/t), no communication
+    RowParallelLinear      A by rows    = weight by COLUMNS: self.weight (out, in/t),  bias (out), whole
+                           x (b, s, in/t), this rank's slice ->  partial y (b, s, out); sum over ranks
+
+ColumnParallelLinear enters through f (its backward sums the input's gradient over the ranks),
+runs F.linear with its rows and bias, and, if `self.gather_output`, gathers the slices with
+`gather_from_tp` (then keep the first `self.out_features`: the output may be padded).
+RowParallelLinear computes its partial product without the bias, sums the t partial products
+with g, and adds the bias once, after the sum (added before, it would be summed t times). A
+column layer followed by a row layer costs exactly one all-reduce forward (g) and one backward
+(f).
+
+Extension, sequence parallelism (`self.sequence_parallel`, notebook 02 section 5): the
+activations outside the layers are split along the sequence, (b, s/t, h) per rank. The column
+layer enters with `all_gather_seq` instead of f, the row layer leaves with
+`reduce_scatter_seq` instead of g. The row layer's `bias` (already prepared above your block)
+then passes through f, because each rank adds it to its own s/t tokens only. The checker
+grades the core first; an extension not written yet (`if self.sequence_parallel: raise
+NotImplementedError`) or not right yet is listed, but does not fail the exercise.
+
+What you may call (already imported; signatures from the package):
+
+    tp.f(x: Tensor, group) -> Tensor
+        Enter a tensor-parallel region: identity forward, all-reduce backward.
+    tp.g(x: Tensor, group) -> Tensor
+        Leave a tensor-parallel region: all-reduce forward, identity backward.
+    tp.gather_from_tp(x, group)
+        all-gather along the last dim; bwd: keep the slice
+    torch.nn.functional.linear
+        linear(input, weight, bias=None) -> Tensor
+    tp.all_gather_seq(x, group)
+        SP's f: all-gather along the sequence; bwd: r-scatter
+    tp.reduce_scatter_seq(x, group)
+        SP's g: reduce-scatter along the sequence; bwd: gather
 
 Fill in every block marked `# TODO ex03`, then run:
 
@@ -24,48 +51,6 @@ Generated from minipar.tp by `python -m minipar.exercises make ex03`; the
 solution is the package's own code, so peek only when stuck.
 """
 from minipar.tp import *  # noqa: F401,F403  everything else, as the package has it
-
-
-class CopyToTP(torch.autograd.Function):
-    """f: identity forward; backward, all-reduce (sum) of the gradient: 2(t-1)/t N bytes."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        # TODO ex03: write this part
-        # f forward is the identity: keep the group in ctx for the backward and return x
-        raise NotImplementedError("ex03: this part is yours to write")
-
-    @staticmethod
-    def backward(ctx, grad):
-        # TODO ex03: write this part
-        # f backward: sum the gradient over the group with comm.all_reduce (on a copy: autograd may share grad)
-        raise NotImplementedError("ex03: this part is yours to write")
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: forward, all-reduce (sum) over the TP group: 2(t-1)/t N bytes; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        # TODO ex03: write this part
-        # g forward: sum the partial results of every rank with comm.all_reduce (on a copy of x)
-        raise NotImplementedError("ex03: this part is yours to write")
-
-    @staticmethod
-    def backward(ctx, grad):
-        # TODO ex03: write this part
-        # g backward is the identity (the gradient of a sum reaches every summand unchanged)
-        raise NotImplementedError("ex03: this part is yours to write")
-
-
-def f(x: torch.Tensor, group) -> torch.Tensor:
-    """Enter a tensor-parallel region: identity forward, all-reduce backward."""
-    return CopyToTP.apply(x, group)
-
-
-def g(x: torch.Tensor, group) -> torch.Tensor:
-    """Leave a tensor-parallel region: all-reduce forward, identity backward."""
-    return ReduceFromTP.apply(x, group)
 
 
 class ColumnParallelLinear(SplitLinear):
@@ -86,7 +71,8 @@ class ColumnParallelLinear(SplitLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # TODO ex03: write this part
-        # enter with f(x, group) (all_gather_seq under SP), F.linear with the local rows, gather_from_tp if gather_output
+        # enter with f(x, group) (extension, SP: all_gather_seq), F.linear with the local rows and bias;
+        # if gather_output: gather_from_tp, then keep the first out_features (padding)
         raise NotImplementedError("ex03: this part is yours to write")
 
 
@@ -114,5 +100,6 @@ class RowParallelLinear(SplitLinear):
         if self.sequence_parallel and bias is not None:
             bias = f(bias, self.group)
         # TODO ex03: write this part
-        # partial product with the local columns (no bias), sum it with g (reduce_scatter_seq under SP), then add bias once
+        # partial product with the local columns, no bias; sum it over the group with g (extension, SP:
+        # reduce_scatter_seq); then add `bias` once (the variable above, not self.bias)
         raise NotImplementedError("ex03: this part is yours to write")

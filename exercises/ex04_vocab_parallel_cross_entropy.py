@@ -15,6 +15,18 @@ loss_i with respect to this rank's logits is softmax_ij minus 1 at the target, t
 incoming gradient. Write `VocabParallelCE.forward` (per-token losses; save what backward needs)
 and `VocabParallelCE.backward`.
 
+Shapes: `logits` (N, V'/t), this rank's columns, which are vocabulary entries
+[r V'/t, (r+1) V'/t) (`start` is prepared for you); `targets` (N,) global vocabulary ids;
+forward returns (N,) losses; backward gets `grad_loss` (N,) and returns the gradient of
+`logits`, (N, V'/t), then None for targets, group and vocab_size. `ctx.save_for_backward(...)`
+keeps tensors, `ctx.saved_tensors` gives them back.
+
+What you may call (already imported; signatures from the package):
+
+    comm.all_reduce(t: Tensor, group=None, op: str = 'sum', async_op: bool = False)
+        In place: every rank ends with the reduction of all ranks' ``t``. Sends 2(n-1)/n N.
+    comm.rank(group) -> int
+
 Fill in every block marked `# TODO ex04`, then run:
 
     python -m minipar.exercises check ex04

@@ -11,6 +11,23 @@ stage r's list of `forward(i)` and `backward(i)` in that order, for any p and m 
 where 1F1B becomes GPipe, and m = 1, the naive pipeline). `one_f_one_b` then adds the sends
 and receives (`with_p2p`) and the checker runs your schedule for real on 2 gloo processes.
 
+For p = 4, m = 6 the three phases of each stage (F3 = forward(3), B0 = backward(0)):
+
+    stage 0   warm-up F0 F1 F2 | steady F3 B0 F4 B1 F5 B2 | cool-down B3 B4 B5
+    stage 3   warm-up (none)   | steady F0 B0 F1 B1 ... F5 B5 | cool-down (none)
+
+Notebook 03 shows the timeline (section 3, `schedules.one_f_one_b(2, 4, r)`, is the
+answer for p = 2, m = 4; section 7 counts what each stage holds).
+
+What you may call (already imported; signatures from the package):
+
+    schedules.forward(i: int, chunk: int = 0) -> Instr
+    schedules.backward(i: int, chunk: int = 0) -> Instr
+    schedules.with_p2p(orders: list[list[Instr]], t_fwd: float = 1.0, t_bwd: float = 2.0)
+        Add the sends and receives to every stage's compute order.
+    schedules.gpipe_order(p: int, m: int, r: int) -> list[Instr]
+        GPipe: every forward, then every backward.
+
 Fill in every block marked `# TODO ex05`, then run:
 
     python -m minipar.exercises check ex05

@@ -11,6 +11,18 @@ for every parameter of the unit) so that between steps only the shard is held. T
 trains the nano model with `--zero 2` (also with 2 micro-batches) and `--shard 1,2,4` on 4
 ranks and compares with one process, bytes sent and gradient memory.
 
+Add into `u.grad_shard` in place (`add_`): with m micro-batches the engine calls you m times
+per step, and the shard must end as the sum of all m. `u.grad_shard = shard` (or `copy_`)
+keeps only the last micro-batch; a rebound `u.grad_shard` also leaves `u.os_grad`, a view of
+the old buffer, behind. Sum only: the step (ex06) divides by d once, for all micro-batches.
+
+What you may call (already imported; signatures from the package):
+
+    zero.reduce_scatter_down(x: Tensor, groups) -> Tensor
+        Reduce-scatter (sum) ``x`` over each group in turn: this rank's summed chunk.
+    zero.Unit.flat_grad(self) -> Tensor
+        The unit's gradients, one padded flat tensor in ``reduce_dtype`` (zeros if none).
+
 Fill in every block marked `# TODO ex07`, then run:
 
     python -m minipar.exercises check ex07

@@ -13,6 +13,21 @@ probabilities of e over the sequence's tokens divided by `seq_len` (their mean; 
 parallelism `probs` holds a rank's share of the tokens and this gives its share of the loss). It is 1 when the routing is balanced and E when every token picks the
 same expert. The checker compares both with plain loops and trains a step through them.
 
+Shapes in `load_balancing_loss`: `probs` (b s, E), `experts` (b s, k) for b sequences of
+s = `seq_len` tokens; `rearrange(x, "(b s) e -> b s e", s=seq_len)` gives each sequence its row.
+
+What you may call (already imported; signatures from the package):
+
+    topk
+        topk(input, k, dim=None, largest=True, sorted=True, *, out=None) -> (Tensor,
+        LongTensor)
+    torch.nn.functional.one_hot
+        one_hot(tensor, num_classes=-1) -> LongTensor
+    rearrange(tensor: Union[~Tensor, List[~Tensor]], pattern: str, **axes_lengths: Any) -> ~Tensor
+        einops.rearrange is a reader-friendly smart element reordering for multidimensional
+        tensors. This operation includes functionality of transpose (axes permutation),
+        reshape (view), squeeze, unsqueeze, stack, concatenate and other operations.
+
 Fill in every block marked `# TODO ex08`, then run:
 
     python -m minipar.exercises check ex08

@@ -9,6 +9,16 @@ the sum of the two exponentials (compute it without overflow: scores can be larg
 partial output is reweighted by exp(lse_x - lse). A row may have seen no key in one of the
 blocks (lse = -inf there): it must take the other block's values unchanged.
 
+Notebook 09 derives the merge by hand for one query (section 2). `out_x[..., None]`-style
+broadcasting: lse (b h i) needs a trailing axis, `lse[..., None]`, to scale out (b h i d).
+
+What you may call (already imported; signatures from the package):
+
+    logaddexp
+        logaddexp(input, other, *, out=None) -> Tensor
+    maximum
+        maximum(input, other, *, out=None) -> Tensor
+
 Fill in every block marked `# TODO ex09`, then run:
 
     python -m minipar.exercises check ex09

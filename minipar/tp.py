@@ -84,20 +84,20 @@ class CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # EXERCISE ex03 begin
+        # EXERCISE ex03a begin
         # f forward is the identity: keep the group in ctx for the backward and return x
         ctx.group = group
         return x
-        # EXERCISE ex03 end
+        # EXERCISE ex03a end
 
     @staticmethod
     def backward(ctx, grad):
-        # EXERCISE ex03 begin
+        # EXERCISE ex03a begin
         # f backward: sum the gradient over the group with comm.all_reduce (on a copy: autograd may share grad)
         grad = grad.clone(memory_format=torch.contiguous_format)
         comm.all_reduce(grad, ctx.group)
         return grad, None
-        # EXERCISE ex03 end
+        # EXERCISE ex03a end
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -105,19 +105,19 @@ class ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # EXERCISE ex03 begin
+        # EXERCISE ex03a begin
         # g forward: sum the partial results of every rank with comm.all_reduce (on a copy of x)
         x = x.clone(memory_format=torch.contiguous_format)
         comm.all_reduce(x, group)
         return x
-        # EXERCISE ex03 end
+        # EXERCISE ex03a end
 
     @staticmethod
     def backward(ctx, grad):
-        # EXERCISE ex03 begin
+        # EXERCISE ex03a begin
         # g backward is the identity (the gradient of a sum reaches every summand unchanged)
         return grad, None
-        # EXERCISE ex03 end
+        # EXERCISE ex03a end
 
 
 def f(x: torch.Tensor, group) -> torch.Tensor:
@@ -240,7 +240,8 @@ class ColumnParallelLinear(SplitLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # EXERCISE ex03 begin
-        # enter with f(x, group) (all_gather_seq under SP), F.linear with the local rows, gather_from_tp if gather_output
+        # enter with f(x, group) (extension, SP: all_gather_seq), F.linear with the local rows and bias;
+        # if gather_output: gather_from_tp, then keep the first out_features (padding)
         x = all_gather_seq(x, self.group) if self.sequence_parallel else f(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
@@ -273,7 +274,8 @@ class RowParallelLinear(SplitLinear):
         if self.sequence_parallel and bias is not None:
             bias = f(bias, self.group)
         # EXERCISE ex03 begin
-        # partial product with the local columns (no bias), sum it with g (reduce_scatter_seq under SP), then add bias once
+        # partial product with the local columns, no bias; sum it over the group with g (extension, SP:
+        # reduce_scatter_seq); then add `bias` once (the variable above, not self.bias)
         y = F.linear(x, self.weight)
         y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else g(y, self.group)
         return y if bias is None else y + bias

@@ -237,8 +237,8 @@ def sharded_optimizer_step(units: list[Unit], optimizer, mesh: ShardMesh):
     """Reduce each G shard down to this rank's OS shard, run Adam on it, gather the updates
     (ZeRO-1: the G shard is the whole local gradient, reduce-scattered over ``os_group``)."""
     # EXERCISE ex06 begin
-    # per unit: reduce-scatter grad_shard over os_group, all-reduce over rep_group, /d into os_grad;
-    # then optimizer.step(); then all-gather each unit's slices back up (os_group, then g_group)
+    # per unit: reduce-scatter grad_shard over os_group, all-reduce over rep_group, /d, copy INTO u.os_grad
+    # (Adam reads that memory: `u.os_grad = x` only rebinds); optimizer.step(); all-gather up (os, then g)
     for u in units:
         summed = reduce_scatter_down(u.grad_shard, [mesh.os_group])
         comm.all_reduce(summed, mesh.rep_group)

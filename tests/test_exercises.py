@@ -42,9 +42,12 @@ def blanks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ex_id", IDS)
-def test_checks_pass_the_solution(ex_id):
-    """The checks themselves, in this process (the grader's child is tested below)."""
-    assert exercises._check_here(ex_id, None, solution=True) == []
+def test_checks_pass_the_solution_and_say_what_they_verified(ex_id):
+    """The checks themselves, in this process (the grader's child is tested below). A PASS
+    lists what was verified; the package's solution leaves no optional part open."""
+    result = exercises._check_here(ex_id, None, solution=True)
+    assert result == [] and result.todos == [], (list(result), result.todos)
+    assert result.verified and all(len(line) > 40 for line in result.verified), result.verified
 
 
 @pytest.mark.parametrize("ex_id", IDS)
@@ -56,7 +59,8 @@ def test_checks_fail_the_blank_exercise(ex_id, blanks):
 @pytest.mark.slow
 def test_grader_passes_a_solution_and_fails_a_blank(blanks):
     """The whole grader (child process, time limit) on one exercise both ways."""
-    assert exercises.check("ex01", solution=True, timeout=300) == []
+    passed = exercises.check("ex01", solution=True, timeout=300)
+    assert passed == [] and passed.verified
     failures = exercises.check("ex01", path=blanks["ex01"], timeout=300)
     assert failures and "not written yet" in failures[0]
 
@@ -69,50 +73,191 @@ def _mutant(tmp_path, ex_id, old, new):
     ex = exercises.get(ex_id)
     module = importlib.import_module(ex.MODULE)
     solution = "\n\n".join(inspect.getsource(getattr(module, n)) for n in ex.NAMES)
-    assert old in solution, "mutation target not found"
+    assert solution.count(old) == 1, "mutation target not found exactly once"
     header = src[:src.index("\n\n\n") + 3]
     path = tmp_path / f"{ex_id}_mutant.py"
     path.write_text(header + solution.replace(old, new, 1))
     return path
 
 
-@pytest.mark.parametrize("ex_id,old,new,expected", [
+# The common bugs a checker names by their symptom (issue: "detect the common bugs by their
+# symptom and name them"): each is a mutant below, and each fails with its own words.
+NAMED = {
+    "wrong ring index, reduce-scatter": "Wrong ring index in the reduce-scatter phase",
+    "wrong ring index, all-gather": "Wrong ring index in the all-gather phase",
+    "rebound buffer": "rebound buffer instead of an in-place write",
+    "not accumulated": "not accumulated over micro-batches",
+    "missing division": "missing division by the group size",
+    "missing max": "missing max in log-sum-exp",
+    "off-by-one warm-up": "off-by-one warm-up",
+}
+
+MUTANTS = [
+    # ex01: each phase's ring index (the chunk sent, the chunk written), copy vs add, a rebound
+    # name, every rank sending first (gloo buffers it; NCCL would hang), a collective
+    ("ex01", "exchange(chunks[(r - k) % n])", "exchange(chunks[(r + k) % n])",
+     NAMED["wrong ring index, reduce-scatter"]),
+    ("ex01", "chunks[(r - k - 1) % n] += incoming", "chunks[(r - k) % n] += incoming",
+     NAMED["wrong ring index, reduce-scatter"]),
+    ("ex01", "exchange(chunks[(r + 1 - k) % n])", "exchange(chunks[(r - k) % n])",
+     NAMED["wrong ring index, all-gather"]),
+    ("ex01", "chunks[(r - k) % n].copy_(incoming)", "chunks[(r - k - 1) % n].copy_(incoming)",
+     NAMED["wrong ring index, all-gather"]),
     ("ex01", "chunks[(r - k - 1) % n] += incoming", "chunks[(r - k - 1) % n].copy_(incoming)",
-     "sum"),
-    ("ex01", "    for k in range(n - 1):\n        exchange(chunks[(r + 1 - k) % n])",
-     "    comm.all_reduce(t, comm.WORLD); return t\n    for k in range(n - 1):\n        exchange(chunks[(r + 1 - k) % n])",
-     "isend/recv only"),
-    # every rank sends first: gloo buffers the sends and passes it; NCCL would hang
+     "add it (`+=`)"),
+    ("ex01", "chunks[(r - k - 1) % n] += incoming",
+     "c = chunks[(r - k - 1) % n]; c = c + incoming", NAMED["rebound buffer"]),
+    ("ex01", "chunks[(r - k) % n].copy_(incoming)", "chunks[(r - k) % n].add_(incoming)",
+     "copy it (`copy_`)"),
     ("ex01", "if r % 2 == 0:", "if True:", "would hang on NCCL"),
-    ("ex02", "b.buffer.div_(n)", "pass", "average"),
-    ("ex02", "size + p.numel() * p.element_size() > bucket_bytes", "False", "several"),
-    ("ex05", "warmup = min(p - r - 1, m)", "warmup = min(p - r, m)", "holds"),
-    ("ex05", "[forward(warmup + k), backward(k)]", "[backward(k), forward(warmup + k)]",
-     "cannot run"),
-    ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.copy_(summed)", ""),
-    ("ex06", "all_gather_in_place(u.g_slice, mesh.os_group)", "pass", ""),
-    ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.copy_(shard)", ""),
-    ("ex07", "        p.grad = None\n", "        pass\n", ""),
+    ("ex01", "    for k in range(n - 1):\n        exchange(chunks[(r - k) % n])",
+     "    comm.all_reduce(t, comm.WORLD); return t\n    for k in range(n - 1):\n        exchange(chunks[(r - k) % n])",
+     "isend/recv only"),
+    # ex02
+    ("ex02", "b.buffer.div_(n)", "pass", NAMED["missing division"]),
+    ("ex02", "b.buffer.div_(n)", "b.buffer.div_(2)", "not by the group size 3"),
+    ("ex02", "size + p.numel() * p.element_size() > bucket_bytes", "False", "more than bucket_bytes"),
+    ("ex02", "for p in reversed(params):", "for p in params:", "last to first"),
+    # ex03a, ex03 (and its extension)
+    ("ex03a", "        comm.all_reduce(grad, ctx.group)\n", "\n", "f backward must sum"),
+    ("ex03a", "        x = x.clone(memory_format=torch.contiguous_format)\n", "",
+     "changed its input x in place"),
+    ("ex03a", "        comm.all_reduce(x, group)\n        return x", "        return x",
+     "g forward must sum its input"),
+    ("ex03", "y = F.linear(x, self.weight)\n", "y = F.linear(x, self.weight, bias)\n",
+     "holds the bias 3 times"),
+    ("ex03", "if self.sequence_parallel else f(x, self.group)", "if self.sequence_parallel else x",
+     "enter through f"),
+    ("ex03", "if self.sequence_parallel else g(y, self.group)", "if self.sequence_parallel else y",
+     "sum the partial products over the group with g"),
+    ("ex03", "y = gather_from_tp(y, self.group)[..., :self.out_features]",
+     "y = gather_from_tp(y, self.group)", "keep its first out_features"),
+    # ex04
+    ("ex04", 'comm.all_reduce(top, group, op="max")', "top.zero_()", NAMED["missing max"]),
+    ("ex04", 'logits = logits.masked_fill(columns >= vocab_size, float("-inf"))\n', "\n",
+     "mask them to -inf"),
+    ("ex04", "grad[rows, local_target] -= mine.to(grad.dtype)", "pass", "without the -1 at the target"),
+    # ex05
+    ("ex05", "warmup = min(p - r - 1, m)", "warmup = min(p - r, m)", NAMED["off-by-one warm-up"]),
+    ("ex05", "warmup = min(p - r - 1, m)", "warmup = max(p - r - 2, 0)", NAMED["off-by-one warm-up"]),
+    # (a steady phase of backward-then-forward pairs is the same list as a warm-up one too short)
+    ("ex05", "    order += [backward(k) for k in range(m - warmup, m)]\n", "\n", "the cool-down"),
+    # ex06a, ex06, ex07
+    ("ex06a", "    shard_grad.div_(d)", "    pass", NAMED["missing division"]),
+    ("ex06a", "    comm.reduce_scatter(shard_grad, flat_grad, group)\n    shard_grad.div_(d)",
+     "    out = torch.empty_like(shard_grad)\n    comm.reduce_scatter(out, flat_grad, group)\n"
+     "    shard_grad = out / d", NAMED["rebound buffer"]),
+    ("ex06a", "    comm.all_gather(flat, flat.chunk(d)[comm.rank(group)].clone(), group)", "    pass",
+     "all-gather the updated slices"),
+    ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.copy_(summed)", NAMED["missing division"]),
+    ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad = summed / mesh.d",
+     NAMED["rebound buffer"]),
+    ("ex06", "all_gather_in_place(u.g_slice, mesh.os_group)", "pass", "each updated only its own slice"),
+    ("ex06", "comm.all_reduce(summed, mesh.rep_group)", "pass", "all-reduce it over mesh.rep_group"),
+    ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.copy_(shard)", NAMED["not accumulated"]),
+    ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard = u.grad_shard + shard", NAMED["rebound buffer"]),
+    ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.add_(shard / mesh.d)", "ZeRO-2 only sums"),
+    ("ex07", "        p.grad = None\n", "        pass\n", "set p.grad = None"),
+    # ex08
     ("ex08", "weights = top_probs if k == 1 else top_probs / top_probs.sum(dim=-1, keepdim=True)",
-     "weights = top_probs", "renormalised"),
+     "weights = top_probs", "renormalise them to sum to 1"),
     ("ex08", "weights = top_probs if k == 1 else top_probs / top_probs.sum(dim=-1, keepdim=True)",
-     "weights = top_probs / top_probs.sum(dim=-1, keepdim=True)", "raw probability at k = 1"),
+     "weights = top_probs / top_probs.sum(dim=-1, keepdim=True)", "keep the raw probability"),
     ("ex08", 'P = rearrange(probs, "(b s) e -> b s e", b=f.shape[0]).sum(dim=1) / seq_len',
      "P = probs.mean(dim=0)", "per sequence"),
+    ("ex08", "probs = F.softmax(logits.float(), dim=-1)", "probs = F.softmax(logits.float(), dim=0)",
+     "softmax over the tokens"),
+    ("ex08", "return n_experts * (f * P).sum(dim=-1).mean()", "return (f * P).sum(dim=-1).mean()",
+     "multiply by E"),
+    # ex09
     ("ex09", "lse = torch.logaddexp(lse_a, lse_b)", "lse = torch.maximum(lse_a, lse_b)",
-     "merged lse"),
+     "that is max(lse_a, lse_b)"),
     ("ex09", "lse = torch.logaddexp(lse_a, lse_b)",
-     "lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))", "overflow"),
+     "lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))", NAMED["missing max"]),
     ("ex09", "torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b",
      "torch.exp(lse_b - lse)[..., None] * out_a + torch.exp(lse_a - lse)[..., None] * out_b",
      "its own block"),
     ("ex09", "torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b",
      "(out_a + out_b) / 2", "not softmax attention"),
-])
-def test_checks_catch_wrong_answers(tmp_path, ex_id, old, new, expected):
+]
+
+
+@pytest.mark.parametrize("ex_id,old,new,expected", MUTANTS,
+                         ids=[f"{m[0]}-{m[3][:40]}" for m in MUTANTS])
+def test_checks_catch_wrong_answers_and_name_the_bug(tmp_path, ex_id, old, new, expected):
     failures = exercises._check_here(ex_id, str(_mutant(tmp_path, ex_id, old, new)), solution=False)
     assert failures, "the checker accepted a wrong answer"
     assert any(expected in f for f in failures), failures
+    # each named bug is named only when it is the bug
+    for name, words in NAMED.items():
+        if words != expected and words not in new:
+            assert not any(words in f for f in failures), (name, failures)
+    # never another exercise's hint: no message names another exercise, and ex07 (whose
+    # checks share ex06's training) never says ex06's "check the average (divide by d)"
+    others = [e for e in IDS if e != ex_id and not ex_id.startswith(e)]
+    assert not any(e in f for f in failures for e in others), failures
+    if ex_id == "ex07":
+        assert not any("divide by d" in f or "check the average" in f for f in failures), failures
+
+
+def test_every_named_bug_has_a_mutant():
+    named = {m[3] for m in MUTANTS}
+    assert set(NAMED.values()) <= named, set(NAMED.values()) - named
+
+
+def test_the_sequence_parallel_extension_of_ex03_is_optional(tmp_path):
+    """An extension not written yet is listed, and the core still passes."""
+    old = "x = all_gather_seq(x, self.group) if self.sequence_parallel else f(x, self.group)"
+    new = ("if self.sequence_parallel:\n            raise NotImplementedError('extension')\n"
+           "        x = f(x, self.group)")
+    result = exercises._check_here("ex03", str(_mutant(tmp_path, "ex03", old, new)), solution=False)
+    assert result == [] and result.verified, list(result)
+    assert result.todos == ["extension, sequence parallelism: not written yet"], result.todos
+
+
+def test_each_student_file_lists_the_api_it_may_call():
+    for ex_id in IDS:
+        ex = exercises.get(ex_id)
+        text = exercises.student_source(ex_id)
+        assert "What you may call" in text, ex_id
+        for dotted in ex.API:
+            assert dotted.rsplit(".", 1)[1] + "(" in text, (ex_id, dotted)
+
+
+def test_ex03_bridges_the_notation_and_ex06_says_copy_do_not_rebind():
+    assert "weight by ROWS" in exercises.student_source("ex03")
+    assert "(out, in)" in exercises.student_source("ex03")
+    six = exercises.student_source("ex06")
+    assert "Copy into `u.os_grad`, don't rebind it" in six
+    assert "os_group: [[0, 1], [2, 3]]" in six and "rep_group: [[0, 2], [1, 3]]" in six
+
+
+def test_warm_ups_come_before_their_exercise():
+    assert IDS.index("ex03a") == IDS.index("ex03") - 1
+    assert IDS.index("ex06a") == IDS.index("ex06") - 1
+
+
+def test_the_exercises_readme_table_is_generated():
+    """Difficulty, time and the notebook section of every exercise, from its module."""
+    text = (exercises.exercises_dir() / "README.md").read_text()
+    assert exercises.readme_table() in text, "run `python -m minipar.exercises make`"
+    for ex_id, ex in exercises.registry().items():
+        assert ex.DIFFICULTY in ("easy", "medium", "hard"), ex_id
+        assert 10 <= ex.MINUTES <= 90, ex_id
+
+
+def test_each_exercise_names_a_notebook_section_that_exists():
+    import json
+    import re
+    from conftest import ROOT
+    import os
+    for ex_id, ex in exercises.registry().items():
+        m = re.match(r"(\d\d), sections? (\d+)", ex.NOTEBOOK)
+        assert m, (ex_id, ex.NOTEBOOK)
+        path = next(p for p in os.listdir(os.path.join(ROOT, "notebooks")) if p.startswith(m.group(1)))
+        nb = json.load(open(os.path.join(ROOT, "notebooks", path)))
+        heads = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+        assert any(re.search(rf"^## {m.group(2)}\. ", h, re.M) for h in heads), (ex_id, ex.NOTEBOOK)
 
 
 # --------------------------------------------------------------------------------------
@@ -173,6 +318,12 @@ def test_check_cli_never_exits_0_without_a_verdict(tmp_path):
     path.write_text(HEADER + "import sys\nsys.exit(0)\n")
     r = cli("minipar.exercises", "check", "ex01", "--file", str(path), timeout=300)
     assert r.returncode == 1 and "FAIL ex01" in r.stdout and "sys.exit(0)" in r.stdout, r
+
+
+@pytest.mark.slow
+def test_check_cli_lists_what_passed():
+    r = cli("minipar.exercises", "check", "ex09", "--solution", timeout=300)
+    assert r.returncode == 0 and "PASS ex09" in r.stdout and "  + " in r.stdout, r
 
 
 def test_make_never_destroys_a_students_work(tmp_path):

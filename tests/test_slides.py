@@ -173,7 +173,7 @@ SPAN = re.compile(r"<!-- measured:(\w+) -->(.*?)<!-- /measured -->", re.S)
 # what says "this number came from a run"
 RUN_WORDS = re.compile(r"\bmeasured\b|ms/step|load average|tokens/s", re.I)
 # digits that are names, not quantities: notebook 08, ex03, 1F1B, ZeRO-1, 3D, top-2
-NAMES = re.compile(r"notebooks? \d+|\bex\d+\b|\b1F1B\b|ZeRO-\d|\b\dD\b|top-\d")
+NAMES = re.compile(r"notebooks? \d+|\bex\d+[a-z]?\b|\b1F1B\b|ZeRO-\d|\b\dD\b|top-\d")
 
 
 def _visible_items(slide: str) -> list[tuple[str, str]]:

@@ -7,8 +7,16 @@ An exercise ``exNN`` is one small module here (``minipar/exercises/exNN.py``) de
   classes copied into the student file. Inside them, every region between
   ``# EXERCISE exNN begin`` and ``# EXERCISE exNN end`` is blanked: the first comment line after
   the begin marker (the hint) stays, the code becomes ``raise NotImplementedError``;
-* ``check(student) -> list[str]``: real tests of the student's objects (multi-process ones
-  through ``launch_student``); an empty list means every check passed.
+* ``check(student, report)``: real tests of the student's objects (multi-process ones
+  through ``launch_student``). Each failing case goes to ``report.fail`` in the student's own
+  terms (which rank, chunk, step, micro-batch or shard; expected against actual), with the
+  common bug it points to named when its symptom is recognised; each thing verified goes to
+  ``report.ok``, and an optional part not done yet to ``report.todo``;
+* ``API``: the helpers the student may call, whose signatures and first docstring lines the
+  student file lists; ``NOTES`` (optional, a function) more generated text for it;
+* ``DIFFICULTY``, ``MINUTES``, ``NOTEBOOK``: for ``exercises/README.md``'s table.
+
+A warm-up has the id of its exercise and a letter (``ex03a`` before ``ex03``).
 
 The student file ``exercises/exNN_<slug>.py`` starts with ``from MODULE import *`` and then
 redefines NAMES, so everything else comes from the package. Commands::
@@ -17,6 +25,8 @@ redefines NAMES, so everything else comes from the package. Commands::
     python -m minipar.exercises check ex01              # checks exercises/ex01_*.py
     python -m minipar.exercises check ex01 --solution   # checks the package's own code
     python -m minipar.exercises make [exNN ...]         # (re)generate the student files
+
+PASS lists what was verified; FAIL lists every failing case and what was already right.
 
 The checker is a grader: every check runs in a child process with a time limit, so a student
 file that exits, loops forever or crashes the interpreter is a FAIL with the reason, never a
@@ -50,13 +60,21 @@ def exercises_dir() -> Path:
     return here if here.is_dir() else Path.cwd() / "exercises"
 
 
+ID = re.compile(r"ex\d\d[a-z]?")
+
+
+def _order(ex_id: str):
+    """ex03a (the warm-up) before ex03, ex03 before ex04."""
+    return (int(ex_id[2:4]), ex_id[4:] == "", ex_id[4:])
+
+
 def registry() -> dict[str, object]:
-    """Every exercise module, by id, in order."""
+    """Every exercise module, by id, in order (a warm-up before its exercise)."""
     found = {}
     for info in pkgutil.iter_modules([str(PACKAGE_DIR)]):
-        if re.fullmatch(r"ex\d\d", info.name):
+        if ID.fullmatch(info.name):
             found[info.name] = importlib.import_module(f"{__name__}.{info.name}")
-    return dict(sorted(found.items()))
+    return dict(sorted(found.items(), key=lambda kv: _order(kv[0])))
 
 
 def get(ex_id: str):
@@ -85,8 +103,8 @@ def blank(source: str, ex_id: str) -> str:
     Markers of other exercises are dropped and their code kept.
     """
     out, inside = [], False
-    begin = re.compile(r"^(\s*)# EXERCISE (ex\d\d) begin")
-    end = re.compile(r"^\s*# EXERCISE (ex\d\d) end")
+    begin = re.compile(r"^(\s*)# EXERCISE (ex\d\d[a-z]?) begin")
+    end = re.compile(r"^\s*# EXERCISE (ex\d\d[a-z]?) end")
     hint_pending = False
     for line in source.splitlines():
         b, e = begin.match(line), end.match(line)
@@ -112,6 +130,41 @@ def blank(source: str, ex_id: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def api_text(ex) -> str:
+    """The helpers an exercise may call: each one's signature and the first paragraph of its
+    docstring, read from the package (so the list never drifts from the code)."""
+    lines = []
+    for dotted in getattr(ex, "API", ()):
+        parts = dotted.split(".")
+        for k in range(len(parts) - 1, 0, -1):        # the longest prefix that is a module
+            try:
+                obj = importlib.import_module(".".join(parts[:k]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[k:]:
+            obj = getattr(obj, attr)
+        shown = dotted.replace("minipar.", "", 1) if dotted.count(".") > 1 else attr
+        try:
+            try:
+                sig = str(inspect.signature(obj, eval_str=True))
+            except Exception:  # noqa: BLE001 - an annotation that does not evaluate here
+                sig = str(inspect.signature(obj))
+            sig = re.sub(r"\bminipar\.\w+\.", "", sig.replace("torch.Tensor", "Tensor"))
+            sig = sig.replace("torch.nn.parameter.Parameter", "nn.Parameter")
+        except (TypeError, ValueError):
+            sig = ""
+        doc = inspect.cleandoc(obj.__doc__ or "").split("\n\n")[0].replace("\n", " ")
+        if not doc and inspect.isfunction(obj):     # a one-line helper: the comment on its def
+            first = inspect.getsource(obj).splitlines()[0]
+            doc = first.split("#", 1)[1].strip() if "#" in first else ""
+        lines.append(f"    {shown}{sig}")
+        if doc:
+            import textwrap
+            lines += textwrap.wrap(doc, 92, initial_indent="        ", subsequent_indent="        ")
+    return "\n".join(lines)
+
+
 def student_source(ex_id: str) -> str:
     ex = get(ex_id)
     module = importlib.import_module(ex.MODULE)
@@ -122,15 +175,72 @@ def student_source(ex_id: str) -> str:
             raise ValueError(f"{ex_id}: no '# EXERCISE {ex_id} begin' marker in {ex.MODULE}.{name}")
         parts.append(blank(src, ex_id))
     intro = inspect.cleandoc(ex.INTRO)
+    api = api_text(ex)
+    notes = inspect.cleandoc(ex.NOTES()) if hasattr(ex, "NOTES") else ""
     header = (f'"""Exercise {ex_id}: {ex.TITLE}\n\n{intro}\n\n'
-              f"Fill in every block marked `# TODO {ex_id}`, then run:\n\n"
+              + (f"What you may call (already imported; signatures from the package):\n\n{api}\n\n"
+                 if api else "")
+              + (f"{notes}\n\n" if notes else "")
+              + f"Fill in every block marked `# TODO {ex_id}`, then run:\n\n"
               f"    python -m minipar.exercises check {ex_id}\n\n"
               f"Generated from {ex.MODULE} by `python -m minipar.exercises make {ex_id}`; the\n"
               f"solution is the package's own code, so peek only when stuck.\n"
               f'"""\n')
+    assert "\n\n\n" not in header, f"{ex_id}: the header must not hold two blank lines in a row"
     imports = f"from {ex.MODULE} import *  # noqa: F401,F403  everything else, as the package has it\n"
     extra = getattr(ex, "EXTRA_IMPORTS", "")
     return header + imports + (extra.strip() + "\n" if extra else "") + "\n\n" + "\n\n".join(parts)
+
+
+def solution_regions(ex_id: str) -> list[tuple[str, str]]:
+    """Each ``# EXERCISE ex_id begin ... end`` region of the package's solution, dedented, with
+    where it sits (``Class.method``): what the instructor deck shows and the attendee's must not."""
+    import textwrap
+    ex = get(ex_id)
+    module = importlib.import_module(ex.MODULE)
+    out = []
+    for name in ex.NAMES:
+        where, inside, lines = name, False, []
+        for line in inspect.getsource(getattr(module, name)).splitlines():
+            m = re.match(r"\s*(?:def|class) (\w+)", line)
+            if m and not inside:
+                where = name if m.group(1) == name else f"{name}.{m.group(1)}"
+            if re.match(rf"\s*# EXERCISE {ex_id} begin", line):
+                inside, lines = True, []
+            elif re.match(rf"\s*# EXERCISE {ex_id} end", line):
+                inside = False
+                out.append((where, textwrap.dedent("\n".join(lines))))
+            elif inside:
+                lines.append(line)
+    return out
+
+
+README_BEGIN = "<!-- exercises table: written by `python -m minipar.exercises make` -->"
+README_END = "<!-- /exercises table -->"
+
+
+def readme_table() -> str:
+    """The table of exercises/README.md: id, file, what you write, difficulty, time, notebook."""
+    rows = ["| id | file | what you write | difficulty | time | notebook section |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for ex_id, ex in registry().items():
+        rows.append(f"| {ex_id} | `{student_path(ex_id).name}` | {ex.SUMMARY} | "
+                    f"{ex.DIFFICULTY} | {ex.MINUTES} min | {ex.NOTEBOOK} |")
+    return "\n".join([README_BEGIN, "", *rows, "", README_END])
+
+
+def write_readme(folder: Path | None = None) -> Path | None:
+    """Rewrite the table in ``folder``/README.md (if the file has the markers)."""
+    path = (folder or exercises_dir()) / "README.md"
+    text = _read(path)
+    if text is None or README_BEGIN not in text or README_END not in text:
+        return None
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    new = head + readme_table() + tail
+    if new != text:
+        path.write_text(new)
+    return path
 
 
 def make(ex_ids=None, folder: Path | None = None, force: bool = False) -> list[Path]:
@@ -158,6 +268,8 @@ def make(ex_ids=None, folder: Path | None = None, force: bool = False) -> list[P
                 path.replace(path.with_name(path.name + ".bak"))
             path.write_text(text)
             written.append(path)
+        if ex_ids is None:
+            write_readme(folder)
     except OSError as e:
         raise dist.UsageError(f"{folder}: cannot write the exercises there "
                               f"({e.strerror or e}); give --out a folder you can write") from None
@@ -221,28 +333,88 @@ def _progress() -> None:
         Path(_PROGRESS_FILE).touch()
 
 
-def run_check(ex_id: str, student) -> list[str]:
-    """The exercise's checks on ``student``; plain-word failures (empty: all passed)."""
+class Report:
+    """What the checks found. ``fail``: a failing case, in the student's terms (expected
+    against actual, and the bug its symptom points to); ``ok``: a thing verified; ``todo``: an
+    optional part (an extension) not done yet or not right yet, which does not fail the
+    exercise. ``MAX_PER_KIND`` similar failures are listed, then how many more there are."""
+
+    MAX_PER_KIND = 6
+
+    def __init__(self):
+        self.failures: list[str] = []
+        self.verified: list[str] = []
+        self.todos: list[str] = []
+        self.count = 0          # every failing case, also those not listed
+        self._kinds: dict[str, int] = {}
+
+    def fail(self, message: str, kind: str | None = None) -> None:
+        """One failing case; ``kind`` groups similar ones (only the first few are listed)."""
+        self.count += 1
+        if kind is not None:
+            self._kinds[kind] = self._kinds.get(kind, 0) + 1
+            if self._kinds[kind] > self.MAX_PER_KIND:
+                return
+        self.failures.append(message)
+
+    def fail_ranks(self, where: str, found: dict[int, tuple[str, str]], n: int) -> None:
+        """``found``: {rank: (kind, text)}; ranks that found the same text share one line."""
+        by_text: dict[tuple[str, str], list[int]] = {}
+        for r, kind_text in sorted(found.items()):
+            by_text.setdefault(kind_text, []).append(r)
+        for (kind, text), ranks in by_text.items():
+            who = (f"rank {ranks[0]}" if len(ranks) == 1 else "every rank" if len(ranks) == n
+                   else f"ranks {', '.join(map(str, ranks))}")
+            self.fail(f"{where}, {who}: {text}", kind=kind)
+
+    def ok(self, message: str) -> None:
+        self.verified.append(message)
+
+    def todo(self, message: str) -> None:
+        self.todos.append(message)
+
+    def result(self) -> "Failures":
+        more = [f"... and {n - self.MAX_PER_KIND} more like that ({kind})"
+                for kind, n in self._kinds.items() if n > self.MAX_PER_KIND]
+        return Failures(self.failures + more, self.verified, self.todos)
+
+
+class Failures(list):
+    """The failures (empty: PASS), with ``verified`` (what passed) and ``todos`` (optional
+    parts still open) beside them."""
+
+    def __init__(self, failures=(), verified=(), todos=()):
+        super().__init__(failures)
+        self.verified, self.todos = list(verified), list(todos)
+
+
+def run_check(ex_id: str, student) -> Failures:
+    """The exercise's checks on ``student``: the failures in plain words (empty: all
+    passed), with what was verified."""
     ex = get(ex_id)
+    report = Report()
     try:
-        return list(ex.check(student))
+        ex.check(student, report)
     except NotImplementedError as e:
-        return [f"not written yet: {e}"]
+        report.failures.insert(0, f"not written yet: {e}")
     except dist.RankFailed as e:
         text = str(e)
         if "NotImplementedError" in text:
-            return ["not written yet: a rank hit a `# TODO` block (NotImplementedError)"]
-        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
-        return [f"a rank crashed: {last}", text]
+            report.failures.insert(0, "not written yet: a rank hit a `# TODO` block (NotImplementedError)")
+        else:
+            last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
+            report.failures += [f"a rank crashed: {last}", text]
     except TimeoutError as e:
-        return [f"timed out: {e} (a send without its matching receive hangs; check the order)"]
+        report.failures.append(f"timed out: {e} (a send without its matching receive hangs; "
+                               f"check the order)")
     except Exception:  # noqa: BLE001 - any error in student code is a finding, not a crash
         tb = traceback.format_exc()
         last = [ln for ln in tb.strip().splitlines() if ln.strip()][-1]
-        return [f"your code raised {last}", tb]
+        report.failures += [f"your code raised {last}", tb]
+    return report.result()
 
 
-def _check_here(ex_id: str, path: str | None, solution: bool) -> list[str]:
+def _check_here(ex_id: str, path: str | None, solution: bool) -> Failures:
     """The checks, in this process (the grader's child runs this)."""
     ex = get(ex_id)
     if solution:
@@ -252,19 +424,19 @@ def _check_here(ex_id: str, path: str | None, solution: bool) -> list[str]:
             student = load(path)
             _progress()
         except SystemExit as e:
-            return [f"your file does not load: it calls sys.exit({e.code!r}) when imported"]
+            return Failures([f"your file does not load: it calls sys.exit({e.code!r}) when imported"])
         except BaseException:  # noqa: BLE001 - a syntax error is the most common student mistake
             tb = traceback.format_exc()
             last = [ln for ln in tb.strip().splitlines() if ln.strip()][-1]
-            return [f"your file does not load: {last}", tb]
+            return Failures([f"your file does not load: {last}", tb])
     try:
         return run_check(ex_id, student)
     except SystemExit as e:
-        return [f"your code called sys.exit({e.code!r}) during the checks"]
+        return Failures([f"your code called sys.exit({e.code!r}) during the checks"])
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - anything but a clean pass is a FAIL
-        return [f"your code raised {type(e).__name__}: {e}"]
+        return Failures([f"your code raised {type(e).__name__}: {e}"])
 
 
 def student_file(ex_id: str, path=None) -> Path:
@@ -288,13 +460,13 @@ DEFAULT_CHECK_TIMEOUT = 60.0
 
 
 def check(ex_id: str, path=None, solution: bool = False,
-          timeout: float = DEFAULT_CHECK_TIMEOUT) -> list[str]:
+          timeout: float = DEFAULT_CHECK_TIMEOUT) -> Failures:
     """Grade: run the exercise's checks in a child process that must make progress (load
     the file, finish a launch) at least every ``timeout`` seconds.
 
-    Returns the failures in plain words (empty: PASS). A file that exits, loops, or takes
-    the interpreter down is a failure with the reason; only a clean run of every check with
-    no finding passes.
+    Returns the failures in plain words (empty: PASS), with ``.verified`` (what passed) and
+    ``.todos`` (optional parts still open). A file that exits, loops, or takes the interpreter
+    down is a failure with the reason; only a clean run of every check with no finding passes.
     """
     get(ex_id)
     if not (timeout > 0 and timeout < float("inf")):
@@ -315,21 +487,23 @@ def check(ex_id: str, path=None, solution: bool = False,
             code = _wait_while_moving(proc, progress, timeout)
             if code is None:
                 _kill_group(proc)
-                return [f"timed out after {timeout:.0f} s without progress: the checks were "
-                        f"stopped (an endless loop, or a send without its matching receive?); "
-                        f"on a slow machine give more time with --timeout"]
+                return Failures([f"timed out after {timeout:.0f} s without progress: the checks "
+                                 f"were stopped (an endless loop, or a send without its matching "
+                                 f"receive?); on a slow machine give more time with --timeout"])
         except BaseException:
             _kill_group(proc)
             raise
         _kill_group(proc)  # ranks the student's code may have left behind
         if result.exists():
-            failures = json.loads(result.read_text())
-            return failures if code == 0 or failures else [f"the checks ended with exit code {code}"]
+            found = json.loads(result.read_text())
+            failures = Failures(found["failures"], found["verified"], found["todos"])
+            return failures if code == 0 or failures else Failures(
+                [f"the checks ended with exit code {code}"])
         if code < 0:
-            return [f"the checks were killed by {signal.Signals(-code).name} (your code crashed "
-                    f"the interpreter?)"]
-        return [f"the checks ended early with exit code {code} before reporting: your code "
-                f"exits the process (sys.exit / os._exit) instead of returning"]
+            return Failures([f"the checks were killed by {signal.Signals(-code).name} (your code "
+                             f"crashed the interpreter?)"])
+        return Failures([f"the checks ended early with exit code {code} before reporting: your "
+                         f"code exits the process (sys.exit / os._exit) instead of returning"])
 
 
 def _wait_while_moving(proc, progress: Path, timeout: float) -> int | None:
@@ -360,10 +534,13 @@ def _grade_child() -> None:
         failures = _check_here(ex_id, None if target == "--solution" else target,
                                target == "--solution")
     except BaseException as e:  # noqa: BLE001 - the grader reports, it does not crash
-        failures = [f"the checker itself failed: {type(e).__name__}: {e}", traceback.format_exc()]
+        failures = Failures([f"the checker itself failed: {type(e).__name__}: {e}",
+                             traceback.format_exc()])
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
-        json.dump([str(x) for x in failures], f)
+        json.dump({"failures": [str(x) for x in failures],
+                   "verified": [str(x) for x in failures.verified],
+                   "todos": [str(x) for x in failures.todos]}, f)
     os.replace(tmp, out)
     # A normal exit: the launches' queues unlink their semaphores. (A hang from here on is
     # cut by the parent's timeout, and the result is already written.)

@@ -26,7 +26,8 @@ def main(argv=None):
 
     if args.cmd == "list":
         for ex_id, ex in registry().items():
-            print(f"{ex_id}  {ex.TITLE:55s} {student_path(ex_id)}")
+            print(f"{ex_id:6s} {ex.TITLE:55s} {ex.DIFFICULTY:8s} {ex.MINUTES:>3} min  "
+                  f"{student_path(ex_id)}")
         return 0
     if args.cmd == "make":
         from pathlib import Path
@@ -45,12 +46,22 @@ def main(argv=None):
           flush=True)
     failures = check(args.id, args.file, args.solution, timeout=args.timeout)
     if not failures:
-        print(f"PASS {args.id}: every check passed")
-        return 0
-    print(f"FAIL {args.id}:")
-    for f in failures:
-        print("  - " + f.replace("\n", "\n    "))
-    return 1
+        print(f"PASS {args.id}: every check passed. Verified:")
+        for line in failures.verified:
+            print("  + " + line)
+    else:
+        print(f"FAIL {args.id}:")
+        for f in failures:
+            print("  - " + f.replace("\n", "\n    "))
+        if failures.verified:
+            print("already right:")
+            for line in failures.verified:
+                print("  + " + line)
+    if failures.todos:
+        print("optional, still open:")
+        for line in failures.todos:
+            print("  ~ " + line.replace("\n", "\n    "))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
 """ex08: the mixture-of-experts router and its load-balancing loss."""
 TITLE = "Top-k router and load balancing"
+SUMMARY = "the MoE top-k router and its load-balancing loss"
+DIFFICULTY = "easy"
+MINUTES = 30
+NOTEBOOK = "08, section 2 (Where the tokens go) and 3 (Load balance)"
 MODULE = "minipar.moe"
 NAMES = ["route", "load_balancing_loss"]
+API = ["torch.topk", "torch.nn.functional.one_hot", "einops.rearrange"]
 INTRO = """
 A mixture-of-experts layer sends each token to k of its E experts. Write the router's two
 pieces. `route(logits, k)`: the softmax of the (t, E) router logits over the experts (in
@@ -15,6 +20,9 @@ that went to expert e (a count: no gradient flows through it) and P_e the sum of
 probabilities of e over the sequence's tokens divided by `seq_len` (their mean; under tensor
 parallelism `probs` holds a rank's share of the tokens and this gives its share of the loss). It is 1 when the routing is balanced and E when every token picks the
 same expert. The checker compares both with plain loops and trains a step through them.
+
+Shapes in `load_balancing_loss`: `probs` (b s, E), `experts` (b s, k) for b sequences of
+s = `seq_len` tokens; `rearrange(x, "(b s) e -> b s e", s=seq_len)` gives each sequence its row.
 """
 
 
@@ -43,50 +51,91 @@ def _reference_aux(probs, experts, seq_len):
     return total / n_seq
 
 
-def check(student) -> list[str]:
+def _show(x):
     import torch
-    failures = []
+    x = torch.as_tensor(x).reshape(-1)
+    return "[" + ", ".join(f"{v:.3f}" for v in x[:4].tolist()) + (", ...]" if x.numel() > 4 else "]")
+
+
+def check(student, report) -> None:
+    import torch
     g = torch.Generator().manual_seed(0)
+    good_route = []
     for t, E, k in [(12, 4, 1), (12, 4, 2), (20, 8, 3)]:
         logits = torch.randn(t, E, generator=g) * 2
         probs, weights, experts = student.route(logits, k)
         ref_p, ref_w, ref_e = _reference_route(logits, k)
-        where = f"t={t}, E={E}, k={k}"
-        if tuple(weights.shape) != (t, k) or tuple(experts.shape) != (t, k):
-            return [f"{where}: weights and experts must be (t, k) = ({t}, {k}), got "
-                    f"{tuple(weights.shape)} and {tuple(experts.shape)}"]
+        where = f"route, t={t} tokens, E={E} experts, k={k}"
+        if tuple(weights.shape) != (t, k) or tuple(experts.shape) != (t, k) or tuple(probs.shape) != (t, E):
+            report.fail(f"{where}: probs must be (t, E) = ({t}, {E}), weights and experts (t, k) "
+                        f"= ({t}, {k}); got {tuple(probs.shape)}, {tuple(weights.shape)} and "
+                        f"{tuple(experts.shape)}")
+            continue
+        start = report.count
         if not torch.allclose(probs, ref_p, atol=1e-6):
-            failures.append(f"{where}: probs are not the softmax of the logits over the experts")
+            over_tokens = torch.allclose(probs, torch.softmax(logits, dim=0), atol=1e-6)
+            report.fail(f"{where}: token 0's probs are {_show(probs[0])}, the softmax over the "
+                        f"experts is {_show(ref_p[0])}" + (
+                            ": this is the softmax over the tokens (dim 0); take it over the "
+                            "experts, dim -1" if over_tokens else ""))
         if not torch.equal(experts.long(), ref_e):
-            failures.append(f"{where}: experts are not each token's k most probable, best first")
+            same_sets = all(set(a.tolist()) == set(b.tolist()) for a, b in zip(experts.long(), ref_e))
+            bad = next(i for i in range(t) if not torch.equal(experts[i].long(), ref_e[i]))
+            report.fail(f"{where}: token {bad} chose experts {experts[bad].tolist()}, its k most "
+                        f"probable are {ref_e[bad].tolist()}" + (
+                            " (the right ones, but not best first: torch.topk sorts them)"
+                            if same_sets else ""))
         elif not torch.allclose(weights.float(), ref_w, atol=1e-6):
-            failures.append(f"{where}: weights must be the top-k probabilities renormalised "
-                            f"to sum to 1 (k > 1), the raw probability at k = 1")
-        if failures:
-            return failures
+            raw = torch.allclose(weights.float(), ref_p.gather(1, ref_e), atol=1e-6)
+            why = (" (the raw probabilities: with k > 1 renormalise them to sum to 1)" if raw and k > 1
+                   else " (renormalised: at k = 1 keep the raw probability, or p / p = 1 leaves "
+                        "the router no gradient from the task loss)" if k == 1 and torch.allclose(
+                            weights.float(), torch.ones_like(ref_w)) else "")
+            report.fail(f"{where}: token 0's weights are {_show(weights[0])}, expected "
+                        f"{_show(ref_w[0])}{why}")
+        if report.count == start:
+            good_route.append(f"k={k}")
+    if good_route:
+        report.ok(f"route with {', '.join(good_route)}: probs are the softmax over the experts, "
+                  f"experts the k most probable (best first), weights renormalised for k > 1 "
+                  f"and raw at k = 1")
+    good_aux = []
     for s, b, E, k in [(4, 3, 4, 2), (6, 2, 8, 1)]:
         logits = torch.randn(b * s, E, generator=g, requires_grad=True)
         probs = torch.softmax(logits, dim=-1)
         experts = torch.topk(probs, k, dim=-1).indices
-        where = f"{b} sequences of {s}, E={E}, k={k}"
+        where = f"load_balancing_loss, {b} sequences of {s} tokens, E={E}, k={k}"
         got = student.load_balancing_loss(probs, experts, s)
-        want = _reference_aux(probs.detach(), experts, s)
+        want = float(_reference_aux(probs.detach(), experts, s))
         if not torch.is_tensor(got) or got.numel() != 1:
-            return [f"{where}: return one scalar tensor"]
-        if abs(got.item() - float(want)) > 1e-5:
-            one = _reference_aux(probs.detach(), experts, b * s)
-            hint = (" (that is the loss of the whole batch: compute it per sequence, then "
-                    "average)" if abs(got.item() - float(one)) < 1e-5 else "")
-            return [f"{where}: aux loss {got.item():.6f}, expected {float(want):.6f}{hint}"]
+            report.fail(f"{where}: return one scalar tensor")
+            continue
+        if abs(got.item() - want) > 1e-5:
+            whole = float(_reference_aux(probs.detach(), experts, b * s))
+            why = (" (that is the loss of the whole batch: compute it per sequence, then "
+                   "average)" if abs(got.item() - whole) < 1e-5 else
+                   f" (1/E of it: multiply by E = {E})" if abs(got.item() * E - want) < 1e-5 else
+                   f" ({s}x it: P_e is the sum of the probabilities divided by seq_len)"
+                   if abs(got.item() - s * want) < 1e-4 else "")
+            report.fail(f"{where}: aux loss {got.item():.6f}, expected {want:.6f}{why}")
+            continue
         if not got.requires_grad:
-            return [f"{where}: no gradient reaches the router: P_e must come from probs"]
+            report.fail(f"{where}: no gradient reaches the router: P_e must come from probs")
+            continue
         got.backward()
         ref_logits = logits.detach().clone().requires_grad_()
         _reference_aux(torch.softmax(ref_logits, -1), experts, s).backward()
         if not torch.allclose(logits.grad, ref_logits.grad, atol=1e-6):
-            failures.append(f"{where}: the loss's gradient differs from E * sum_e f_e P_e with "
-                            f"f_e a constant")
+            report.fail(f"{where}: the loss's gradient differs from E * sum_e f_e P_e with f_e a "
+                        f"constant (max error {(logits.grad - ref_logits.grad).abs().max():.3g}): "
+                        f"f_e is a count, no gradient may flow through it")
+            continue
+        good_aux.append(f"{b} sequences of {s}")
     balanced = torch.full((8, 4), 0.25)
-    if abs(student.load_balancing_loss(balanced, torch.arange(8).remainder(4)[:, None], 8).item() - 1) > 1e-6:
-        failures.append("balanced routing (every expert equally often and equally likely) must give 1")
-    return failures
+    got = student.load_balancing_loss(balanced, torch.arange(8).remainder(4)[:, None], 8).item()
+    if abs(got - 1) > 1e-6:
+        report.fail(f"balanced routing (every expert equally often and equally likely) must give "
+                    f"1, got {got:.6f}")
+    elif good_aux:
+        report.ok(f"load_balancing_loss on {' and '.join(good_aux)}: the value and its gradient "
+                  f"equal E * sum_e f_e P_e per sequence, averaged; balanced routing gives 1")

@@ -24,14 +24,19 @@ from ..bench import machine  # noqa: F401  (re-exported: every notebook prints i
 
 
 def explorer(draw, **controls):
-    """An ipywidgets explorer around ``draw(**values)``: one figure, redrawn on every change.
+    """An ipywidgets explorer around ``draw(**values)``, with a static drawing stored beside it.
 
-    The widget draws its first figure itself, so the cell must not call ``draw`` too (that
-    showed two figures in JupyterLab). Run headless (nbval), the widget's first drawing
-    still runs ``draw`` once, so the notebook's test covers it.
+    The cell first shows ``draw`` at the controls' starting values as ordinary output (a
+    figure and its printed numbers): that is what a reader without a kernel sees (GitHub, a
+    stored notebook), and what the text next to it may quote. Below it come the controls;
+    moving one redraws in the widget's own area under them. (The widget's own first drawing
+    is cleared, so JupyterLab does not show the starting figure twice.)
     """
     import ipywidgets as widgets
-    return widgets.interactive(draw, **controls)
+    ui = widgets.interactive(draw, **controls)
+    ui.out.clear_output()
+    draw(**ui.kwargs)           # the static drawing, stored with the notebook
+    return ui
 
 
 def traced_step(argv: list[str], name: str, op: str | None = None) -> dict:

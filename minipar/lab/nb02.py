@@ -157,28 +157,34 @@ def allreduce_bandwidth_experiment(sizes_bytes: list[int], reps: int = 5):
     return rows
 
 
-def tp_cost(model: str = "gpt-22b", hardware: str = "frontier-mi250x", micro_batch: int = 1):
-    """Predicted: one layer's matmuls per device against its 4 TP all-reduces, inside a node
-    and across nodes, for TP = 2, 4, 8 (the planner's compute and alpha-beta models)."""
-    import matplotlib.pyplot as plt
+def tp_cost_table(model: str = "gpt-22b", hardware: str = "frontier-mi250x", micro_batch: int = 1):
+    """Predicted, per TP degree (2, 4, 8 where the heads divide): one layer's matmul time per
+    device against its 4 TP all-reduces inside a node and across nodes, in ms (the planner's
+    compute and alpha-beta models). Rows: dict(t, compute, inside, across)."""
     shape, hw = plan.model_preset(model), plan.load_hardware(hardware)
     flops = plan.forward_flops(shape, micro_batch)                           # one layer's forward
     layer_flops = 3 * (flops["dense"] + flops["attention"])                  # forward + backward
-    degrees = [t for t in (2, 4, 8) if shape.heads % t == 0]
     act = micro_batch * shape.seq_len * shape.hidden * 2                     # bf16 activation
-    compute = [layer_flops / t / hw.achievable_flops * 1e3 for t in degrees]
-    inside = [4 * plan.collective_time("all_reduce", act, t, 1, hw) * 1e3 for t in degrees]
-    across = [4 * plan.collective_time("all_reduce", act, t, hw.gpus_per_node, hw) * 1e3
-              for t in degrees]
+    return [dict(t=t, compute=layer_flops / t / hw.achievable_flops * 1e3,
+                 inside=4 * plan.collective_time("all_reduce", act, t, 1, hw) * 1e3,
+                 across=4 * plan.collective_time("all_reduce", act, t, hw.gpus_per_node, hw) * 1e3)
+            for t in (2, 4, 8) if shape.heads % t == 0]
+
+
+def tp_cost(model: str = "gpt-22b", hardware: str = "frontier-mi250x", micro_batch: int = 1):
+    """Draw and print ``tp_cost_table`` (the notebook's explorer calls this)."""
+    import matplotlib.pyplot as plt
+    rows = tp_cost_table(model, hardware, micro_batch)
     fig, ax = plt.subplots(figsize=(7, 3.3))
-    xs = range(len(degrees))
-    ax.bar([x - 0.27 for x in xs], compute, 0.27, label="matmuls per GCD")
-    ax.bar(list(xs), inside, 0.27, label="4 TP all-reduces, inside a node")
-    ax.bar([x + 0.27 for x in xs], across, 0.27, label="4 TP all-reduces, across nodes")
-    ax.set_xticks(list(xs)); ax.set_xticklabels([f"TP={t}" for t in degrees])
+    xs = range(len(rows))
+    ax.bar([x - 0.27 for x in xs], [r["compute"] for r in rows], 0.27, label="matmuls per GCD")
+    ax.bar(list(xs), [r["inside"] for r in rows], 0.27, label="4 TP all-reduces, inside a node")
+    ax.bar([x + 0.27 for x in xs], [r["across"] for r in rows], 0.27, label="4 TP all-reduces, across nodes")
+    ax.set_xticks(list(xs)); ax.set_xticklabels([f"TP={r['t']}" for r in rows])
     ax.set_ylabel("ms per layer (fwd + bwd)")
     ax.set_title(f"{model}, one layer, micro-batch {micro_batch}, {hardware} (predicted)")
     ax.legend(fontsize=8); fig.tight_layout(); plt.show()
-    for t, c, i, a in zip(degrees, compute, inside, across):
-        print(f"TP={t}: compute {c:6.2f} ms | TP comm inside a node {i:6.2f} ms ({i / c:4.0%} of compute)"
+    for r in rows:
+        c, i, a = r["compute"], r["inside"], r["across"]
+        print(f"TP={r['t']}: compute {c:6.2f} ms | TP comm inside a node {i:6.2f} ms ({i / c:4.0%} of compute)"
               f" | across nodes {a:6.2f} ms ({a / c:4.0%})")

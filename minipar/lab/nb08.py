@@ -45,7 +45,7 @@ def loads(model) -> list[torch.Tensor]:
 def train(cfg, steps: int = 60, batch: int = 16, lr: float = 3e-3, seed: int = 0,
           progress: bool = True) -> dict:
     """Train ``cfg`` in this process; per step: cross-entropy, aux loss, drop rate, load, time."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm          # a text bar, readable in a stored notebook
     torch.manual_seed(seed)
     model = build(cfg, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)

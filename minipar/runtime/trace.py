@@ -5,8 +5,8 @@ prefetch and the pipeline's schedule. This module records it from minipar's own 
 (no profiler, so it costs a few microseconds per event and runs the same on gloo and NCCL):
 
 * compute spans the trainer marks: each step, its forward and backward, its optimizer step;
-  and the forward of every transformer block and micro-batch (module hooks), so the pipeline's
-  micro-batches show;
+  and the forward and backward of every transformer block and micro-batch (module and tensor
+  hooks), so the pipeline's micro-batches and ZeRO-3's gathers under backward show;
 * every collective and point-to-point op that goes through ``minipar.comm`` (bookkeeping in
   ``comm.untracked()`` is left out): a blocking op is a span from its call to its return; an
   asynchronous op (``async_op=True``) is a span from its issue to the end of its ``wait()``,
@@ -34,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+
+import torch
 
 COMPUTE, COMM = 0, 1
 
@@ -145,6 +147,8 @@ def instrument(module, kind) -> list:
 
 
 def _time_forward(module, label: str) -> list:
+    """Forward spans from module hooks; backward spans from tensor hooks: the block's backward
+    starts when its output's gradient arrives and ends when its input's is computed."""
     starts = []
 
     def before(mod, args):
@@ -152,8 +156,17 @@ def _time_forward(module, label: str) -> list:
             starts.append(time.perf_counter())
 
     def after(mod, args, output):
-        if active is not None and starts:
-            active.complete(label, starts.pop(), time.perf_counter(), cat="forward")
+        if active is None or not starts:
+            return
+        active.complete(label, starts.pop(), time.perf_counter(), cat="forward")
+        x = args[0] if args and torch.is_tensor(args[0]) else None
+        if (torch.is_tensor(output) and output.requires_grad and x is not None and x.requires_grad
+                and torch._C._current_graph_task_id() == -1):     # not a recompute in backward
+            began = []
+            output.register_hook(lambda g: began.append(time.perf_counter()))
+            x.register_hook(lambda g: active is not None and began and active.complete(
+                label.replace("forward", "backward", 1), began.pop(), time.perf_counter(),
+                cat="backward"))
 
     return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
@@ -237,7 +250,8 @@ def plot(events: list[dict], ax=None, title: str | None = None, ranks=None):
     if ax is None:
         _, ax = plt.subplots(figsize=(11, 3))
     ranks = sorted({e["pid"] for e in events if "pid" in e}) if ranks is None else list(ranks)
-    colors = {"compute": "#c7c7c7", "forward": "#4c72b0", "wait": "#c44e52", "comm": "#dd8452"}
+    colors = {"compute": "#c7c7c7", "forward": "#4c72b0", "backward": "#55a868", "wait": "#c44e52",
+              "comm": "#dd8452"}
     opened = {}
     rows = {}
     for i, r in enumerate(ranks):
@@ -268,6 +282,7 @@ def plot(events: list[dict], ax=None, title: str | None = None, ranks=None):
     ax.set_xlabel("time (ms)")
     from matplotlib.patches import Patch
     ax.legend(handles=[Patch(color=colors["forward"], label="block forward"),
+                       Patch(color=colors["backward"], label="block backward"),
                        Patch(color=colors["compute"], alpha=0.5, label="step phase"),
                        Patch(color=colors["wait"], label="waiting for an async op"),
                        Patch(color=colors["comm"], label="collective / in flight")],
