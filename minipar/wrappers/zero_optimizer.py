@@ -215,12 +215,12 @@ class OptimizerSurface(torch.optim.Optimizer):
                                f"{[tuple(p.shape) for p in missing[:4]]}) got no gradient since the "
                                f"last step; torch would skip them, a flat slice cannot: leave them "
                                f"out of the optimizer or freeze them")
-        if self.beside is None and self.stage == 1:
-            self._check_grads()
         if self.beside is None and self._data_parallel(self.engine.group) is not None:
             raise UsageError("ShardedOptimizer: a DataParallel was built over these parameters "
                              "after the optimizer (each gradient would be averaged twice); build "
                              "the DataParallel first, then the optimizer over its parameters")
+        if self.beside is None and self.stage == 1:
+            self._check_grads()
         for g, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in g.items() if k != "params"})   # an LR scheduler's
         self._drop_stand_ins()
@@ -243,15 +243,14 @@ class OptimizerSurface(torch.optim.Optimizer):
     def _step_averaged(self):
         """Beside DataParallel: each rank's slice of the averaged gradient, no communication;
         the step; the updated slices all-gathered (ZeroRedundancyOptimizer's broadcasts)."""
-        from ..zero import all_gather_in_place
         if self.beside._pending:                # accumulated, never averaged: average now
             self.beside.finish_grad_sync()
         for u in self.units:
             u.os_grad.copy_(u.flat_grad()[u.os_slice])
         self.optimizer.step()
-        for u in self.units:
-            all_gather_in_place(u.g_slice, self.mesh.os_group)
-            all_gather_in_place(u.p_shard, self.mesh.g_group)
+        for u in self.units:                    # OS slices -> G slice -> P shard, in place
+            u.g_slice.copy_(self.gather(u.os_param, [self.mesh.os_group]))
+            u.p_shard.copy_(self.gather(u.g_slice, [self.mesh.g_group]))
 
     # -- state dicts in torch's layout -------------------------------------------------------
     def _full_state_dict(self) -> dict:
