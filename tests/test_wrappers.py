@@ -568,6 +568,14 @@ def _habit_runs():
     set_model_state_dict(model, make("mlp", 7).state_dict(),
                          options=StateDictOptions(full_state_dict=True))
     out["loaded"] = full_state(model)
+    # frozen parameters are sharded too and never reduced; a DeviceMesh names the group
+    from torch.distributed.device_mesh import init_device_mesh
+    model = make("mlp", SEED + r)
+    model.fc1.requires_grad_(False)
+    fsdp.fully_shard(model, mesh=init_device_mesh("cpu", (d,)), units=[model.fc1, model.fc2])
+    out["frozen sharded"] = isinstance(model.fc1.weight, DTensor) and not model.fc1.weight.requires_grad
+    train("mlp", model, adamw([p for p in model.parameters() if p.requires_grad]), 2, r, d)
+    out["frozen"] = full_state(model)
     return out
 
 
@@ -610,6 +618,15 @@ def test_fully_shard_accumulates_without_sync_and_refuses_cross_call_ties():
         assert (out[("reduce_scatters", True)], out[("reduce_scatters", False)]) == (6, 3)
         assert "tied across two fully_shard calls" in out["tied across calls"]
         assert_close(out["loaded"], params_of(make("mlp", 7)), tol=0)
+
+
+def test_fully_shard_frozen_parameters_and_a_mesh():
+    model = make("mlp", SEED)
+    model.fc1.requires_grad_(False)
+    train("mlp", model, adamw([p for p in model.parameters() if p.requires_grad]), 2)
+    for out in launched("habits", _habit_runs):
+        assert out["frozen sharded"]
+        assert_close(out["frozen"], params_of(model))
 
 
 def test_fully_shard_on_one_process_and_ddp_arguments():

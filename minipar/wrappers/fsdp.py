@@ -104,10 +104,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward=True, mp_
     if units is not None:
         for unit, _ in units_of(module, units):
             if unit is not module and not isinstance(unit, FSDPModule):
-                fully_shard(unit, reshard_after_forward=reshard_after_forward,
-                            mp_policy=mp_policy, ignored_params=ignored_params, group=group,
-                            prefetch=prefetch)
-    state = State(module, comm.resolve_group(group), mp_policy,
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                            mp_policy=mp_policy, ignored_params=ignored_params,
+                            group=None if mesh is not None else group, prefetch=prefetch)
+    state = State(module, comm.resolve_group(group), mesh, mp_policy,
                   reshard_after_forward is not False, prefetch, ignored_params or ())
     module.__dict__["_minipar_fsdp"] = state
     module.__class__ = _sharded_class(type(module))
@@ -291,7 +291,7 @@ class Unit:
 class State:
     """What one ``fully_shard`` call keeps, on the module (``module._minipar_fsdp``)."""
 
-    def __init__(self, module: nn.Module, group, mp_policy, reshard: bool, prefetch: bool,
+    def __init__(self, module: nn.Module, group, mesh, mp_policy, reshard: bool, prefetch: bool,
                  ignored):
         self.module, self.group, self.reshard, self.prefetch = module, group, reshard, prefetch
         self.d, self.rank = comm.size(group), comm.rank(group)
@@ -307,10 +307,10 @@ class State:
                     values[id(p)] = p
         self._refuse_ties_across_calls(module, values)
         managed = [values[i] for i in slots if i not in ignored and values[i].dim() > 0]
-        self.replicated = [values[i] for i in slots if (i in ignored or values[i].dim() == 0)
-                           and values[i].requires_grad]
-        self.mesh = None
-        if self.d > 1:
+        kept = [values[i] for i in slots if i in ignored or values[i].dim() == 0]
+        self.replicated = [p for p in kept if p.requires_grad]
+        self.mesh = mesh if self.d > 1 else None
+        if self.d > 1 and mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
             pg = tdist.group.WORLD if group is comm.WORLD else group
             device = (managed or list(module.parameters()) or [torch.empty(0)])[0].device.type
@@ -332,7 +332,7 @@ class State:
         self.output_dtype = getattr(mp_policy, "output_dtype", None)
         self.cast_inputs = getattr(mp_policy, "cast_forward_inputs", True) and self.param_dtype != master
         # rank 0's values everywhere (ranks may have built different models), then the shards
-        comm.broadcast_from_first(managed + self.replicated + list(module.buffers()), group)
+        comm.broadcast_from_first(managed + kept + list(module.buffers()), group)
         params = [Param(slots[id(p)], p, self) for p in managed]
         self._originals = [weakref.ref(p) for p in managed]
         self.unit = Unit(params, self) if params else None
@@ -452,7 +452,7 @@ class State:
             u = s.unit
             if u is not None:
                 u.free()
-                if s.sync and not u.reduced:
+                if s.sync and u.trainable and not u.reduced:
                     u.reduce()
                 u.ready, u.reduced = 0, False
             if s.sync and s.replicated:
