@@ -27,9 +27,10 @@ group and divided by its divisor. The default is one group, every parameter over
 divided by d; an MoE model adds its experts, summed over their replicas only (``edp``),
 reduced at the end of the sync: 2 (r-1)/r Psi_experts over r = d/ep replicas.
 
-Gradient accumulation: a backward pass inside ``no_sync()`` (or with
-``require_backward_grad_sync = False``, DDP's flag) only accumulates; the next backward outside
-averages everything accumulated, by its end. An engine announces instead that each parameter
+Gradient accumulation: the backward of a forward run inside ``no_sync()`` (or with
+``require_backward_grad_sync = False``, DDP's flag, read by the forward as DDP reads it) only
+accumulates; the next one outside averages everything accumulated, by its end: one
+all-reduce per bucket per optimizer step, as DDP. An engine announces instead that each parameter
 receives m gradients this step (``begin_step(m)``) and averages at its step
 (``finish_grad_sync()``); an overlapped bucket starts once each of its gradients has had all m.
 One counter per parameter serves both: a backward that syncs counts one arrival per parameter.
@@ -59,6 +60,7 @@ import torch.nn as nn
 
 from . import comm
 from .mesh import ParamGroup
+from .wrappers import ddp_arguments
 
 MODES = ("naive", "bucketed", "overlapped")
 DEFAULT_BUCKET_MB = 25.0     # bucket_mb=None: DDP's bucket_cap_mb default
@@ -174,37 +176,43 @@ class DataParallel(nn.Module):
     """Average gradients over ``group`` (None: the whole world, as torch; ``comm.SOLO``: one
     rank), DDP's way. ``mode`` one of ``MODES``; ``bucket_mb`` the bucket size (None: DDP's 25);
     ``groups``: ``ParamGroup`` values (default: every trainable parameter over ``group``);
-    ``reduce_dtype``: the dtype gradients are summed in (None: their own). ``device_ids``,
-    ``output_device``, ``dim`` and ``process_group`` are DDP's (the module is already where
-    it computes; ``process_group`` is ``group``)."""
+    ``reduce_dtype``: the dtype gradients are summed in (None: their own). The positional
+    arguments are DDP's: ``device_ids``/``output_device`` None on CPU, at most the module's one
+    GPU; ``init_sync``: broadcast when built; ``process_group``/``device_mesh``: ``group``;
+    ``bucket_cap_mb``: ``bucket_mb`` (``minipar.wrappers.ddp_arguments`` reads the rest)."""
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
-                 broadcast_buffers: bool = True, process_group=None, *, group=None,
-                 mode: str = "overlapped", bucket_mb: float | None = 4.0,
-                 groups: list[ParamGroup] | None = None, reduce_dtype=None):
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, *args, group=None, mode: str = "overlapped",
+                 bucket_mb: float | None = 4.0, groups: list[ParamGroup] | None = None,
+                 reduce_dtype=None, **ddp_kwargs):
         super().__init__()
+        group, bucket_mb = ddp_arguments(module, device_ids, output_device, process_group, group,
+                                         bucket_cap_mb, bucket_mb, args, ddp_kwargs)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         bucket_mb = DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb
         if not bucket_mb >= 0:
             raise ValueError(f"bucket_mb must be a size in MiB >= 0, not {bucket_mb!r}")
         self.module, self.mode, self.broadcast_buffers = module, mode, broadcast_buffers
-        self.group = comm.resolve_group(group if group is not None else process_group)
+        self.group = comm.resolve_group(group)
         self.d = comm.size(self.group)
         trainable = [p for p in module.parameters() if p.requires_grad]
         groups = groups or [ParamGroup("dense", trainable, "dp", self.group, self.d)]
         # the first rank's weights everywhere (ranks may have built different models); a
         # group with its own process group (MoE experts) from that group's first rank
-        comm.broadcast_from_first([p for g in groups if g.group is self.group for p in g.params]
-                                  + list(module.buffers()), self.group)
-        for g in groups:
-            if g.group is not self.group:
-                comm.broadcast_from_first(g.params, g.group)
+        if init_sync:
+            comm.broadcast_from_first([p for g in groups if g.group is self.group for p in g.params]
+                                      + list(module.buffers()), self.group)
+            for g in groups:
+                if g.group is not self.group:
+                    comm.broadcast_from_first(g.params, g.group)
         size = None if mode == "naive" else int(bucket_mb * 2**20)
         self.reductions = [_Reduction(g, size, reduce_dtype) for g in groups]
         self._bucket_of = {p: b for r in self.reductions for b in r.buckets for p in b.params}
         self.main_grads: dict = {}              # mixed precision: fp32 averaged gradients
         self.require_backward_grad_sync = True   # DDP's flag: False accumulates, as no_sync()
+        self._sync_next = True   # the flag as the last forward read it (DDP reads it there)
         self._expected = None    # gradients each parameter receives before the average
         self._count: dict = {}
         self._pending = False    # accumulated gradients not averaged yet
@@ -217,8 +225,10 @@ class DataParallel(nn.Module):
 
     # -- an nn.Module in the wrapped module's names --------------------------------------
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and self.training and torch.is_grad_enabled():
-            comm.broadcast_from_first(list(self.module.buffers()), self.group)
+        if torch.is_grad_enabled():
+            self._sync_next = self.require_backward_grad_sync
+            if self.broadcast_buffers and self.training:
+                comm.broadcast_from_first(list(self.module.buffers()), self.group)
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
@@ -235,8 +245,8 @@ class DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside only accumulate (no communication); the first backward
-        outside averages everything accumulated."""
+        """A forward and its backward inside only accumulate (no communication); the first
+        backward of a forward outside averages everything accumulated (DDP's rule)."""
         before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
@@ -264,7 +274,7 @@ class DataParallel(nn.Module):
         if not self._in_backward:              # the first gradient of this backward pass
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            if self._expected is None and self.require_backward_grad_sync:
+            if self._expected is None and self._sync_next:
                 self._arm(1)                   # DDP's way: this backward is the whole step
                 self._finish_at_end = True
         if self._expected is None:

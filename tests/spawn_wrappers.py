@@ -4,7 +4,8 @@ No minipar launcher (which ends its ranks with ``os._exit``): each rank returns 
 function and its interpreter shuts down as any Python program does, with whatever async
 work minipar might still hold. One run is a pair of ranks (2-rank gloo world) that trains a
 tiny model a few steps with ``dp.DataParallel`` (overlapped buckets), ``zero.ShardedOptimizer``
-(stage 2) and ``fsdp.fully_shard`` (prefetching gathers), then ends; ``PAIRS`` independent
+(stage 2) and ``fsdp.fully_shard`` (per layer then the root: prefetching gathers, and torch's clip through
+DTensor), then ends; ``PAIRS`` independent
 pairs share one spawn. Each rank ends with ``torch.distributed.destroy_process_group()``, the
 one finalizer a user calls (as with torch's DDP: in torch 2.13 on gloo, a DDP script that
 leaves the process group to the interpreter's exit can hang there; ``--no-destroy`` shows it).
@@ -45,12 +46,17 @@ def worker(i, ports):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     bare = net()
     zopt = zero.ShardedOptimizer(bare.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
-    sharded = fsdp.fully_shard(net())
+    sharded = net()
+    for layer in sharded[::2]:                # FSDP2's habit: each layer, then the root
+        fsdp.fully_shard(layer)
+    fsdp.fully_shard(sharded)
     fopt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     for _ in range(3):
         for m, o in ((model, opt), (bare, zopt), (sharded, fopt)):
             o.zero_grad()
             F.mse_loss(m(x), y).backward()
+            if m is sharded:                  # DTensor's own all-reduce, too
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             o.step()
     if DESTROY:
         tdist.destroy_process_group()

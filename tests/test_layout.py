@@ -23,6 +23,7 @@ COMPOSITION = ("parallelize",)
 SHIMS = ("fsdp", "checkpoint", "sample", "scaling")
 # what a lesson may import besides the shared pieces: its own parts
 OWN = {"pp": {"minipar.schedules"}, "schedules": {"minipar.p2p_order"},
+       "dp": {"minipar.wrappers"},
        "zero": {"minipar.wrappers", "minipar.wrappers.zero_optimizer"}}
 
 

@@ -85,6 +85,16 @@ class _nothing:
         return False
 
 
+def consolidated(opt):
+    """ZeroRedundancyOptimizer's way to a whole state dict, onto each rank in turn."""
+    mine = None
+    for to in range(tdist.get_world_size()):
+        opt.consolidate_state_dict(to)          # a collective: every rank
+        if tdist.get_rank() == to:
+            mine = opt.state_dict()             # no communication
+    return mine
+
+
 def params_of(module):
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
@@ -161,7 +171,7 @@ def _zero_runs():
                 opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
                                             lr=1e-2, weight_decay=0.1)
                 train(kind, model, opt, micro, r, d)
-                out[(kind, micro, f"zero{stage}")] = (params_of(model), opt.state_dict())
+                out[(kind, micro, f"zero{stage}")] = (params_of(model), consolidated(opt))
             model = make(kind, SEED + r)
             engine = zero.ShardedEngine(model, None, zero.zero_spec(3, d), adamw)
             train(kind, model, engine, micro, r, d, before=engine.zero_grad, after=engine.step)
@@ -174,12 +184,12 @@ def _zero_runs():
     a = make("mlp", SEED + r)
     opt_a = zero.ShardedOptimizer(a.parameters(), torch.optim.AdamW, stage=1, lr=1e-2)
     train("mlp", a, opt_a, 1, r, d)
-    saved = opt_a.state_dict()
+    saved = consolidated(opt_a)
     b = make("mlp", 0)
     b.load_state_dict(a.state_dict())
     opt_b = zero.ShardedOptimizer(b.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
     opt_b.load_state_dict(saved)
-    reloaded = opt_b.state_dict()
+    reloaded = consolidated(opt_b)
     for model, opt in ((a, opt_a), (b, opt_b)):
         x, y = batch("mlp", 7)
         opt.zero_grad()
@@ -192,7 +202,7 @@ def _zero_runs():
               {"params": list(model.fc2.parameters()) + list(model.fc3.parameters())}]
     opt = zero.ShardedOptimizer(groups, torch.optim.SGD, stage=2, lr=0.1, momentum=0.9)
     train("mlp", model, opt, 1, r, d)
-    out[("mlp", 1, "sgd-groups")] = (params_of(model), opt.state_dict())
+    out[("mlp", 1, "sgd-groups")] = (params_of(model), consolidated(opt))
     return out
 
 
@@ -270,6 +280,36 @@ def _misuse():
         out["adafactor"] = _raises(lambda: zero.ShardedOptimizer(
             make("mlp", 0).parameters(), torch.optim.Adafactor), UsageError)
     out["solo"] = dp.DataParallel(make("mlp", 0), group=comm.SOLO).d
+
+    # 4. torch's clip where .grad is not the average: stage 1 stops at step, stage 2 at once
+    for stage in (1, 2):
+        model = make("mlp", SEED + r)
+        opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+        loss_fn("mlp", model(x), y).backward()
+        clip = _raises(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3), RuntimeError)
+        out[f"torch clip, stage {stage}"] = clip or _raises(opt.step, RuntimeError)
+    # 5. beside DataParallel: stage 2 refused; a DataParallel built afterwards refused at step
+    model = dp.DataParallel(make("mlp", SEED + r))
+    out["stage 2 beside dp"] = _raises(lambda: zero.ShardedOptimizer(
+        model.parameters(), torch.optim.AdamW, stage=2), UsageError)
+    bare = make("mlp", SEED + r)
+    opt = zero.ShardedOptimizer(bare.parameters(), torch.optim.AdamW, lr=1e-2)
+    late = dp.DataParallel(bare)
+    loss_fn("mlp", late(x), y).backward()
+    out["dp built after"] = _raises(opt.step, UsageError)
+    # 6. state_dict on one rank: never a wait for the others, one line until consolidated
+    model = make("mlp", SEED + r)
+    opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    train("mlp", model, opt, 1, r, d)
+    if r == 0:
+        out["not consolidated"] = _raises(opt.state_dict, RuntimeError)
+    opt.consolidate_state_dict(to=0)
+    if r == 0:
+        out["consolidated"] = sorted(opt.state_dict()["state"])
+    else:
+        out["other rank"] = _raises(opt.state_dict, RuntimeError)
+    train("mlp", model, opt, 1, r, d)
+    out["stale"] = _raises(opt.state_dict, RuntimeError)
     return out
 
 
@@ -280,6 +320,14 @@ def test_a_missing_average_is_an_error_never_a_silent_gradient():
         if "adafactor" in out:
             assert "element-wise" in out["adafactor"]
         assert out["solo"] == 1
+        for stage in (1, 2):
+            assert "opt.clip_grad_norm_" in out[f"torch clip, stage {stage}"]
+            assert "\n" not in out[f"torch clip, stage {stage}"]
+        assert "stage=1" in out["stage 2 beside dp"]
+        assert "build the DataParallel first" in out["dp built after"]
+        assert "consolidate_state_dict(to=" in out.get("not consolidated", out.get("other rank"))
+        assert out.get("consolidated", [0, 1, 2, 3, 4, 5]) == [0, 1, 2, 3, 4, 5]
+        assert "before the last step" in out["stale"] or "not consolidated" in out["stale"]
 
 
 def test_units_of_any_module():
@@ -342,34 +390,54 @@ def serial_mixed(kind, micro, dtype):
     return {n: m.detach().clone() for n, m in masters.items()}
 
 
+def full_state(model):
+    """FSDP2's way to the whole model: torch.distributed.checkpoint's function (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def shard_like_fsdp2(fully_shard, model, **kw):
+    """FSDP2's habit: each unit (as ``zero.units_of`` finds them) first, then the root; the
+    return value unused."""
+    for unit, _ in zero.units_of(model):
+        if unit is not model:
+            fully_shard(unit, **kw)
+    fully_shard(model, **kw)
+
+
 def _fsdp_runs():
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from minipar import fsdp
     r, d = tdist.get_rank(), tdist.get_world_size()
-    mesh = init_device_mesh("cpu", (d,))
     out = {}
     for kind in MODELS:
         for micro in (1, 2):
             for dtype in DTYPES:
-                model = fsdp.fully_shard(make(kind, SEED + r), mp_policy=policy(dtype))
-                shards = {n: p.shape for n, p in model.named_parameters()}
+                model = make(kind, SEED + r)             # rank 0's weights are broadcast
+                shard_like_fsdp2(fsdp.fully_shard, model, mp_policy=policy(dtype))
+                out[(kind, micro, dtype, "shards")] = {n: tuple(p.to_local().shape)
+                                                       for n, p in model.named_parameters()}
                 comm.reset()                             # the step's traffic, not the broadcast
                 train_mixed(kind, model, adamw(model.parameters()), micro, r, d, dtype)
                 out[(kind, micro, dtype, "bytes")] = comm.stats.bytes_by_op()
-                out[(kind, micro, dtype, "minipar")] = model.state_dict()
-                out[(kind, micro, dtype, "shards")] = shards
+                out[(kind, micro, dtype, "minipar")] = full_state(model)
                 twin = make(kind, SEED)         # FSDP2 shards what each rank holds: one seed
                 mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
-                for unit, _ in zero.units_of(twin):     # the same units, the root's last
-                    if unit is not twin:
-                        torch_fully_shard(unit, mesh=mesh, mp_policy=mp)
-                torch_fully_shard(twin, mesh=mesh, mp_policy=mp)
+                shard_like_fsdp2(torch_fully_shard, twin, mp_policy=mp)
                 train_mixed(kind, twin, adamw(twin.parameters()), micro, r, d, dtype)
-                out[(kind, micro, dtype, "fsdp2")] = {n: p.full_tensor().detach()
-                                                      for n, p in twin.named_parameters()}
+                out[(kind, micro, dtype, "fsdp2")] = full_state(twin)
     return out
+
+
+def padded_unit_sizes(kind):
+    """Each unit's elements as FSDP2 lays them out: every parameter's rows padded to a
+    multiple of d; the root's unit first (None when the root owns no parameter)."""
+    model = make(kind, 0)
+    units = zero.units_of(model)
+    sizes = [sum(math.ceil(p.shape[0] / D) * D * math.prod(p.shape[1:]) for p in ps)
+             for _, ps in units]
+    return (sizes[0] if units[0][0] is model else None), sizes[1:] if units[0][0] is model else sizes
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -398,20 +466,186 @@ def test_fully_shard_equals_serial_and_torch_fsdp2(kind, micro, dtype):
         assert_close(got, {n: twin[n] for n in ref}, tol=1e-6)
         if dtype == "fp32":     # bytes sent = the planner's ZeRO-3 closed form, per unit
             from minipar import plan
-            sizes = [sum(p.numel() for p in ps) for _, ps in zero.units_of(make(kind, 0))]
-            want = plan.zero_comm_bytes(sizes, D, zero=3, dtype="fp32", microbatches=micro)
+            root, blocks = padded_unit_sizes(kind)
+            want = plan.zero_comm_bytes(blocks + ([root] if root else []), D, zero=3,
+                                        dtype="fp32", microbatches=micro)
+            if root:            # FSDP2's root keeps its parameters from forward to backward
+                want["all_gather"] -= plan.zero_comm_bytes([root], D, zero=3, dtype="fp32",
+                                                           microbatches=micro)["all_gather"] // 2
             sent = rank_out[(kind, micro, dtype, "bytes")]
             assert {op: sent.get(op, 0) for op in ("all_gather", "reduce_scatter")} == \
                 {op: STEPS * want[op] for op in ("all_gather", "reduce_scatter")}
             assert sent.get("all_reduce", 0) == want["all_reduce"] == 0
-        # parameters() are this rank's shards: about 1/d of every unit
-        total = sum(p.numel() for p in make(kind, 0).parameters())
-        assert sum(math.prod(s) for s in rank_out[(kind, micro, dtype, "shards")].values()) \
-            <= total // D + 4 * len(zero.units_of(make(kind, 0)))
+        # the shards: this rank's rows of every parameter, ceil(n/d) (or fewer) of n
+        for name, p in make(kind, 0).named_parameters():
+            rows = rank_out[(kind, micro, dtype, "shards")][name]
+            assert rows[1:] == tuple(p.shape[1:]) and rows[0] <= math.ceil(p.shape[0] / D)
 
 
 def _distance(a, b):
     return math.sqrt(sum(((a[k].float() - b[k].float()) ** 2).sum().item() for k in a))
+
+
+# --------------------------------------------------------------------------------------
+# FSDP2's habits, one by one
+# --------------------------------------------------------------------------------------
+class Normed(nn.Module):
+    """Linear layers around an RMSNorm whose weight a course's FSDP keeps replicated."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 16), nn.RMSNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+    def decay_groups(self):
+        """A method a script calls after sharding, with nanoGPT's rule on shapes."""
+        ps = list(self.parameters())
+        return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def grads_of(module):
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in module.named_parameters()}
+
+
+def _habit_runs():
+    from torch.distributed.tensor import DTensor
+    from minipar import fsdp
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    x, y = batch("mlp", 0)
+    x, y = x.chunk(d)[r], y.chunk(d)[r]
+    out = {}
+    # in place, the return value unused: the module itself trains, its parameters the shards
+    model = make("mlp", SEED + r)
+    returned = fsdp.fully_shard(model)
+    out["in place"] = (returned is model, isinstance(model, MLP), isinstance(model, fsdp.FSDPModule),
+                       all(isinstance(p, DTensor) for p in model.parameters()))
+    out["read after sharding"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    train("mlp", model, adamw(model.parameters()), 1, r, d)
+    out["trained in place"] = full_state(model)
+    # touching a parameter outside its module's forward: a clear error, never a crash
+    out["direct forward"] = _raises(lambda: model.forward(x), RuntimeError)
+    out["shard arithmetic"] = float(model.fc1.weight.detach().sum().full_tensor())
+    # methods and shapes: a rule on p.dim() after sharding, the norm weight left replicated
+    model = Normed()
+    torch.manual_seed(SEED + r)
+    model = Normed()
+    for m in (model.fc1, model.fc2):
+        fsdp.fully_shard(m)
+    fsdp.fully_shard(model, ignored_params=set(model.norm.parameters()))
+    opt = torch.optim.AdamW(model.decay_groups(), lr=1e-2)
+    out["groups"] = [len(g["params"]) for g in opt.param_groups]
+    out["norm is plain"] = not isinstance(model.norm.weight, DTensor)
+    opt.zero_grad()
+    loss_fn("mlp", model(x), y).backward()
+    out["normed grads"] = grads_of(model)
+    out["mixed clip"] = _raises(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+                                RuntimeError)
+    opt.step()
+    out["normed trained"] = full_state(model)
+    # accumulation without the reduce-scatter until the last backward
+    for sync_each in (True, False):
+        model = make("mlp", SEED + r)
+        fsdp.fully_shard(model, units=[model.fc1, model.fc2, model.fc3])
+        comm.reset()
+        xs, ys = x.chunk(2), y.chunk(2)
+        for k in range(2):
+            model.set_requires_gradient_sync(sync_each or k == 1)
+            (loss_fn("mlp", model(xs[k]), ys[k]) / 2).backward()
+        out[("grads", sync_each)] = grads_of(model)
+        out[("reduce_scatters", sync_each)] = comm.stats.calls.get(("reduce_scatter", "world"), 0)
+    # a weight tied across two calls would become two weights: refused
+    tied = make("tied", SEED + r)
+    fsdp.fully_shard(tied.emb)
+    out["tied across calls"] = _raises(lambda: fsdp.fully_shard(tied), UsageError)
+    # a full checkpoint of the plain model loads into the sharded one (torch's function)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    model = make("mlp", SEED + r)
+    fsdp.fully_shard(model, units=[model.fc1])
+    set_model_state_dict(model, make("mlp", 7).state_dict(),
+                         options=StateDictOptions(full_state_dict=True))
+    out["loaded"] = full_state(model)
+    # frozen parameters are sharded too and never reduced; a DeviceMesh names the group
+    from torch.distributed.device_mesh import init_device_mesh
+    model = make("mlp", SEED + r)
+    model.fc1.requires_grad_(False)
+    fsdp.fully_shard(model, mesh=init_device_mesh("cpu", (d,)), units=[model.fc1, model.fc2])
+    out["frozen sharded"] = isinstance(model.fc1.weight, DTensor) and not model.fc1.weight.requires_grad
+    train("mlp", model, adamw([p for p in model.parameters() if p.requires_grad]), 2, r, d)
+    out["frozen"] = full_state(model)
+    return out
+
+
+def _serial_normed():
+    torch.manual_seed(SEED)
+    model = Normed()
+    opt = torch.optim.AdamW(model.decay_groups(), lr=1e-2)
+    x, y = batch("mlp", 0)
+    opt.zero_grad()
+    loss_fn("mlp", model(x), y).backward()
+    grads = grads_of(model)
+    opt.step()
+    return grads, params_of(model)
+
+
+def test_fully_shard_in_place_with_its_return_value_unused():
+    ref, _ = serial("mlp", 1)
+    theta0 = params_of(make("mlp", SEED))
+    for out in launched("habits", _habit_runs):
+        assert out["in place"] == (True, True, True, True)
+        assert_close(out["read after sharding"], theta0, tol=0)   # rank 0's, broadcast
+        assert_close(out["trained in place"], ref)
+        assert out["shard arithmetic"] == pytest.approx(float(ref["fc1.weight"].sum()), abs=1e-5)
+        assert "DTensor" in out["direct forward"]         # the shards, not freed storage
+
+
+def test_fully_shard_methods_shapes_and_replicated_norms():
+    grads, trained = _serial_normed()
+    for out in launched("habits", _habit_runs):
+        assert out["groups"] == [2, 3]                    # fc weights decay; biases, norm not
+        assert out["norm is plain"]
+        assert_close(out["normed grads"], grads, tol=1e-6)   # the norm's: averaged, identical
+        assert "mixed torch.Tensor and DTensor" in out["mixed clip"]
+        assert_close({n: out["normed trained"][n] for n in trained}, trained)
+
+
+def test_fully_shard_accumulates_without_sync_and_refuses_cross_call_ties():
+    for out in launched("habits", _habit_runs):
+        assert_close(out[("grads", False)], out[("grads", True)], tol=1e-6)
+        assert (out[("reduce_scatters", True)], out[("reduce_scatters", False)]) == (6, 3)
+        assert "tied across two fully_shard calls" in out["tied across calls"]
+        assert_close(out["loaded"], params_of(make("mlp", 7)), tol=0)
+
+
+def test_fully_shard_frozen_parameters_and_a_mesh():
+    model = make("mlp", SEED)
+    model.fc1.requires_grad_(False)
+    train("mlp", model, adamw([p for p in model.parameters() if p.requires_grad]), 2)
+    for out in launched("habits", _habit_runs):
+        assert out["frozen sharded"]
+        assert_close(out["frozen"], params_of(model))
+
+
+def test_fully_shard_on_one_process_and_ddp_arguments():
+    """No process group: one rank, plain tensors, the same training; DDP's arguments."""
+    from minipar import fsdp
+    ref, _ = serial("mlp", 1)
+    model = make("mlp", SEED)
+    fsdp.fully_shard(model, units=[model.fc1])
+    train("mlp", model, adamw(model.parameters()), 1)
+    assert_close(params_of(model), ref)
+    net = make("mlp", 0)
+    assert dp.DataParallel(net, device_ids=None, output_device=None, find_unused_parameters=True,
+                           gradient_as_bucket_view=True, static_graph=False).d == 1
+    with pytest.raises(UsageError, match="leave them None on CPU"):
+        dp.DataParallel(net, device_ids=[0])
+    with pytest.raises(UsageError, match="mixed_precision"):
+        dp.DataParallel(net, mixed_precision=object())
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        dp.DataParallel(net, bucket_size=1)
 
 
 # --------------------------------------------------------------------------------------
@@ -461,15 +695,25 @@ def _clip_runs():
             opt = zero.ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.5)
             norms = train_clipped(kind, model, opt, lambda: opt.clip_grad_norm_(MAX_NORM), r, d)
             out[(kind, f"zero{stage}")] = (params_of(model), norms)
-        for how in ("method",):
-            model = fsdp.fully_shard(make(kind, SEED + r))
-            clip = {"method": lambda: model.clip_grad_norm_(MAX_NORM)}[how]
+        # ZeroRedundancyOptimizer's habit: beside DataParallel, torch's clip on the averages
+        model = dp.DataParallel(make(kind, SEED + r))
+        opt = zero.ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.5)
+        norms = train_clipped(kind, model, opt, lambda: torch.nn.utils.clip_grad_norm_(
+            model.parameters(), MAX_NORM), r, d)
+        out[(kind, "zero1-beside-dp-torch")] = (params_of(model), norms)
+        for how in ("torch", "method", "function"):
+            model = make(kind, SEED + r)
+            shard_like_fsdp2(fsdp.fully_shard, model)
+            clip = {"torch": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
+                    "method": lambda: model.clip_grad_norm_(MAX_NORM),
+                    "function": lambda: fsdp.clip_grad_norm_(model.parameters(), MAX_NORM)}[how]
             norms = train_clipped(kind, model, sgd(model.parameters()), clip, r, d)
-            out[(kind, f"fsdp-{how}")] = (model.state_dict(), norms)
+            out[(kind, f"fsdp-{how}")] = (full_state(model), norms)
     return out
 
 
-CLIPPED = ["dp-torch", "dp-method", "zero1", "zero2", "fsdp-method"]
+CLIPPED = ["dp-torch", "dp-method", "zero1", "zero2", "zero1-beside-dp-torch", "fsdp-torch",
+           "fsdp-method", "fsdp-function"]
 
 
 @pytest.mark.parametrize("how", CLIPPED)

@@ -1,261 +1,483 @@
-"""ZeRO-3 as an nn.Module, with FSDP2's contract: ``fully_shard(module)`` in a plain loop.
+"""ZeRO-3 with FSDP2's contract: ``fully_shard(module)`` changes the module in place.
 
-The idea (ZeRO-3, Rajbhandari et al. 2020; FSDP, Zhao et al. 2023): each of d ranks keeps
-1/d of every parameter, of its gradient and of its optimizer state. A unit of the model (a
-block, the embedding, ...: ``zero.units_of``, FSDP's wrapping policy) is all-gathered just
-before its forward and again before its backward, and freed after each; once backward is
-done with a unit, its gradient is reduce-scattered, so each rank keeps the averaged gradient
-of its own 1/d only. The optimizer is any torch optimizer, built afterwards over
-``model.parameters()``, which are this rank's shards: it updates 1/d of the model.
+The idea is ``minipar.zero``'s at (s_p, s_g, s_os) = (d, d, d) (ZeRO-3, Rajbhandari et al.
+2020; FSDP, Zhao et al. 2023): each of d ranks keeps 1/d of every parameter, of its gradient
+and of its optimizer state; a unit is all-gathered before its forward and again before its
+backward, freed after each, and its gradient reduce-scattered once backward is done with it.
+What this file adds is FSDP2's layout and surface, so that a script written for
+``torch.distributed.fsdp.fully_shard`` runs with only its import changed::
 
-This is the trainer's ZeRO-3 engine (``zero.ShardedEngine``) without its optimizer: the same
-``zero.Unit`` buffers and ``zero.ShardedUnits`` hooks, at the point (s_p, s_g, s_os) =
-(d, d, d), over one group. What it adds is FSDP2's surface::
-
-    model = fsdp.fully_shard(Net(), mp_policy=precision.PrecisionPolicy(torch.bfloat16))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)       # steps this rank's shards
+    for block in model.blocks:                # a unit per block, then the root: the rest
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)      # the same module, changed in place
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)      # steps this rank's shards
     for x, y in batches:
         opt.zero_grad()
-        loss_fn(model(x), y).backward()       # each shard's .grad: the averaged gradient
-        model.clip_grad_norm_(1.0)            # optional: the global norm, as on one process
+        model(x, y).backward()                # each shard's .grad: the averaged gradient
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the global norm
         opt.step()
-    full = model.state_dict()                 # a collective: the full fp32 state, every rank
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
-The contract, and where it differs from ``torch.distributed.fsdp.fully_shard``:
+**Dim-0 shards.** Each parameter of shape (n, ...) is cut into d chunks of c = ceil(n/d) rows
+(the last ranks may hold fewer, or none); this rank's rows become the module's parameter, a
+``DTensor`` placed ``Shard(0)`` whose shape is the whole parameter's. So shape rules
+(``p.dim() >= 2``), ``numel()``, torch's optimizers, ``torch.nn.utils.clip_grad_norm_`` (a
+global norm: DTensor sums the ranks' partial norms) and ``torch.distributed.checkpoint``'s
+``get_model_state_dict``/``get_optimizer_state_dict`` (``full_state_dict=True``) see what they
+would see on one process. The communication is minipar's own (``minipar.comm``), one
+collective per unit: the unit's shards, each padded to c rows, are copied into one buffer
+(copy-in), all-gathered rank after rank, and each parameter's rows copied out of the d
+pieces (copy-out); the gradient takes the reverse way through one reduce-scatter.
 
-* ``fully_shard`` returns a ``ShardedDataParallel`` wrapping the module (FSDP2 changes the
-  module's class in place); forward and backward are the module's. Rank 0's parameters and
-  buffers are broadcast when it is built, as DDP (FSDP2 shards what each rank holds), so ranks
-  may start from different seeds. ``group=None`` is the whole world, ``comm.SOLO`` one rank.
-* ``parameters()`` / ``named_parameters()`` are the shards under the module's own names: this
-  rank's piece of each parameter as a flat 1-D tensor (the flat unit cut into d equal chunks,
-  so a piece may be empty), where FSDP2 gives DTensors sharded on dim 0. Element-wise
-  optimizers (SGD, Adam, AdamW, ...) are exact on them; per-tensor statistics are not.
-* After each backward pass every shard's ``.grad`` holds its averaged gradient: reduce-scatter
-  (sum) in ``reduce_dtype``, then division by d (gloo has no AVG), then added in fp32 to what
-  ``.grad`` already holds (accumulation across backward passes, as on one process; the
-  optimizer's ``zero_grad`` resets it). A parameter no backward reached gets a zero gradient.
-  The end of backward also waits on every gather still in flight: no async work outlives it.
-* Mixed precision (``mp_policy``: ``precision.PrecisionPolicy(param_dtype, reduce_dtype)``):
-  the shards the optimizer sees are fp32 masters; each forward casts them into the
-  ``param_dtype`` units that are gathered and computed with (FSDP2's cast at all-gather time),
-  floating-point inputs are cast to ``param_dtype``, outputs are left as computed. fp16 needs
-  a loss scale from the caller (``precision.DynamicLossScaler``; FSDP2 leaves it to
-  ``ShardedGradScaler``): the wrapper refuses a policy that carries a scaler, rather than
-  ignore it.
-* Which parameters stay replicated: frozen ones (``requires_grad=False``, kept whole on every
-  rank, broadcast from rank 0) and the buffers. Every trainable parameter is sharded; one
-  used by two units (tied embeddings) goes to the root unit, whose forward spans both uses.
-* Full parameters: ``state_dict()`` gathers the full state, parameters in fp32 (a collective:
-  call it on every rank); ``load_state_dict()`` takes a full one (e.g. the bare model's) and
-  keeps this rank's shards. ``clip_grad_norm_(max_norm)`` clips by the norm of the whole
-  averaged gradient 
+**In place.** The module keeps its class (a subclass adds ``FSDPModule``'s few methods) and
+its methods; ``fully_shard`` returns it. Between forward passes its parameters are the
+shards; during its forward they are the gathered full tensors (swapped in and out of the
+module's ``_parameters``), so no tensor a user can reach ever has freed storage. A call shards
+what the calls on its sub-modules did not; the outermost becomes the root at the first
+forward and runs the end of each backward for all of them. A weight tied across two calls
+would silently be two weights: it is refused (call ``fully_shard`` on a module holding both).
 
-Bytes one rank sends per step (Psi = padded parameter bytes in ``param_dtype``, Psi_r the
-same in ``reduce_dtype``; m backward passes)::
+**Left out.** ``ignored_params`` and 0-dim parameters stay whole plain parameters on every
+rank (broadcast from rank 0 when built, their gradients averaged by the end of each
+backward); torch's ``clip_grad_norm_`` refuses a mix of DTensors and plain tensors, and
+``minipar.fsdp.clip_grad_norm_`` (also ``model.clip_grad_norm_``) takes both. Frozen
+parameters are sharded too, and never reduced.
 
-    all_gather      2m (d-1)/d Psi       parameters, before each forward and each backward
-    reduce_scatter   m (d-1)/d Psi_r     gradients, every backward pass
+**Gradients.** After each backward every shard's ``.grad`` holds its average over the group
+(reduce-scatter in ``reduce_dtype``, sum then divide by d), added to what ``.grad`` held:
+accumulation as on one process. A unit no backward reached still reduces, so every rank
+issues the same collectives (its shards get zeros). ``set_requires_gradient_sync(False)``
+keeps the full gradients instead, until a backward with sync on.
+
+**Precision** (``mp_policy``, FSDP2's ``MixedPrecisionPolicy`` or minipar's
+``PrecisionPolicy``, read by attribute): shards stay in the module's dtype (the masters);
+the copy-in casts them to ``param_dtype``, the unit computes in it (floating inputs cast to
+it), gradients are reduced in ``reduce_dtype`` and added to the masters' ``.grad``.
+
+Bytes one rank sends per step (Psi: the units' parameters in ``param_dtype``, each padded to
+d c rows; Psi_r: the same in ``reduce_dtype``; m backward passes)::
+
+    all_gather      2m (d-1)/d Psi       before each forward and each backward
+    reduce_scatter   m (d-1)/d Psi_r     every backward (unless sync is off)
     broadcast        Psi_fp32 from rank 0, once, when it is built
-
-Model-state bytes one rank holds between steps: Phi'/d parameters of the compute dtype, 4 Phi'/d
-of fp32 masters (when the compute dtype is not fp32), 4 Phi'/d of gradient, and the optimizer's
-state of its Phi'/d elements.
 """
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 
 import torch
+import torch.distributed as tdist
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import comm
-from ..mesh import Axis
 from ..runtime.errors import UsageError
-from ..zero import ShardedUnits, ShardMesh, Spec, Unit, gather_up, reduce_scatter_down, units_of
+from ..zero import alloc_storage, free_storage, storage_bytes, units_of
 
 
-def fully_shard(module: nn.Module, group=None, units=None, mp_policy=None,
-                prefetch: bool = True) -> "ShardedDataParallel":
-    """ZeRO-3 over ``group`` (None: the whole world): see ``ShardedDataParallel``.
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward=True, mp_policy=None,
+                ignored_params=None, shard_placement_fn=None, offload_policy=None, group=None,
+                units=None, prefetch: bool = True) -> nn.Module:
+    """Shard ``module``'s parameters (those no earlier call on a sub-module took) over
+    ``mesh`` (a 1-D DeviceMesh) or ``group`` (None: the whole world; ``comm.SOLO``: one rank),
+    in place; returns the module. ``units``: minipar's shortcut for the nesting, modules (or
+    a policy ``module -> bool``, read as ``zero.units_of`` reads it) sharded first, one call
+    each. The other arguments are FSDP2's (see the module's docstring)."""
+    if isinstance(module, FSDPModule):
+        raise UsageError(f"fully_shard: {type(module).__name__} is already sharded")
+    if shard_placement_fn is not None:
+        raise UsageError("fully_shard: only dim-0 shards (leave shard_placement_fn=None)")
+    if getattr(offload_policy, "pin_memory", None) is not None:
+        raise UsageError("fully_shard: CPU offload is not supported (leave offload_policy out)")
+    if reshard_after_forward not in (True, False, None):
+        raise UsageError(f"fully_shard: reshard_after_forward must be True or False, not "
+                         f"{reshard_after_forward!r}")
+    if mesh is not None and group is not None:
+        raise UsageError("fully_shard: give mesh or group, not both")
+    if mesh is not None:
+        if mesh.ndim != 1:
+            raise UsageError(f"fully_shard: a 1-D mesh only (got {mesh.ndim}-D; HSDP is not supported)")
+        group = mesh.get_group()
+    if units is not None:
+        for unit, _ in units_of(module, units):
+            if unit is not module and not isinstance(unit, FSDPModule):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                            mp_policy=mp_policy, ignored_params=ignored_params,
+                            group=None if mesh is not None else group, prefetch=prefetch)
+    state = State(module, comm.resolve_group(group), mesh, mp_policy,
+                  reshard_after_forward is not False, prefetch, ignored_params or ())
+    module.__dict__["_minipar_fsdp"] = state
+    module.__class__ = _sharded_class(type(module))
+    return module
 
-    ``units``: which modules are gathered together, as ``zero.units_of`` reads it (None: each
-    child that owns parameters, ModuleList/ModuleDict looked into; a list of modules, such as
-    minipar's ``GPT.parts()``; or a policy
-    ``module -> bool``, FSDP's auto-wrap policy). ``mp_policy``: a ``PrecisionPolicy``-shaped
-    value (``param_dtype``, ``reduce_dtype``, ``master_dtype``, ``loss_scaler``); None: fp32.
-    """
-    return ShardedDataParallel(module, group, units, mp_policy, prefetch)
+
+class FSDPModule:
+    """What ``fully_shard`` adds to a module's class (FSDP2's ``FSDPModule``)."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """False: backward passes keep the full gradients (no reduce-scatter, no average);
+        the next backward with True reduces everything accumulated."""
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._minipar_fsdp.sync = bool(requires_gradient_sync)
+
+    def reshard(self):
+        """Free this module's gathered parameters (outside forward and backward they are)."""
+        if self._minipar_fsdp.unit is not None:
+            self._minipar_fsdp.unit.free()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
 
-class ShardedDataParallel(ShardedUnits, nn.Module):
-    """The module, its trainable parameters sharded over ``group`` (ZeRO-3; FSDP2's contract)."""
+@functools.lru_cache(maxsize=None)
+def _sharded_class(cls: type) -> type:
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
 
-    def __init__(self, module: nn.Module, group=None, units=None, mp_policy=None,
-                 prefetch: bool = True):
-        nn.Module.__init__(self)
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
-            raise UsageError("fully_shard: the module has no trainable parameter to shard")
-        if len({(p.dtype, p.device) for p in params}) > 1:
-            raise UsageError("fully_shard: the trainable parameters must share one dtype and "
-                             "device (build the model in fp32; mp_policy casts it)")
-        master = params[0].dtype
-        param_dtype = reduce_dtype = master
-        if mp_policy is not None:
-            if mp_policy.loss_scaler is not None:
-                raise UsageError("fully_shard does not scale the loss: scale it yourself "
-                                 "(precision.DynamicLossScaler) and pass a policy without a "
-                                 "loss_scaler")
-            if mp_policy.master_dtype != master:
-                raise UsageError(f"fully_shard: the masters are the module's own {master} "
-                                 f"parameters; the policy asks for {mp_policy.master_dtype}")
-            param_dtype = mp_policy.param_dtype
-            reduce_dtype = mp_policy.reduce_dtype or param_dtype
-        self.group = comm.resolve_group(group)
-        self.d = comm.size(self.group)
-        self.param_dtype, self.master_dtype = param_dtype, master
-        comm.broadcast_from_first(list(module.parameters()) + list(module.buffers()), self.group)
-        mesh = ShardMesh(Axis.of_group(self.group), Spec(self.d, self.d, self.d))
-        ShardedUnits.__init__(self, module, mesh, units_of(module, units), prefetch,
-                              reduce_dtype=None if reduce_dtype == param_dtype else reduce_dtype,
-                              grad_dtype=master, reduce_each_backward=True, dtype=param_dtype)
-        # the shards: this rank's piece of each parameter, a view into its unit's P shard
-        # (fp32 masters under a lower param_dtype), its .grad a view into the G shard
-        names = {p: n for n, p in module.named_parameters()}
-        self._shards: list[tuple[str, nn.Parameter, Unit, slice]] = []
-        for u in self.units:
-            source = u.p_shard if u.master is None else u.master
-            lo = mesh.p_index * u.p_shard.numel()
-            hi = lo + u.p_shard.numel()
-            offset = 0
-            for p in u.params:
-                a, b = max(lo, offset), min(hi, offset + p.numel())
-                piece = slice(a - lo, b - lo) if a < b else slice(0, 0)
-                self._shards.append((names[p], nn.Parameter(source[piece]), u, piece))
-                offset += p.numel()
-        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        self._in_backward = False
 
-    # -- an nn.Module whose parameters are the shards ---------------------------------------
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True):
-        for name, shard, _, _ in self._shards:
-            yield prefix + name, shard
-        for name, p in self._frozen:
-            yield prefix + name, p
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over shards (DTensors) and whole replicated
+    parameters together, which torch's refuses: the norm of the whole averaged gradient,
+    each element counted once; returns it (a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+    parameters = [parameters] if torch.is_tensor(parameters) else list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    p = float(norm_type)
+    norms = []
+    for part in ([g for g in grads if isinstance(g, DTensor)],
+                 [g for g in grads if not isinstance(g, DTensor)]):
+        if part:
+            n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, p) for g in part]), p)
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack(norms), p)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return total
 
-    def named_buffers(self, *args, **kwargs):
-        return self.module.named_buffers(*args, **kwargs)
 
-    def forward(self, *args, **kwargs):
-        for u in self.units:                    # the optimizer stepped the masters
-            if u.master is not None:
-                u.p_shard.copy_(u.master)
-        if self.param_dtype != self.master_dtype:
+# --------------------------------------------------------------------------------------
+# One managed parameter and a unit of them: FSDP2's layout
+# --------------------------------------------------------------------------------------
+class Param:
+    """A parameter of shape (n, ...) as this rank's ``chunk`` rows (c = ceil(n/d)), rows
+    ``lo:hi`` of it: ``sharded`` (the module's parameter between uses, a DTensor when d > 1)
+    and ``full`` (the one it computes with: its ``.data`` a view into the unit's gathered
+    buffer, so that its own version counter ignores the buffer's refills)."""
+
+    def __init__(self, slots, value: torch.Tensor, state: "State"):
+        self.slots = slots                      # [(module, name)]: a tied weight has several
+        self.shape, self.numel = value.shape, value.numel()
+        self.width = math.prod(value.shape[1:])
+        self.chunk = -(-value.shape[0] // state.d)
+        self.lo = min(state.rank * self.chunk, value.shape[0])
+        self.hi = min(self.lo + self.chunk, value.shape[0])
+        self.mesh = state.mesh
+        local = value.detach()[self.lo:self.hi].clone()
+        self.sharded = nn.Parameter(self.as_shard(local), requires_grad=value.requires_grad)
+        self.full = nn.Parameter(torch.empty(0, dtype=state.param_dtype, device=value.device),
+                                 requires_grad=value.requires_grad)
+
+    def as_shard(self, local: torch.Tensor) -> torch.Tensor:
+        if self.mesh is None:
+            return local
+        from torch.distributed.tensor import DTensor, Shard
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
+                                  shape=self.shape, stride=torch.empty(self.shape, device="meta").stride())
+
+    def local(self) -> torch.Tensor:
+        return self.sharded if self.mesh is None else self.sharded.to_local()
+
+    def show(self, which: nn.Parameter):
+        for m, name in self.slots:
+            m._parameters[name] = which
+
+
+class Unit:
+    """The parameters one call manages, gathered and reduced together. ``block``: one rank's
+    share of the collective buffers (each parameter's c rows, padded); ``unsharded``: the full
+    parameters, allocated only while gathered."""
+
+    def __init__(self, params: list[Param], state: "State"):
+        self.params, self.state = params, state
+        self.block = sum(p.chunk * p.width for p in params)
+        self.trainable = sum(p.full.requires_grad for p in params)
+        self.unsharded = torch.empty(sum(p.numel for p in params), dtype=state.param_dtype,
+                                     device=params[0].full.device)
+        offset = 0
+        for p in params:
+            p.full.data = self.unsharded[offset:offset + p.numel].view(p.shape)
+            offset += p.numel
+        free_storage(self.unsharded)
+        self.handle = self.gathered = None   # an all-gather in flight, and its output
+        self.ready = 0                       # gradients accumulated in this backward
+        self.reduced = False
+
+    def start_gather(self):
+        """Copy-in this rank's rows (cast to ``param_dtype``), all-gather (async)."""
+        if self.handle is not None or storage_bytes(self.unsharded):
+            return
+        st = self.state
+        mine = self.unsharded.new_zeros(self.block)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                rows = p.local().reshape(-1)
+                mine[offset:offset + rows.numel()].copy_(rows)
+                offset += p.chunk * p.width
+        self.gathered = mine.new_empty(st.d * self.block)
+        self.handle = comm.all_gather(self.gathered, mine, st.group, async_op=True)
+
+    def gather(self):
+        """The full parameters, ready: wait, then copy-out each one's rows from the d pieces."""
+        self.start_gather()
+        if self.handle is None:
+            return
+        self.handle.wait()
+        alloc_storage(self.unsharded)
+        pieces, offset = self.gathered.view(self.state.d, self.block), 0
+        with torch.no_grad():
+            for p in self.params:
+                rows = pieces[:, offset:offset + p.chunk * p.width].reshape(-1, p.width)
+                p.full.data.view(-1, p.width).copy_(rows[:p.shape[0]])
+                offset += p.chunk * p.width
+        self.handle = self.gathered = None
+
+    def free(self):
+        if self.handle is not None:
+            self.handle.wait()
+        self.handle = self.gathered = None
+        free_storage(self.unsharded)
+
+    def reduce(self):
+        """Reduce-scatter the full gradients (copy-in, each padded to d c rows, in
+        ``reduce_dtype``), divide by d, add this rank's rows to each shard's ``.grad``."""
+        st = self.state
+        pieces = torch.zeros(st.d, self.block, dtype=st.reduce_dtype, device=self.unsharded.device)
+        offset = 0
+        for p in self.params:
+            g = p.full.grad
+            if g is not None:
+                rows = F.pad(g.reshape(p.shape[0], p.width), (0, 0, 0, st.d * p.chunk - p.shape[0]))
+                pieces[:, offset:offset + p.chunk * p.width].copy_(rows.view(st.d, -1))
+            offset += p.chunk * p.width
+            p.full.grad = None
+        mine = pieces.new_empty(self.block)
+        comm.reduce_scatter(mine, pieces.view(-1), st.group)
+        mine.div_(st.d)                         # gloo has no AVG: sum, then divide
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                if p.full.requires_grad:
+                    local = mine[offset:offset + (p.hi - p.lo) * p.width]
+                    local = local.view(p.hi - p.lo, *p.shape[1:]).to(p.sharded.dtype)
+                    if p.sharded.grad is None:
+                        p.sharded.grad = p.as_shard(local.clone())
+                    else:
+                        (p.sharded.grad if p.mesh is None else p.sharded.grad.to_local()).add_(local)
+                offset += p.chunk * p.width
+        self.reduced = True
+
+
+# --------------------------------------------------------------------------------------
+# One fully_shard call: its unit, its replicated parameters, and the hooks that move them
+# --------------------------------------------------------------------------------------
+class State:
+    """What one ``fully_shard`` call keeps, on the module (``module._minipar_fsdp``)."""
+
+    def __init__(self, module: nn.Module, group, mesh, mp_policy, reshard: bool, prefetch: bool,
+                 ignored):
+        self.module, self.group, self.reshard, self.prefetch = module, group, reshard, prefetch
+        self.d, self.rank = comm.size(group), comm.rank(group)
+        self.sync, self.root, self.states = True, None, []
+        self.in_backward = self.callback_queued = False
+        ignored = {id(p) for p in ignored}
+        slots: dict[int, list] = {}
+        values: dict[int, nn.Parameter] = {}
+        for m in _managed_modules(module):
+            for name, p in m._parameters.items():
+                if p is not None:
+                    slots.setdefault(id(p), []).append((m, name))
+                    values[id(p)] = p
+        self._refuse_ties_across_calls(module, values)
+        managed = [values[i] for i in slots if i not in ignored and values[i].dim() > 0]
+        kept = [values[i] for i in slots if i in ignored or values[i].dim() == 0]
+        self.replicated = [p for p in kept if p.requires_grad]
+        self.mesh = mesh if self.d > 1 else None
+        if self.d > 1 and mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+            pg = tdist.group.WORLD if group is comm.WORLD else group
+            device = (managed or list(module.parameters()) or [torch.empty(0)])[0].device.type
+            self.mesh = DeviceMesh.from_group(pg, device)
+        # precision: a value read by attribute (FSDP2's MixedPrecisionPolicy or PrecisionPolicy)
+        master = {p.dtype for p in managed}
+        if len(master) > 1 or len({p.device for p in managed}) > 1:
+            raise UsageError("fully_shard: the parameters one call shards must share one dtype "
+                             "and device (build the model in fp32; mp_policy casts it)")
+        master = master.pop() if master else torch.float32
+        if getattr(mp_policy, "loss_scaler", None) is not None:
+            raise UsageError("fully_shard does not scale the loss: scale it yourself "
+                             "(precision.DynamicLossScaler) and pass a policy without a loss_scaler")
+        if getattr(mp_policy, "master_dtype", master) != master:
+            raise UsageError(f"fully_shard: the masters are the module's own {master} parameters; "
+                             f"the policy asks for {mp_policy.master_dtype}")
+        self.param_dtype = getattr(mp_policy, "param_dtype", None) or master
+        self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or self.param_dtype
+        self.output_dtype = getattr(mp_policy, "output_dtype", None)
+        self.cast_inputs = getattr(mp_policy, "cast_forward_inputs", True) and self.param_dtype != master
+        # rank 0's values everywhere (ranks may have built different models), then the shards
+        comm.broadcast_from_first(managed + kept + list(module.buffers()), group)
+        params = [Param(slots[id(p)], p, self) for p in managed]
+        self._originals = [weakref.ref(p) for p in managed]
+        self.unit = Unit(params, self) if params else None
+        for p in params:
+            p.show(p.sharded)
+            if p.full.requires_grad:
+                p.full.register_post_accumulate_grad_hook(self._on_grad_ready)
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+
+    def _refuse_ties_across_calls(self, module, values):
+        inner = [m._minipar_fsdp for m in module.modules() if isinstance(m, FSDPModule)]
+        for p in values.values():
+            if any(ref() is p for s in inner for ref in s._originals):
+                raise UsageError("fully_shard: a parameter is tied across two fully_shard calls "
+                                 "(it would become two weights); call fully_shard on a module "
+                                 "that holds every use of it, not on each")
+
+    # -- the root: the outermost call, found at the first forward ---------------------------
+    def _become_root(self):
+        self.root = self
+        self.states = [m._minipar_fsdp for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for s in self.states:
+            s.root = self
+
+    def _neighbour(self, step: int) -> "Unit | None":
+        states = self.root.states
+        if self not in states:                  # sharded after the root's first forward
+            return None
+        k = states.index(self) + step
+        return states[k].unit if 0 <= k < len(states) else None
+
+    # -- forward ----------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        if self.root is None:
+            self._become_root()
+        if self.root is self and not self.in_backward:
+            for s in self.states:               # gathered before a step changed the shards
+                if s.unit is not None:
+                    s.unit.free()
+        if self.unit is not None:
+            self._adopt()
+            self.unit.gather()
+            nxt = self._neighbour(+1) if self.prefetch and not self.root.in_backward else None
+            if nxt is not None:
+                nxt.start_gather()              # overlaps this unit's forward
+            for p in self.unit.params:
+                p.show(p.full)
+        if self.cast_inputs:
             cast = lambda t: (t.to(self.param_dtype)   # noqa: E731
                               if torch.is_tensor(t) and t.is_floating_point() else t)
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        out = self.module(*args, **kwargs)
-        for u in self.units:                    # a prefetch no unit used (a skipped branch)
-            if u.handle is not None:
-                self._free(u)
-        return out
+        return args, kwargs
 
-    # -- gradients: averaged into the shards' .grad by the end of each backward ---------------
-    def _on_grad_ready(self, p: nn.Parameter):
-        if not self._in_backward:               # the first gradient of this backward pass
-            self._in_backward = True
-            self._reduced = set()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        super()._on_grad_ready(p)
+    def _adopt(self):
+        """A parameter the user replaced since (``load_state_dict(assign=True)``) is the shard now."""
+        for p in self.unit.params:
+            now = p.slots[0][0]._parameters[p.slots[0][1]]
+            if now is not p.sharded and now is not p.full:
+                if getattr(now, "shape", None) != p.shape:
+                    raise UsageError(f"fully_shard: {p.slots[0][1]} was replaced by a tensor of "
+                                     f"shape {tuple(now.shape)}, not {tuple(p.shape)}")
+                p.sharded = now
 
-    def reduce(self, u: Unit):
-        for _, shard, owner, piece in self._shards:   # .grad reset by the optimizer's zero_grad
-            if owner is u:
-                view = u.grad_shard[piece]
-                if shard.grad is None:
-                    view.zero_()
-                elif shard.grad is not view:
-                    view.copy_(shard.grad)
-                shard.grad = view
-        summed = reduce_scatter_down(u.flat_grad(), [self.mesh.p_group, self.mesh.g_group])
-        u.grad_shard.add_(summed.div_(self.d))        # sum, then divide: the average
-        for p in u.params:
-            p.grad = None                               # the full gradient is dropped
-        self._reduced.add(id(u))
+    def _post_forward(self, module, args, output):
+        if self.unit is not None:
+            for p in self.unit.params:
+                p.show(p.sharded)
+            if self.root.in_backward:           # a recomputation inside backward: keep it
+                return output
+            # FSDP2's: the root keeps its parameters for the backward right after its forward
+            if not torch.is_grad_enabled() or self.reshard and self.root is not self:
+                self.unit.free()
+        if torch.is_grad_enabled():             # its output's gradient comes just before its backward
+            for t in tree_leaves(output):
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        if self.root is self:
+            for s in self.states:               # a prefetch no module used (a skipped branch)
+                if s.unit is not None and s.unit.handle is not None:
+                    s.unit.free()
+            if self.output_dtype is not None:
+                output = tree_map(lambda t: t.to(self.output_dtype) if torch.is_tensor(t)
+                                  and t.is_floating_point() else t, output)
+        return output
+
+    # -- backward ---------------------------------------------------------------------------
+    def _begin_backward(self):
+        root = self.root
+        if not root.callback_queued:
+            root.callback_queued = root.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._end_of_backward)
+
+    def _pre_backward(self, grad):
+        self._begin_backward()
+        if self.unit is not None:
+            self.unit.gather()
+            prev = self._neighbour(-1) if self.prefetch else None
+            if prev is not None:
+                prev.start_gather()             # overlaps this unit's backward
+        return None
+
+    def _on_grad_ready(self, full: nn.Parameter):
+        self._begin_backward()
+        u = self.unit
+        u.ready += 1
+        if u.ready == u.trainable:
+            if u.trainable == len(u.params):    # every use of every weight is done
+                u.free()
+            if self.sync:
+                u.reduce()
 
     def _end_of_backward(self):
-        self._in_backward = False
-        self.settle()
-        for u in self.units:          # a unit no backward reached: every rank issues the same
-            if id(u) not in self._reduced:      # collectives, its shards get a zero gradient
-                self.reduce(u)
+        """Every state of the tree: free, reduce what no hook reduced (the same collectives on
+        every rank), average the replicated gradients; no async work outlives backward."""
+        for s in self.states:
+            u = s.unit
+            if u is not None:
+                u.free()
+                if s.sync and u.trainable and not u.reduced:
+                    u.reduce()
+                u.ready, u.reduced = 0, False
+            if s.sync and s.replicated:
+                s._average_replicated()
+        self.in_backward = self.callback_queued = False
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale every shard's gradient by ``min(1, max_norm / (norm + 1e-6))``, the norm being the
-        whole model's averaged gradient's (one scalar all-reduce: the shards tile the model
-        once over the group; frozen parameters have no gradient); returns the norm."""
-        grads = [s.grad for _, s, _, _ in self._shards if s.grad is not None]
-        p = float(norm_type)
-        if math.isinf(p):
-            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-            total = comm.all_reduce_scalars([local], self.group, op="max")[0]
-        else:
-            local = sum(float(g.double().abs().pow(p).sum()) for g in grads)
-            total = comm.all_reduce_scalars([local], self.group)[0] ** (1 / p)
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            with torch.no_grad():
-                for g in grads:
-                    g.mul_(coef)
-        return torch.tensor(total)
+    def _average_replicated(self):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.replicated]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, self.group)
+        flat.div_(self.d)
+        offset = 0
+        for p in self.replicated:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
 
-    # -- the full state ---------------------------------------------------------------------
-    def _full_names(self) -> dict[nn.Parameter, list[str]]:
-        """Every name of each parameter (a tied weight has two, as in the module's state dict)."""
-        out: dict[nn.Parameter, list[str]] = {}
-        for n, p in self.module.named_parameters(remove_duplicate=False):
-            out.setdefault(p, []).append(n)
-        return out
 
-    def state_dict(self, *args, **kwargs) -> dict:
-        """The module's full state dict, parameters in the masters' dtype (a collective)."""
-        full = dict(self.module.state_dict(*args, **kwargs))     # buffers, frozen parameters
-        prefix = kwargs.get("prefix", "")
-        names = self._full_names()
-        with comm.untracked(), torch.no_grad():
-            for u in self.units:
-                whole = gather_up(u.p_shard if u.master is None else u.master, [self.mesh.p_group])
-                offset = 0
-                for p in u.params:
-                    value = whole[offset:offset + p.numel()].view_as(p).clone()
-                    for n in names[p]:
-                        full[prefix + n] = value
-                    offset += p.numel()
-        return full
-
-    def load_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load a full state dict (the bare module's names): each rank keeps its shards."""
-        names = self._full_names()
-        sharded = {n for u in self.units for p in u.params for n in names[p]}
-        missing = sorted(n for u in self.units for p in u.params
-                         if not any(k in state_dict for k in names[p]) for n in names[p][:1])
-        if missing:
-            raise KeyError(f"load_state_dict: no value for {missing[:4]}")
-        with torch.no_grad():
-            for u in self.units:
-                target = u.p_shard if u.master is None else u.master
-                values = [next(state_dict[k] for k in names[p] if k in state_dict) for p in u.params]
-                full = torch.cat([v.reshape(-1).to(target) for v in values]
-                                 + [target.new_zeros(u.N - u.numel)])
-                target.copy_(full.chunk(self.d)[self.mesh.p_index])
-        rest = {k: v for k, v in state_dict.items() if k not in sharded}
-        result = self.module.load_state_dict(rest, strict=False)
-        if strict:
-            unexpected = [k for k in result.unexpected_keys]
-            absent = [k for k in result.missing_keys if k not in sharded]
-            if unexpected or absent:
-                raise KeyError(f"load_state_dict: unexpected {unexpected[:4]}, missing {absent[:4]}")
-        return result
+def _managed_modules(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its sub-modules (depth first, as ``named_parameters``), not looking into
+    those an earlier call sharded."""
+    out, seen, todo = [], set(), [module]
+    while todo:
+        m = todo.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+            todo += reversed([c for c in m.children() if not isinstance(c, FSDPModule)])
+    return out
