@@ -15,9 +15,11 @@ leaves the process group to the interpreter's exit can hang there; ``--no-destro
 A run aborts when a rank dies by a signal (e.g. "terminate called without an active
 exception": SIGABRT) and fails when it exits non-zero or does not end within the time limit.
 """
-import socket
+import shutil
 import sys
+import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as tdist
@@ -29,11 +31,19 @@ LIMIT_S = 300            # per spawn of PAIRS pairs (a loaded machine starts the
 DESTROY = "--no-destroy" not in sys.argv
 
 
-def worker(i, ports):
+def worker(i, folder):
+    try:
+        train(*divmod(i, 2), folder)
+    except BaseException:                    # spawn keeps the traceback to itself: say it
+        traceback.print_exc()
+        raise
+
+
+def train(pair, rank, folder):
     from minipar import dp, fsdp, zero
-    pair, rank = divmod(i, 2)
     torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[pair]}",
+    # a file store per pair: no free port to pick and lose to another process in a race
+    tdist.init_process_group("gloo", init_method=f"file://{folder}/pair{pair}",
                              rank=rank, world_size=2)
     torch.manual_seed(rank)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
@@ -62,21 +72,12 @@ def worker(i, ports):
         tdist.destroy_process_group()
 
 
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def main(runs: int, pairs: int) -> None:
     done = aborted = failed = 0
     while done < runs:
         k = min(pairs, runs - done)
-        ctx = mp.spawn(worker, args=(free_ports(k),), nprocs=2 * k, join=False)
+        folder = tempfile.mkdtemp(prefix="minipar_spawn_")
+        ctx = mp.spawn(worker, args=(folder,), nprocs=2 * k, join=False)
         deadline = time.monotonic() + LIMIT_S
         for p in ctx.processes:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -95,6 +96,7 @@ def main(runs: int, pairs: int) -> None:
             elif any(c != 0 for c in codes):
                 failed += 1
                 print(f"run {done + j}: exit codes {codes}", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
         done += k
     print(f"runs {done} aborted {aborted} failed {failed}", flush=True)
 
