@@ -241,9 +241,20 @@ class RankFailed(RuntimeError):
 
 
 def free_port() -> int:
+    """A port free now (another process may take it before it is used: for torchrun's
+    --master-port in tests; ``launch`` hosts its store itself and needs none)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _hosted_store() -> dist.TCPStore:
+    """The launcher's rendezvous store, listening on a port the OS gives it while bound (no
+    window in which another process can take a port picked for rank 0 to bind later). The
+    ranks join it as clients, as torchrun's ranks join its agent's store
+    (``TORCHELASTIC_USE_AGENT_STORE``, read by torch's env:// rendezvous)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=collective_timeout())
 
 
 # --------------------------------------------------------------------------------------
@@ -382,7 +393,7 @@ def _worker(payload, rank, world, port, backend, queue, threads, launcher_pid, e
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))
+                      LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(threads)
     try:
         # Unpickled here, not by multiprocessing, so a function that cannot be found in the
@@ -507,7 +518,8 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
     _warn_if_oversubscribed(nprocs)
     ctx = _context()
     q = ctx.Queue()
-    port = free_port()
+    store = _hosted_store()
+    port = store.port
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(payload, r, nprocs, port, backend, q, threads, os.getpid(),
                                dict(os.environ)))
@@ -573,6 +585,7 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 180.0
                 p.kill()
                 p.join(timeout=5)
         q.close()
+        del store
         if in_main:
             signal.signal(signal.SIGTERM, old_handler)
     if failure is not None:
