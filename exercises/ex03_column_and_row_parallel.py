@@ -96,9 +96,8 @@ class RowParallelLinear(SplitLinear):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         # With SP each rank adds the bias to its own s/t tokens: f sums the bias gradient.
-        bias = self.bias
-        if self.sequence_parallel and bias is not None:
-            bias = f(bias, self.group)
+        summed = self.sequence_parallel and self.bias is not None
+        bias = f(self.bias, self.group) if summed else self.bias
         # TODO ex03: write this part
         # partial product with the local columns, no bias; sum it over the group with g (extension, SP:
         # reduce_scatter_seq); then add `bias` once (the variable above, not self.bias)

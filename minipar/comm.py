@@ -84,13 +84,10 @@ def _pg(group):
 
 # name of each group we created, for per-group accounting
 _GROUP_NAMES: dict[int, str] = {}
-_GROUP_RANKS: dict[int, list[int]] = {}
 
 
-def name_group(group, name: str, ranks=None) -> None:
+def name_group(group, name: str) -> None:
     _GROUP_NAMES[id(group)] = name
-    if ranks is not None:
-        _GROUP_RANKS[id(group)] = list(ranks)
 
 
 def group_name(group) -> str:
@@ -508,7 +505,9 @@ def broadcast_from_first(tensors, group) -> None:
     src = global_ranks(group)[0]
     with torch.no_grad():
         for t in tensors:
-            c = t.detach() if t.is_contiguous() else t.detach().contiguous()
-            broadcast(c, src, group)
-            if c is not t.detach():
+            if t.is_contiguous():
+                broadcast(t.detach(), src, group)
+            else:                                  # a contiguous copy, copied back
+                c = t.detach().contiguous()
+                broadcast(c, src, group)
                 t.detach().copy_(c)

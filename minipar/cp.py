@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from einops import einsum, rearrange
 
-from . import comm
+from . import comm, rules
 from .runtime.errors import UsageError
 from .model import GPT, CausalSelfAttention
 
@@ -72,6 +72,9 @@ def chunks_of(rank: int, n: int, balanced: bool = True) -> tuple[int, ...]:
 def local_positions(seq_len: int, n: int, rank: int, balanced: bool = True) -> torch.Tensor:
     """The global positions of the seq_len/n tokens rank ``rank`` holds, in its local order."""
     pieces = 2 * n if balanced else n
+    if seq_len % pieces:                       # never drop the tail tokens silently
+        raise UsageError(rules.cp_violation(seq_len, n) if balanced else
+                         f"{seq_len} tokens do not cut into {n} equal chunks")
     c = seq_len // pieces
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks_of(rank, n, balanced)])
 

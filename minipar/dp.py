@@ -199,11 +199,15 @@ class DataParallel(nn.Module):
         self.d = comm.size(self.group)
         trainable = [p for p in module.parameters() if p.requires_grad]
         groups = groups or [ParamGroup("dense", trainable, "dp", self.group, self.d)]
+        listed = [id(p) for g in groups for p in g.params]
+        if sorted(listed) != sorted(map(id, trainable)):   # each averaged once, none left out
+            raise ValueError("groups must list every trainable parameter of the module exactly once")
         # the first rank's weights everywhere (ranks may have built different models); a
         # group with its own process group (MoE experts) from that group's first rank
         if init_sync:
+            frozen = [p for p in module.parameters() if not p.requires_grad]
             comm.broadcast_from_first([p for g in groups if g.group is self.group for p in g.params]
-                                      + list(module.buffers()), self.group)
+                                      + frozen + list(module.buffers()), self.group)
             for g in groups:
                 if g.group is not self.group:
                     comm.broadcast_from_first(g.params, g.group)
@@ -314,6 +318,10 @@ class DataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Average what is still accumulated, then clip as ``torch.nn.utils.clip_grad_norm_``
         on one process (every rank holds the whole averaged gradient); returns the norm."""
+        if any(r.group is not self.group for r in self.reductions):
+            raise ValueError("DataParallel.clip_grad_norm_: a parameter group is averaged over its "
+                             "own process group (experts), so ranks hold different parameters and "
+                             "norms; clip with the trainer's --clip-grad (minipar.train.optim)")
         self.finish_grad_sync()
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 

@@ -15,7 +15,7 @@ The axes:
 ========  =======================================================================
 ``dp``    data parallel: the same pipeline stage, CP and TP index in every replica
 ``pp``    pipeline stages
-``cp``    context parallel (sequence split across ranks; size 1 until a paradigm uses it)
+``cp``    context parallel: each sequence split across ranks (``minipar.cp``, ring attention)
 ``tp``    tensor parallel (innermost)
 ``ep``    expert parallel, carved inside ``dp`` (DeepSpeed-MoE, Megatron-LM): ``ep``
           consecutive dp indices; ``ep`` divides ``dp``
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as tdist
 from einops import rearrange
 
-from . import comm
+from . import comm, rules
 from .runtime.errors import UsageError
 from .runtime.timeouts import new_group as timed_group   # every group gets the collective timeout
 
@@ -79,9 +79,8 @@ class Mesh:
         for name, n in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp), ("ep", ep)):
             if not (isinstance(n, int) and n >= 1):
                 raise UsageError(f"mesh axis {name} must be a whole number >= 1, got {n!r}")
-        if dp % ep:
-            raise UsageError(f"ep={ep} must divide dp={dp} (expert parallelism is carved inside "
-                             f"the data-parallel axis)")
+        if rules.ep_violation(ep, dp):
+            raise UsageError(rules.ep_violation(ep, dp))
         self.dp, self.pp, self.tp, self.cp, self.ep = dp, pp, tp, cp, ep
         world = dp * pp * cp * tp
         self.distributed = tdist.is_initialized()
@@ -178,7 +177,7 @@ def new_groups(rank_lists: list[list[int]], name: str):
         if me in ranks:
             mine = g
             if g is not None:
-                comm.name_group(g, name, ranks)
+                comm.name_group(g, name)
     return mine
 
 

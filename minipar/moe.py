@@ -54,7 +54,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from . import comm
+from . import comm, rules
+from .runtime.errors import UsageError
 
 
 # --------------------------------------------------------------------------------------
@@ -320,6 +321,8 @@ def expert_parallel(model: nn.Module, group) -> nn.Module:
     every rank keeps every expert)."""
     n, i = comm.size(group), comm.rank(group)
     for layer in moe_layers(model):
+        if rules.moe_violation(layer.n_experts, ep=n):    # whole experts on every rank
+            raise UsageError(rules.moe_violation(layer.n_experts, ep=n))
         layer.ep_group = group
         per_rank = layer.n_experts // n
         for key in list(layer.experts):

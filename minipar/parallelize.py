@@ -33,6 +33,7 @@ from einops import rearrange
 from . import comm, cp, data, moe, pp, tp
 from .mesh import Mesh
 from .precision import PrecisionPolicy
+from .runtime.errors import UsageError
 
 
 def parallelize(model, mesh: Mesh, sp: bool = False, policy: PrecisionPolicy | None = None,
@@ -41,9 +42,7 @@ def parallelize(model, mesh: Mesh, sp: bool = False, policy: PrecisionPolicy | N
     policy = policy or PrecisionPolicy()
     layers = moe.moe_layers(model)
     if mesh.tp > 1:                                                    # 1
-        tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp)
-        for layer in layers:
-            replicate_over_tp(layer, mesh.group("tp"))
+        tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, other_mlp=replicate_over_tp)
     if layers:                                                         # 2
         moe.expert_parallel(model, mesh.group("ep"))
     model = model.to(device=device, dtype=policy.param_dtype)          # 3
@@ -89,6 +88,14 @@ def replicate_over_tp(layer: moe.MoE, group) -> None:
         for name, child in list(expert.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(expert, name, TokenSplitLinear(child, group))
+        if any(not isinstance(m, TokenSplitLinear) for m in _holders(expert)):  # not silently
+            raise UsageError("MoE under TP: an expert holds parameters outside its direct "
+                             "nn.Linear children; their gradients would miss TP's sum")
+
+
+def _holders(module):
+    """The modules under ``module`` (itself included) that hold parameters of their own."""
+    return [m for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
 
 
 class TokenShare(moe.Sequences):

@@ -31,7 +31,7 @@ Megatron-LM instead keeps an fp32 gradient buffer, 4 bytes, for bit-better accum
 
 ``MixedPrecision`` looks like the optimizer it wraps where the engines and the trainer touch
 one: ``step()``, ``zero_grad()``, ``param_groups`` (a learning-rate schedule sets ``lr`` there),
-``state``, ``state_dict()``. Nothing here communicates.
+``state``, ``state_dict()``. Its one collective is fp16's skip vote (``found_inf_anywhere``).
 """
 from __future__ import annotations
 

@@ -172,6 +172,31 @@ def cp_violation(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> str | 
     return None
 
 
+def ep_violation(ep: int, dp: int) -> str | None:
+    """Expert parallelism is carved inside the data-parallel axis: ep consecutive dp ranks."""
+    if dp % ep:
+        return (f"--ep {ep} must divide the data-parallel degree {dp} (EP groups are "
+                f"consecutive data-parallel ranks); use an --ep that divides {dp}")
+    return None
+
+
+def moe_violation(experts: int, top_k: int = 1, every: int = 1, ep: int = 1,
+                  dp: int | None = None, layers: int | None = None) -> str | None:
+    """An MoE of ``experts`` per layer (0: dense), ``top_k`` per token, every ``every``-th
+    layer of ``layers``, its experts split over ``ep`` of the ``dp`` ranks (E/ep each)."""
+    if experts == 0:
+        return "--ep splits the experts of an MoE model; give --moe-experts E too" if ep > 1 else None
+    if not 1 <= top_k <= experts:
+        return f"--moe-top-k must be between 1 and --moe-experts {experts}, got {top_k}"
+    if every < 1 or (layers is not None and every > layers):
+        return f"--moe-every must be between 1 and the model's {layers or 'number of'} layers, got {every}"
+    if dp is not None and ep_violation(ep, dp):
+        return ep_violation(ep, dp)
+    if experts % ep:
+        return f"--moe-experts {experts} must be a multiple of --ep {ep} (each EP rank holds E/ep experts)"
+    return None
+
+
 def moe_tp_violation(seq_len: int, tp: int = 1, cp: int = 1) -> str | None:
     """An MoE layer under TP routes 1/tp of a cp rank's s/cp tokens on each TP rank."""
     if tp > 1 and (seq_len // cp) % tp:

@@ -40,6 +40,7 @@ from einops import rearrange
 
 from . import comm
 from .model import MLP
+from .runtime.errors import UsageError
 
 
 # --------------------------------------------------------------------------------------
@@ -270,9 +271,8 @@ class RowParallelLinear(SplitLinear):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         # With SP each rank adds the bias to its own s/t tokens: f sums the bias gradient.
-        bias = self.bias
-        if self.sequence_parallel and bias is not None:
-            bias = f(bias, self.group)
+        summed = self.sequence_parallel and self.bias is not None
+        bias = f(self.bias, self.group) if summed else self.bias
         # EXERCISE ex03 begin
         # partial product with the local columns, no bias; sum it over the group with g (extension, SP:
         # reduce_scatter_seq); then add `bias` once (the variable above, not self.bias)
@@ -301,9 +301,7 @@ class VocabParallelEmbedding(SplitLinear):
         mine = (idx >= self.start) & (idx < self.start + self.per_rank)
         local = F.embedding(torch.where(mine, idx - self.start, 0), self.weight)
         local = local * rearrange(mine, "... -> ... 1")
-        if self.sequence_parallel:
-            return reduce_scatter_seq(local, self.group)
-        return g(local, self.group)
+        return reduce_scatter_seq(local, self.group) if self.sequence_parallel else g(local, self.group)
 
 
 class ParallelEmbedding(nn.Module):
@@ -413,32 +411,37 @@ class VocabParallelCrossEntropy(nn.Module):
 # --------------------------------------------------------------------------------------
 # The serial GPT -> the tensor-parallel GPT
 # --------------------------------------------------------------------------------------
-def parallelize_block(block, group, sequence_parallel: bool = False):
+def parallelize_block(block, group, sequence_parallel: bool = False, other_mlp=None):
     """One block, in place: qkv and fc column-parallel, both proj row-parallel (attention reads
-    its number of heads, h/t here, from qkv's width)."""
+    its number of heads, h/t here, from qkv's width). Another kind of MLP (a mixture of
+    experts) is split by ``other_mlp(mlp, group)``, the layout's; none given: refused."""
     attn, mlp, sp = block.attn, block.mlp, sequence_parallel
     attn.qkv = ColumnParallelLinear.from_serial(attn.qkv, group, groups=3, sequence_parallel=sp)
     attn.proj = RowParallelLinear.from_serial(attn.proj, group, sequence_parallel=sp)
-    if isinstance(mlp, MLP):        # another MLP (a mixture of experts) is the layout's to split
+    if isinstance(mlp, MLP):
         mlp.fc = ColumnParallelLinear.from_serial(mlp.fc, group, sequence_parallel=sp)
         mlp.proj = RowParallelLinear.from_serial(mlp.proj, group, sequence_parallel=sp)
+    elif other_mlp is None:         # left whole, its gradients would miss TP's sum: say so
+        raise UsageError(f"tp splits model.MLP; for a {type(mlp).__name__} pass other_mlp=f(mlp, group)")
+    else:
+        other_mlp(mlp, group)
     if sp:
         block.ln1 = SequenceParallelLayerNorm(block.ln1, group)
         block.ln2 = SequenceParallelLayerNorm(block.ln2, group)
     return block
 
 
-def parallelize(model, group, sequence_parallel: bool = False):
+def parallelize(model, group, sequence_parallel: bool = False, other_mlp=None):
     """Swap the TP parts into the serial ``model`` (every rank built it from the seed) in
-    place. Structure and names stay, so a pipeline can cut it; under SP the activations
-    between blocks are (b, s/t, h)."""
+    place (``other_mlp``: as ``parallelize_block``'s). Structure and names stay, so a pipeline
+    can cut it; under SP the activations between blocks are (b, s/t, h)."""
     sp = sequence_parallel and comm.size(group) > 1
     embed = model.embed
     model.embed = ParallelEmbedding(
         VocabParallelEmbedding.from_serial(embed.tok, group, sequence_parallel=sp),
         embed.pos, embed.drop, group, sequence_parallel=sp)
     for block in model.blocks:
-        parallelize_block(block, group, sequence_parallel=sp)
+        parallelize_block(block, group, sequence_parallel=sp, other_mlp=other_mlp)
     head = model.head
     if sp:
         head.ln = SequenceParallelLayerNorm(head.ln, group)

@@ -152,21 +152,18 @@ class Unit:
     ``flat`` the full parameters (each ``.data`` a view; s_p > 1: allocated only while used);
     ``p_shard`` this rank's P shard; ``grad_shard`` its G shard (s_g = 1: the full gradient);
     ``g_slice``, ``os_param``, ``os_grad``: nested chunks, what the optimizer updates.
-    ``reduce_dtype``: gradients summed in it (None: their own); ``dtype``: ``flat``'s compute
-    dtype (lower: ``master`` keeps the P shard as built); ``grad_dtype``: the G shard's."""
+    ``reduce_dtype``: gradients summed in it (None: their own)."""
 
-    def __init__(self, module, params: list, mesh: ShardMesh, reduce_dtype=None, grad_dtype=None,
-                 dtype=None):
+    def __init__(self, module, params: list, mesh: ShardMesh, reduce_dtype=None):
         s_p, s_g, s_os = mesh.spec
         self.module, self.params = module, params
         self.numel = sum(p.numel() for p in params)
         self.N = math.ceil(self.numel / s_os) * s_os
         n_p, n_g, n_os = self.N // s_p, self.N // s_g, self.N // s_os
         like = params[0]
-        full = torch.cat([p.detach().reshape(-1) for p in params] + [like.new_zeros(self.N - self.numel)])
+        self.flat = torch.cat([p.detach().reshape(-1) for p in params]
+                              + [like.new_zeros(self.N - self.numel)])
         mine = slice(mesh.p_index * n_p, (mesh.p_index + 1) * n_p)
-        self.master = full[mine].clone() if dtype not in (None, like.dtype) else None
-        self.flat = full.to(dtype or like.dtype)
         offset = 0
         for p in params:
             p.data = self.flat[offset:offset + p.numel()].view_as(p)
@@ -177,10 +174,9 @@ class Unit:
         self.g_slice = self.p_shard[mesh.g_index * n_g:(mesh.g_index + 1) * n_g]
         self.os_slice = slice(mesh.os_index * n_os, (mesh.os_index + 1) * n_os)
         self.os_param = self.g_slice[self.os_slice]
-        self.grad_shard = torch.zeros(n_g, dtype=grad_dtype or self.flat.dtype, device=like.device)
+        self.grad_shard = torch.zeros(n_g, dtype=self.flat.dtype, device=like.device)
         self.os_grad = self.grad_shard[self.os_slice]
-        if self.os_grad.dtype == self.os_param.dtype:
-            self.os_param.grad = self.os_grad
+        self.os_param.grad = self.os_grad
         self.reduce_dtype = reduce_dtype
         self.handle = None      # a parameter all-gather in flight
         self.ready = 0          # gradients accumulated this backward
@@ -277,10 +273,10 @@ class ShardedUnits:
     ``reduce(u)`` (the owner's) runs if ``reduce_each_backward`` (G sharding)."""
 
     def __init__(self, module, mesh: ShardMesh, units: list, prefetch: bool = True,
-                 reduce_dtype=None, grad_dtype=None, reduce_each_backward: bool = False, dtype=None):
+                 reduce_dtype=None, reduce_each_backward: bool = False):
         self.module, self.mesh, self.spec, self.prefetch = module, mesh, mesh.spec, prefetch
         self.reduce_each_backward = reduce_each_backward
-        self.units = [Unit(m, ps, mesh, reduce_dtype, grad_dtype, dtype) for m, ps in units]
+        self.units = [Unit(m, ps, mesh, reduce_dtype) for m, ps in units]
         self._unit_of = {p: u for u in self.units for p in u.params}
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -366,8 +362,10 @@ class ShardedEngine(ShardedUnits):
             raise UsageError(reason)
         self.policy = policy or PrecisionPolicy()
         units = units if units and isinstance(units[0], tuple) else units_of(module, units, whole)
-        comm.broadcast_from_first([p for _, ps in units for p in ps]     # ``whole``: the owner's
-                                  + (list(module.buffers()) if module is not None else []), axis.group)
+        rest = ([] if module is None else    # frozen weights and buffers too, as DDP
+                [p for p in module.parameters() if not p.requires_grad] + list(module.buffers()))
+        comm.broadcast_from_first([p for _, ps in units for p in ps] + rest,  # ``whole``: the owner's
+                                  axis.group)
         mesh, self.group = ShardMesh(axis, spec), axis.group
         # mixed precision: gradients summed in the policy's (wider) reduce dtype
         self.reduce_dtype = self.policy.reduce_dtype if self.policy.mixed and mesh.d > 1 else None

@@ -153,3 +153,14 @@ def test_ring_bytes_formula_counts_messages():
                                                     total=10 * 1536)
     assert cp_attention_bytes(2, 16, 24, 4, recompute="full")["forward"] == 6 * 1536
     assert cp_attention_bytes(2, 16, 24, 1)["total"] == 0
+
+
+def test_a_sequence_that_does_not_cut_evenly_is_refused_not_truncated():
+    """10 tokens over cp 2 (4 chunks) would lose tokens 8 and 9: one line instead."""
+    from minipar import cp
+    from minipar.runtime.errors import UsageError
+    with pytest.raises(UsageError, match="not divisible by 4"):
+        cp.local_positions(10, 2, 0)
+    with pytest.raises(UsageError, match="3 equal chunks"):
+        cp.local_positions(10, 3, 0, balanced=False)
+    assert sorted(torch.cat([cp.local_positions(12, 2, r) for r in range(2)]).tolist()) == list(range(12))

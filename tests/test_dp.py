@@ -127,3 +127,30 @@ def test_overlapped_without_begin_step_still_averages():
 def test_grads_zeroed_to_none_by_the_optimizer_still_average(mode):
     assert max(dist.launch(_hand_driven_without_begin_step, 2, steps=3, mode=mode,
                            set_to_none=True)) < 1e-6
+
+
+def _frozen_and_groups():
+    from minipar.mesh import ParamGroup
+    torch.manual_seed(tdist.get_rank())             # every rank builds different weights
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    net[0].weight.requires_grad_(False)             # a frozen weight, as DDP broadcasts it too
+    dp.DataParallel(net)
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    refusals = []
+    for listed in (trainable[:1], trainable + trainable[:1]):      # one left out; one twice
+        try:
+            dp.DataParallel(net, groups=[ParamGroup("dense", tuple(listed), "dp", None, 2)])
+        except ValueError as e:
+            refusals.append(str(e))
+    return net[0].weight.detach().clone(), refusals
+
+
+def test_frozen_weights_are_rank_0s_and_groups_must_list_every_trainable_parameter_once():
+    """torch's DDP broadcasts every parameter when built, frozen ones too; a parameter group
+    list that leaves a trainable parameter out (never averaged) or lists one twice (averaged
+    twice) is refused with one line."""
+    (f0, r0), (f1, r1) = dist.launch(_frozen_and_groups, 2)
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))[0].weight
+    assert torch.equal(f0, f1) and torch.equal(f0, expected.detach())
+    assert len(r0) == 2 and all("exactly once" in r for r in r0), r0

@@ -439,3 +439,19 @@ def test_bad_moe_layout_exits_2_with_one_line():
               "--tp", "4", "--seq-len", "10", timeout=60)
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "MoE" in out.stderr, out.stderr
+
+
+def test_moe_layout_rules_are_one_function_for_trainer_planner_and_layer():
+    """rules.moe_violation is what the trainer, the planner and expert_parallel refuse with
+    (the trainer's lines: test_bad_moe_layouts_are_refused_before_any_work above)."""
+    from minipar import rules
+    from minipar.plan import moe as plan_moe
+    from minipar.runtime.errors import PlanError
+    assert rules.moe_violation(8, 2, ep=4, dp=8) is None
+    assert "multiple of --ep 4" in rules.moe_violation(6, 2, ep=4)
+    assert "divide the data-parallel degree 6" in rules.moe_violation(8, 2, ep=4, dp=6)
+    assert "--moe-top-k" in rules.moe_violation(8, 9)
+    assert "--moe-every" in rules.moe_violation(8, 2, every=5, layers=4)
+    assert "give --moe-experts" in rules.moe_violation(0, ep=2)
+    with pytest.raises(PlanError, match="multiple of --ep 4"):
+        plan_moe.check(plan_moe.MoE(experts=6, top_k=2), ep=4)

@@ -11,6 +11,7 @@ from minipar import comm, model, plan, tp
 from minipar.train import pieces
 from minipar.mesh import Mesh
 from minipar.runtime import dist
+from minipar.runtime.errors import UsageError
 from minipar.train import run_state
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -299,3 +300,18 @@ def test_block_bytes_equal_the_formula(t):
                                    "all_reduce": replicated}
         assert res["formula"] == {"forward": res["forward"], "backward": res["backward"]}
         assert res["groups"] == {"tp"}
+
+
+def test_an_mlp_tp_cannot_split_is_refused_not_left_whole():
+    """Left whole, another MLP's gradients would miss TP's sum (wrong under SP): one line,
+    unless the layout hands the split over (``other_mlp``, as parallelize does for MoE)."""
+    cfg = model.config("nano")
+    block = model.Block(cfg)
+    block.mlp = torch.nn.Linear(cfg.d_model, cfg.d_model)
+    with pytest.raises(UsageError, match="other_mlp"):
+        tp.parallelize_block(block, None)
+    seen = []
+    tp.parallelize_block(model.Block(cfg), None)                   # model.MLP: split by tp
+    block.attn = model.Block(cfg).attn
+    tp.parallelize_block(block, None, other_mlp=lambda mlp, group: seen.append(mlp))
+    assert seen == [block.mlp]

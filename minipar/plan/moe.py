@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from .errors import PlanError
 from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
 from .shapes import ModelShape
+from .. import rules
 from ..rules import moe_tp_violation as tp_violation
 
 COUNT_BYTES = 8     # int64 routing counts
@@ -83,19 +84,10 @@ class MoE:
 
 def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> None:
     """PlanError (one line) for an MoE/EP that cannot be laid out."""
-    if moe is None:
-        if ep > 1:
-            raise PlanError("--ep splits the experts of an MoE model; give --moe-experts E too")
-        return
-    if not 1 <= moe.top_k <= moe.experts:
-        raise PlanError(f"--moe-top-k must be between 1 and --moe-experts {moe.experts}, "
-                        f"got {moe.top_k}")
-    if moe.every < 1:
-        raise PlanError(f"--moe-every must be >= 1, got {moe.every}")
-    if moe.experts % ep:
-        raise PlanError(f"--moe-experts {moe.experts} must be a multiple of --ep {ep}")
-    if dp is not None and dp % ep:
-        raise PlanError(f"--ep {ep} must divide the data-parallel degree {dp}")
+    reason = (rules.moe_violation(0, ep=ep) if moe is None else
+              rules.moe_violation(moe.experts, moe.top_k, moe.every, ep, dp))
+    if reason:
+        raise PlanError(reason)
 
 
 # --------------------------------------------------------------------------------------

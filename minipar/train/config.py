@@ -318,26 +318,14 @@ def _check_moe(cfg: GPTConfig, ep: int, dp: int, tp: int = 1, cp: int = 1) -> No
         raise UsageError(f"--moe-experts must be >= 0, got {E}")
     if ep < 1:
         raise UsageError(f"--ep must be >= 1, got {ep}")
+    _refuse(rules.moe_violation(E, cfg.moe_top_k, cfg.moe_every, ep, dp, cfg.n_layer))
     if E == 0:
-        if ep > 1:
-            raise UsageError("--ep splits the experts of an MoE model; give --moe-experts E too")
         return
-    if not 1 <= cfg.moe_top_k <= E:
-        raise UsageError(f"--moe-top-k must be between 1 and --moe-experts {E}, got {cfg.moe_top_k}")
-    if not 1 <= cfg.moe_every <= cfg.n_layer:
-        raise UsageError(f"--moe-every must be between 1 and the model's {cfg.n_layer} layers, "
-                         f"got {cfg.moe_every}")
     for name, value in (("capacity-factor", cfg.capacity_factor), ("moe-aux-coef", cfg.moe_aux_coef),
                         ("moe-z-coef", cfg.moe_z_coef)):
         if not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{name} must be a finite number >= 0, got {value}")
     _refuse(rules.moe_tp_violation(cfg.seq_len, tp, cp))
-    if dp % ep:
-        raise UsageError(f"--ep {ep} must divide the data-parallel degree {dp} (EP groups are "
-                         f"consecutive data-parallel ranks); use an --ep that divides {dp}")
-    if E % ep:
-        raise UsageError(f"--moe-experts {E} must be a multiple of --ep {ep} (each EP rank holds "
-                         f"E/ep experts)")
 
 
 def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:
