@@ -280,6 +280,7 @@ def test_the_pieces_geometry_is_worked_out_once(monkeypatch):
     for _ in range(3):
         cached = pieces.pieces(mesh, runner, engine, plans)
     assert len(worked) == 2 * n                                   # fresh, then the first cached
+    assert len(fresh) == len(cached) > 0
     for a, b in zip(fresh, cached):
         assert (a.name, a.shape, a.offsets, a.sizes, a.owner) == (b.name, b.shape, b.offsets,
                                                                    b.sizes, b.owner)
@@ -314,22 +315,32 @@ def test_a_run_logging_every_k_steps_with_mfu_ends_with_its_summary():
     """Any GPU knows its peak, so MFU is on the logging steps' records only; the summary's
     mean over every record was a KeyError after the last step: exit 1 after a good run
     (both cluster scripts use --log-every 5). --peak-tflops gives the CPU a peak."""
-    history = train.run(NANO[:NANO.index("--steps")] + ["--steps", "6", "--log-every", "3",
+    history = train.run(NANO[:NANO.index("--steps")] + ["--steps", "9", "--log-every", "3",
                                                          "--peak-tflops", "1"])
-    assert [h["step"] for h in history if "mfu" in h] == [3, 6]
+    assert [h["step"] for h in history if "mfu" in h] == [3, 6, 9]
     text = train.report.summary(history)
     assert "MFU" in text
-    gpu = [dict(h, peak_memory_bytes=100 * h["step"]) if "mfu" in h else h for h in history]
-    assert "0.00 GiB" in train.report.summary(gpu)                       # peak over the logging records
+    # a GPU's peaks on the logging records: 2, 5 and 3 GiB. The peak is their max, 5.00 GiB;
+    # the first (2.00), the last (3.00), the mean (3.33) and the sum (10.00) all read otherwise
+    gib = {3: 2, 6: 5, 9: 3}
+    gpu = [dict(h, peak_memory_bytes=gib[h["step"]] * 2**30) if "mfu" in h else h for h in history]
+    peak, = [ln for ln in train.report.summary(gpu).splitlines() if "peak GPU memory" in ln]
+    assert peak.endswith("): 5.00 GiB"), peak
 
 
 def test_torchrun_rank_ends_with_exit_0_after_logging_every_k_steps(tmp_path):
+    # the rank joins a store this process hosts, as torchrun's ranks join its agent's (and as
+    # dist.launch does): a port the OS gave while bound, never one picked to be bound later.
+    # The store must outlive the rank: it is referenced after subprocess.run returns
+    import torch.distributed as tdist
+    store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(dist.free_port()), PYTHONPATH=ROOT)
+               MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True", PYTHONPATH=ROOT)
     import subprocess
     r = subprocess.run([sys.executable, "-m", "minipar.train", *NANO[:NANO.index("--steps")],
                         "--steps", "4", "--log-every", "3", "--peak-tflops", "1", "--save",
                         str(tmp_path / "ck")], capture_output=True, text=True, timeout=180,
                        env=env, cwd=ROOT)
+    del store                                    # the rank has ended: the store may go
     assert r.returncode == 0, r.stderr[-2000:]
     assert "summary: 4 steps" in r.stdout
