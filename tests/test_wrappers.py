@@ -228,12 +228,35 @@ def test_zero_equals_serial_and_torch(kind, stage, micro):
             assert_close(got, rank_out[(kind, micro, "zro")][0], tol=1e-6)
 
 
+def serial_resumed():
+    """The resume's single-process twin: AdamW(lr=1e-2) on rank 0's MLP for STEPS whole
+    batches, its state dict then (a copy: the step updates the tensors in place), and the
+    parameters after one more step on batch 7."""
+    import copy
+    model = make("mlp", SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train("mlp", model, opt, 1)
+    state = copy.deepcopy(opt.state_dict())
+    x, y = batch("mlp", 7)
+    opt.zero_grad()
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+    return state, params_of(model)
+
+
 def test_sharded_optimizer_resumes_from_its_state_dict_across_stages():
+    ref_state, ref = serial_resumed()
+    every = set(range(len(list(make("mlp", 0).parameters()))))    # the MLP's 6 parameters
+    assert len(every) == 6 and set(ref_state["state"]) == every
     for rank_out in launched("zero", _zero_runs):
         saved, reloaded, a, b = rank_out["resume"]
-        assert saved["param_groups"] == reloaded["param_groups"]
-        for i, s in saved["state"].items():
-            assert_close(reloaded["state"][i], s, tol=0)
+        assert saved["param_groups"] == reloaded["param_groups"] == ref_state["param_groups"]
+        assert set(saved["state"]) == set(reloaded["state"]) == every
+        for i, s in ref_state["state"].items():            # step, exp_avg, exp_avg_sq each
+            assert_close(saved["state"][i], s)
+            assert_close(reloaded["state"][i], saved["state"][i], tol=0)
+        assert_close(a, ref)                                # stage 1 went on as one process
+        assert_close(b, ref)                                # and so did stage 2 after loading
         assert_close(a, b, tol=1e-6)
 
 
@@ -243,6 +266,7 @@ def test_sharded_optimizer_param_groups_and_sgd():
         got, state = rank_out[("mlp", 1, "sgd-groups")]
         assert_close(got, ref)
         assert state["param_groups"] == ref_state["param_groups"]
+        assert set(state["state"]) == set(ref_state["state"]) == set(range(6))   # momentum each
         for i, s in ref_state["state"].items():
             assert_close(state["state"][i], s)
 
@@ -613,7 +637,14 @@ def test_fully_shard_methods_shapes_and_replicated_norms():
 
 
 def test_fully_shard_accumulates_without_sync_and_refuses_cross_call_ties():
+    # one process, rank 0's seed, the whole batch at once: each rank's two halved micro-batch
+    # losses sum to the mean over its half, and the ranks' average is the mean over the batch
+    model = make("mlp", SEED)
+    x, y = batch("mlp", 0)
+    loss_fn("mlp", model(x), y).backward()
+    ref = grads_of(model)
     for out in launched("habits", _habit_runs):
+        assert_close(out[("grads", False)], ref, tol=1e-6)
         assert_close(out[("grads", False)], out[("grads", True)], tol=1e-6)
         assert (out[("reduce_scatters", True)], out[("reduce_scatters", False)]) == (6, 3)
         assert "tied across two fully_shard calls" in out["tied across calls"]
