@@ -43,7 +43,7 @@ enough to be safe: NCCL/RCCL complete a send only together with its receive, in 
 rank posted them, so if every rank posted its receive first the ring would hang there (gloo
 would not show it). Even ranks send first and odd ranks receive first (``Ring.shift``);
 ``minipar.p2p_order`` replays the order under NCCL's rule in the tests. The closed form is
-``minipar.plan.cp_attention_bytes``.
+``minipar.plan.cp.cp_attention_bytes``.
 Parameters are replicated over ``cp``: their gradients are averaged over ``dp x cp``.
 
 Shapes: ``b h s d`` is batch, heads, this rank's tokens (s/N), head size; ``two`` stacks K and V.
