@@ -140,7 +140,10 @@ MUTANTS = [
     # ex05
     ("ex05", "warmup = min(p - r - 1, m)", "warmup = min(p - r, m)", NAMED["off-by-one warm-up"]),
     ("ex05", "warmup = min(p - r - 1, m)", "warmup = max(p - r - 2, 0)", NAMED["off-by-one warm-up"]),
-    # (a steady phase of backward-then-forward pairs is the same list as a warm-up one too short)
+    # a steady phase of backward-then-forward pairs is the same list as a warm-up one forward
+    # too short (stage 0 of p=4: F0 F1 F2 B0 F3 ...), and the checker names it so
+    ("ex05", "[forward(warmup + k), backward(k)]", "[backward(k), forward(warmup + k)]",
+     NAMED["off-by-one warm-up"]),
     ("ex05", "    order += [backward(k) for k in range(m - warmup, m)]\n", "\n", "the cool-down"),
     # ex06a, ex06, ex07
     ("ex06a", "    shard_grad.div_(d)", "    pass", NAMED["missing division"]),
