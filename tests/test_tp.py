@@ -205,11 +205,22 @@ def test_indivisible_heads_or_sequence_exit_2_with_a_clear_line():
     assert out.returncode == 2 and "sequence length 15" in out.stderr, out.stderr
 
 
-def test_the_tp_rule_names_the_shape_that_does_not_divide():
+def test_the_tp_rule_names_the_shape_that_does_not_divide(monkeypatch):
     from minipar import rules
     assert "MLP width 90" in rules.tp_violation(4, 4, hidden=32, ffn=90)
     assert "attention heads" in rules.tp_violation(6, 4, hidden=48, ffn=192)
-    assert rules.tp_violation(4, 4, hidden=32, ffn=128) is None    # the vocabulary is padded: fine
+    assert rules.tp_violation(4, 4, hidden=32, ffn=128) is None    # heads, widths divide
+    # the vocabulary is no part of the rule: the trainer pads it to a multiple of tp. A model
+    # whose vocabulary 255 does not divide by 4 is accepted under --tp 4 (no flag sets the
+    # vocabulary, so a preset carries it)
+    import dataclasses
+    from minipar.train import parse_config
+    monkeypatch.setitem(model.PRESETS, "nano-v255",
+                        dataclasses.replace(model.PRESETS["nano"], vocab_size=255))
+    argv = NANO[:]
+    argv[argv.index("nano")] = "nano-v255"
+    cfg = parse_config(argv + ["--nproc", "4", "--tp", "4"])
+    assert (cfg.tp, cfg.model_cfg.vocab_size) == (4, 255)
 
 
 # --------------------------------------------------------------------------------------
