@@ -72,6 +72,9 @@ ENTRY = {
 
 TRAIN = [
     ("--model nano --moe-experts 4 --recompute full --compile", "torch.compile"),
+    ("--save /proc/minipar-run", "cannot be written"),        # tried, not read off mode bits
+    ("--moe-top-k 3", "--moe-top-k applies to an MoE model"),   # dense: would be ignored
+    ("--capacity-factor nan", "--capacity-factor"),
     # zero, negative, NaN, infinity, huge
     ("--nproc 0", "--nproc"),
     ("--nproc -2", "--nproc"),
@@ -240,6 +243,8 @@ NEW_COMMANDS = {
         ("--resume {tmp}/adir --prompt hi --temperature nan", "--temperature|adir"),
         ("--resume {tmp}/adir --prompt hi --temperature -1", "--temperature|adir"),
         ("--resume {tmp}/adir --prompt hi --top-k 0", "--top-k|adir"),
+        ("--resume {tmp}/adir --prompt hi --device mps", "--device"),
+        ("--resume {tmp}/adir --prompt hi --device meta", "--device"),
     ],
     "checkpoint": [
         ("", "command"),

@@ -140,9 +140,16 @@ def _damaged(saved, tmp_path, how):
             f.truncate(100)
     elif how == "metadata":
         (bad / ".metadata").write_bytes(b"garbage")
-    elif how == "vocab":
+    elif how in ("vocab", "newer-config", "step-text", "no-layout"):
         m = json.loads((bad / "manifest.json").read_text())
-        m["model"]["config"]["vocab_size"] = 300
+        if how == "vocab":
+            m["model"]["config"]["vocab_size"] = 300
+        elif how == "newer-config":                   # a field this GPTConfig does not know
+            m["model"]["config"]["rope_theta"] = 1e4
+        elif how == "step-text":
+            m["step"] = "abc"
+        else:
+            del m["layout"]
         (bad / "manifest.json").write_text(json.dumps(m))
     return str(bad)
 
@@ -154,6 +161,9 @@ BAD_CHECKPOINTS = [
     ("truncated", "missing or truncated"),
     ("metadata", "DCP metadata is damaged"),
     ("vocab", "another model (vocab_size 300 here 256)"),
+    ("newer-config", "manifest.json is damaged (TypeError"),
+    ("step-text", "manifest.json is damaged (ValueError"),
+    ("no-layout", "manifest.json is damaged (KeyError"),
     ("other-model", "another model (n_layer 4 here 8)"),
     ("done", "give --steps above 10"),
 ]
@@ -226,3 +236,38 @@ def test_loaded_step_counter_lives_on_the_fused_kernels_device():
         checkpoint.ensure_adam_state(opt)
         step = opt.state[p]["step"]
         assert (step.device.type, step.dtype) == (device, torch.float32), flag
+
+
+def test_save_never_overwrites_or_prunes_a_later_run(saved, tmp_path):
+    """--save into a folder holding a step past where this run starts (another run's) is
+    refused before training: a fresh run would overwrite it, and --keep would prune the
+    checkpoint this run just wrote in favour of the other run's later one."""
+    folder = tmp_path / "runs"
+    shutil.copytree(saved["step10"], folder / "step-000010")
+    with pytest.raises(UsageError, match="already holds step-000010"):
+        train.parse_config(NANO + ["--save", str(folder), "--keep", "1"])
+    train.parse_config(NANO + ["--steps", "12", "--save", str(folder), "--resume", str(folder)])
+
+
+def test_export_checks_its_output_before_loading(saved, tmp_path, capsys):
+    from minipar.train.checkpoint import main
+    (tmp_path / "old.pt").write_bytes(b"keep me")
+    for out, words in ((tmp_path, "is a folder"), (tmp_path / "old.pt", "--force"),
+                       (tmp_path / "no" / "x.pt", "folder does not exist")):
+        with pytest.raises(SystemExit) as e:
+            main(["export", saved["step10"], str(out)])
+        assert e.value.code == 2 and words in capsys.readouterr().err
+    assert (tmp_path / "old.pt").read_bytes() == b"keep me"
+
+
+def test_resuming_on_another_corpus_is_said():
+    from types import SimpleNamespace
+    from minipar.train import report
+    saved = {"training": {"seed": 0}, "data": {"source": "built-in corpus"}}
+    said = []
+    report.note_changed_training(said.append, saved, SimpleNamespace(seed=0, data="other.txt"))
+    assert said == ["note: continuing with other training flags than the checkpoint's: "
+                    "data built-in corpus -> other.txt"]
+    said.clear()
+    report.note_changed_training(said.append, saved, SimpleNamespace(seed=0, data=None))
+    assert said == []

@@ -23,6 +23,8 @@ def test_weak_points_grow_the_batch_strong_points_keep_it():
     assert [(p.processes, p.batch_size, p.micro_batch, p.shard) for p in strong] == [
         (1, 8, 8, (1, 1, 1)), (2, 8, 4, (1, 1, 2)), (4, 8, 2, (1, 1, 4))]
     assert "--batch-size" in strong[1].argv and "--nproc" not in strong[1].argv
+    cp = scaling.plan_points("strong", [2, 4], NANO + ["--cp", "2", "--batch-size", "8"])
+    assert [(p.processes, p.dp, p.cp, p.micro_batch) for p in cp] == [(2, 1, 2, 8), (4, 2, 2, 4)]
 
 
 def test_efficiency_is_throughput_per_process_against_the_smallest_point():

@@ -8,8 +8,12 @@ import math
 
 import pytest
 
+import torch
+
 from conftest import NANO, assert_same_training, cli, quick_tier, serial_state
+from minipar import dp, zero
 from minipar.runtime import dist
+from minipar.runtime.errors import UsageError
 from minipar.model import build
 from minipar.train import parse_config, run_state
 
@@ -227,3 +231,20 @@ def test_invalid_spec_exits_2_with_one_line():
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "s_p <= s_g <= s_os" in lines[0], res.stderr
     assert "Traceback" not in res.stderr
+
+
+def _sharded_beside_part_of_dp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    dp.DataParallel(model[0])                      # the second layer is outside it
+    try:
+        zero.ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=1, lr=0.1)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def test_sharded_optimizer_beside_a_data_parallel_over_part_of_its_parameters_is_refused():
+    """The parameters outside the DataParallel would step on each rank's own gradient."""
+    for message in dist.launch(_sharded_beside_part_of_dp, 2):
+        assert message and "outside the DataParallel" in message

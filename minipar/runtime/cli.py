@@ -180,6 +180,24 @@ def check_output_file(path: str, flag: str) -> None:
                          f"choose another path") from None
 
 
+def check_output_folder(path: str, flag: str) -> None:
+    """Raise UsageError unless a folder can be made at ``path`` (or already is one) and files
+    written in it: a probe file in its nearest existing folder, tried, not guessed from mode
+    bits (root ignores them; a read-only mount does not)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path}: {probe} is a file; give a folder")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".minipar-probe-")
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot be written in {probe} ({e.strerror or e}); "
+                         f"choose another folder") from None
+
+
 def text_table(rows: list[list], headers: list[str]) -> str:
     """Rows under right-aligned headers, a dashed line between."""
     cells = [[str(h) for h in headers]] + [[str(x) for x in r] for r in rows]

@@ -1,7 +1,7 @@
 """Checkpoints in PyTorch's distributed format (DCP), under the serial model's names.
 
     python -m minipar.checkpoint info DIR           # the manifest: step, layout, model, versions
-    python -m minipar.checkpoint export DIR OUT.pt  # one plain state_dict (serial names)
+    python -m minipar.checkpoint export DIR OUT.pt [--force]  # one plain state_dict (serial names)
 
 What a checkpoint is. ``torch.distributed.checkpoint`` (DCP) writes one file per rank, each
 holding that rank's part, and a ``.metadata`` file saying which box of which tensor lies
@@ -157,6 +157,11 @@ def rank_state_dict(mesh, runner, engine, owned_only: bool) -> dict:
 # --------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------
+def step_of(folder: str) -> int:
+    """The step of a ``step-NNNNNN`` folder."""
+    return int(_STEP_DIR.match(os.path.basename(folder)).group(1))
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:06d}")
 
@@ -266,16 +271,24 @@ def find(path: str, what: str = "--resume") -> str:
 
 
 def read_manifest(path: str) -> dict:
+    def damaged(e):
+        return UsageError(f"checkpoint {path}: {MANIFEST} is damaged ({type(e).__name__}: {e}); "
+                          f"resume from another checkpoint")
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
-        manifest["model"]["config"]["vocab_size"], manifest["step"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"checkpoint {path}: {MANIFEST} is damaged ({type(e).__name__}: {e}); "
-                         f"resume from another checkpoint") from None
-    if manifest.get("format") != FORMAT:
-        raise UsageError(f"checkpoint {path}: format {manifest.get('format')!r} is not "
-                         f"{FORMAT!r}; it was not written by this minipar")
+    except (OSError, ValueError) as e:
+        raise damaged(e) from None
+    written = manifest.get("format") if isinstance(manifest, dict) else None
+    if written != FORMAT:
+        raise UsageError(f"checkpoint {path}: format {written!r} is not {FORMAT!r}; it was not "
+                         f"written by this minipar")
+    try:   # everything a reader takes from it, checked once here
+        model_config_of(manifest)
+        manifest["step"] = int(manifest["step"])
+        manifest["layout"], manifest["training"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise damaged(e) from None
     return manifest
 
 
@@ -362,6 +375,7 @@ def _run(argv):
     exp = sub.add_parser("export", help="write the model as one plain state_dict file")
     exp.add_argument("dir", help="a checkpoint, or a --save folder (its newest checkpoint)")
     exp.add_argument("out", help="the .pt file to write (torch.save of {name: tensor})")
+    exp.add_argument("--force", action="store_true", help="replace OUT if it exists")
     a = p.parse_args(argv)
     path = find(a.dir, what="checkpoint")
     if a.command == "info":
@@ -369,10 +383,10 @@ def _run(argv):
         print(f"checkpoint {path}")
         print(json.dumps(manifest, indent=2))
         return
+    cli.check_output_file(a.out, "export OUT")           # before the model is loaded
+    if os.path.exists(a.out) and not a.force:
+        raise UsageError(f"export OUT {a.out} exists; give --force to replace it")
     _, state = load_serial(path)
-    folder = os.path.dirname(os.path.abspath(a.out))
-    if not os.path.isdir(folder):
-        raise UsageError(f"{a.out}: its folder does not exist; create it first")
     torch.save(state, a.out)
     print(f"wrote {a.out}: {len(state)} tensors, "
           f"{sum(t.numel() for t in state.values()):,} parameters (serial names)")

@@ -37,7 +37,8 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel degree (default: world size / (tp*pp*cp))")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
-                   help="ZeRO stage over the data-parallel group (0 = plain DP)")
+                   help="ZeRO stage over the data-parallel group (0: ZeRO's engine, nothing "
+                        "sharded; without --zero/--shard: minipar.dp's DataParallel, --dp-mode)")
     p.add_argument("--shard", type=str, default=None, metavar="P,G,OS",
                    help="AMSP shard-group sizes for parameters, gradients, optimizer states")
     p.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
@@ -153,7 +154,7 @@ class RunConfig:
     reduce_dtype: str              # the dtype gradients are reduced in (with dtype bf16/fp16)
     recompute: str                 # none, selective, full (also in model_cfg)
     compile: bool
-    peak_tflops: float | None      # None: from the device's name (minipar.flops)
+    peak_tflops: float | None      # None: from the device's name (minipar.train.mfu)
     metrics: str | None
     log_every: int
     quiet: bool
@@ -234,14 +235,6 @@ def parse_config(argv: list[str]) -> RunConfig:
         raise UsageError(f"--batch-size {a.batch_size} is not divisible by dp={d} x "
                          f"microbatches={m}; use a multiple of {d * m}")
     if a.metrics:
-        folder = os.path.dirname(os.path.abspath(a.metrics))
-        if os.path.isdir(a.metrics):
-            raise UsageError(f"--metrics {a.metrics} is a folder; give a file name")
-        if not os.path.isdir(folder):
-            raise UsageError(f"--metrics {a.metrics}: its folder does not exist; create it first")
-        if not os.access(folder, os.W_OK):
-            raise UsageError(f"--metrics {a.metrics}: its folder is not writable")
-    if a.metrics:
         cli.check_output_file(a.metrics, "--metrics")   # tried, not guessed from mode bits
     if a.trace:
         cli.check_output_file(a.trace, "--trace")
@@ -318,13 +311,18 @@ def _check_moe(cfg: GPTConfig, ep: int, dp: int, tp: int = 1, cp: int = 1) -> No
         raise UsageError(f"--moe-experts must be >= 0, got {E}")
     if ep < 1:
         raise UsageError(f"--ep must be >= 1, got {ep}")
-    _refuse(rules.moe_violation(E, cfg.moe_top_k, cfg.moe_every, ep, dp, cfg.n_layer))
-    if E == 0:
-        return
     for name, value in (("capacity-factor", cfg.capacity_factor), ("moe-aux-coef", cfg.moe_aux_coef),
                         ("moe-z-coef", cfg.moe_z_coef)):
         if not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{name} must be a finite number >= 0, got {value}")
+    _refuse(rules.moe_violation(E, cfg.moe_top_k, cfg.moe_every, ep, dp, cfg.n_layer))
+    if E == 0:   # an MoE flag on a dense model would be ignored: said instead
+        dense = GPTConfig()
+        given = [f"--{f.replace('_', '-')}" for f in ("moe_top_k", "moe_every", "capacity_factor",
+                                                     "moe_aux_coef", "moe_z_coef")
+                 if getattr(cfg, f) != getattr(dense, f)]
+        _refuse(given and f"{given[0]} applies to an MoE model; give --moe-experts E too")
+        return
     _refuse(rules.moe_tp_violation(cfg.seq_len, tp, cp))
 
 
@@ -347,23 +345,23 @@ def _check_run_flags(a, model_cfg: GPTConfig) -> tuple[str | None, int]:
         raise UsageError(f"--eval-batches must be >= 1, got {a.eval_batches}")
     if (a.save_every or a.keep) and not a.save:
         raise UsageError("--save-every and --keep need --save DIR")
-    if a.save:   # created when the first checkpoint is written; its nearest existing folder
-        probe = os.path.abspath(a.save)
-        while not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        if not os.path.isdir(probe):
-            raise UsageError(f"--save {a.save}: {probe} is a file; give a folder")
-        if not os.access(probe, os.W_OK):
-            raise UsageError(f"--save {a.save}: {probe} is not writable")
-    if a.resume is None:
-        return None, 0
+    if a.save:   # created when the first checkpoint is written
+        cli.check_output_folder(a.save, "--save")
     from . import checkpoint
-    path = checkpoint.find(a.resume)
-    manifest = checkpoint.check(path, model_cfg)
-    if manifest["step"] >= a.steps:
-        raise UsageError(f"--resume {path} is at step {manifest['step']}: --steps is the final "
-                         f"step number, so give --steps above {manifest['step']}")
-    return path, int(manifest["step"])
+    path, start = None, 0
+    if a.resume is not None:
+        path = checkpoint.find(a.resume)
+        manifest = checkpoint.check(path, model_cfg)
+        if manifest["step"] >= a.steps:
+            raise UsageError(f"--resume {path} is at step {manifest['step']}: --steps is the final "
+                             f"step number, so give --steps above {manifest['step']}")
+        start = int(manifest["step"])
+    held = checkpoint.complete_checkpoints(a.save) if a.save and os.path.isdir(a.save) else []
+    if held and checkpoint.step_of(held[-1]) > start:   # never overwritten, nor --keep's victim
+        raise UsageError(f"--save {a.save} already holds {os.path.basename(held[-1])}, past the "
+                         f"step this run starts from ({start}); continue it with --resume "
+                         f"{a.save}, or give another --save folder")
+    return path, start
 
 
 def _corpus_bytes(path: str | None) -> int:

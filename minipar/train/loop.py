@@ -201,7 +201,7 @@ def resume(cfg: RunConfig, mesh: Mesh, runner, engine, policy: PrecisionPolicy, 
         policy.loss_scaler.load_state_dict(saved["loss_scaler"])
     say(f"resumed from {cfg.resume} (step {saved['step']}, saved as "
         f"{report.layout_words(saved['layout'])})")
-    report.note_changed_training(say, saved["training"], cfg)
+    report.note_changed_training(say, saved, cfg)
 
 
 def collect_state(mesh: Mesh, runner, engine) -> dict:

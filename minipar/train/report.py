@@ -56,11 +56,16 @@ def layout_words(layout: dict) -> str:
             f"{' +sp' if layout.get('sp') else ''}{sharding}")
 
 
-def note_changed_training(log, saved: dict, cfg: RunConfig) -> None:
-    """Say in one line which training flags differ from the checkpoint's (never silently)."""
+def note_changed_training(log, manifest: dict, cfg: RunConfig) -> None:
+    """Say in one line which training flags (and corpus) differ from the checkpoint's manifest
+    (never silently)."""
+    saved = manifest["training"]
     changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in
                ("batch_size", "seed", "lr", "lr_schedule", "warmup", "min_lr", "weight_decay",
                 "clip_grad", "dtype") if k in saved and saved[k] != getattr(cfg, k)]
+    source = manifest.get("data", {}).get("source")
+    if source is not None and source != (cfg.data or "built-in corpus"):
+        changed.append(f"data {source} -> {cfg.data or 'built-in corpus'}")
     if changed:
         log("note: continuing with other training flags than the checkpoint's: " + ", ".join(changed))
 

@@ -75,8 +75,12 @@ def run(argv) -> str:
         device = torch.device(a.device)
     except RuntimeError:
         raise UsageError(f"--device {a.device!r} is no device; use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {a.device!r}: minipar samples on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but torch sees no GPU; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {a.device}: torch sees {torch.cuda.device_count()} GPU(s)")
     path = checkpoint.find(a.resume)
     cfg, state = checkpoint.load_serial(path, device)
     with torch.device(device):

@@ -68,7 +68,7 @@ OWNED = ("--nproc", "--dp", "--metrics", "--batch-size", "--quiet", "--log-every
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Point:
-    """One run of the sweep: N processes in a (dp, pp, tp) mesh with its batch."""
+    """One run of the sweep: N processes in a (dp, pp, cp, tp) mesh with its batch."""
     processes: int
     dp: int
     tp: int
@@ -80,10 +80,12 @@ class Point:
     shard: tuple | None        # (s_p, s_g, s_os), None for plain data parallelism
     zero: int | None
     argv: tuple                # the trainer's flags for this point (no --nproc, no --metrics)
+    cp: int = 1                # context parallel: each sequence over cp ranks
+    recompute: str = "none"
 
     @property
     def layout(self) -> dict:
-        return dict(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero,
+        return dict(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,
                     shard=list(self.shard) if self.shard else None,
                     microbatches=self.microbatches, micro_batch=self.micro_batch,
                     batch_size=self.batch_size)
@@ -135,14 +137,13 @@ def plan_points(mode: str, nproc_list: list[int], trainer_argv: list[str]) -> li
     base_n = nproc_list[0]
     base = trainer_config(strip_flags(list(trainer_argv), ("--quiet", "--log-every"))
                           + ["--nproc", str(base_n), "--backend", "gloo"])
-    per_replica = base.tp * base.pp
+    per_replica = base.tp * base.pp * base.cp
     bad = [n for n in nproc_list if n % per_replica]
     if bad:
-        raise UsageError(f"{bad[0]} processes do not divide into tp={base.tp} x pp={base.pp}; "
-                         f"use multiples of {per_replica} in --nproc-list")
+        raise UsageError(f"{bad[0]} processes do not divide into tp={base.tp} x pp={base.pp} x "
+                         f"cp={base.cp}; use multiples of {per_replica} in --nproc-list")
     points = []
     for n in nproc_list:
-        dp = n // per_replica
         if mode == "weak":
             if (base.batch_size * n) % base_n:
                 raise UsageError(f"weak scaling: batch {base.batch_size} x {n}/{base_n} is not a "
@@ -155,12 +156,13 @@ def plan_points(mode: str, nproc_list: list[int], trainer_argv: list[str]) -> li
             cfg = trainer_config(point_argv + ["--nproc", str(n), "--backend", "gloo"])
         except UsageError as e:
             raise UsageError(f"{mode} scaling at {n} processes: {e}") from None
-        points.append(Point(processes=n, dp=dp, tp=cfg.tp, pp=cfg.pp, batch_size=batch,
+        points.append(Point(processes=n, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, batch_size=batch,
                             microbatches=cfg.microbatches,
-                            micro_batch=batch // (dp * cfg.microbatches),
+                            micro_batch=batch // (cfg.dp * cfg.microbatches),
                             seq_len=cfg.model_cfg.seq_len,
                             shard=tuple(cfg.spec) if cfg.spec is not None else None,
-                            zero=cfg.zero, argv=tuple(point_argv)))
+                            zero=cfg.zero, argv=tuple(point_argv), cp=cfg.cp,
+                            recompute=cfg.recompute))
     return points
 
 
@@ -285,9 +287,10 @@ def predict(point: Point, model: str, hardware: str, chunks: int = 1, schedule: 
     layout = plan.Layout(tp=point.tp, pp=point.pp, dp=point.dp, micro_batch=point.micro_batch,
                          microbatches=point.microbatches, shard=point.shard or (1, 1, 1),
                          v=chunks if schedule == "interleaved" else 1, sp=sp,
-                         schedule="gpipe" if schedule == "gpipe" else "1f1b")
+                         schedule="gpipe" if schedule == "gpipe" else "1f1b", cp=point.cp,
+                         recompute=point.recompute)
     e = plan.estimate(shape, hardware, layout, check=False,
-                      dtype="mixed" if dtype == "bf16" else "fp32")
+                      dtype="fp32" if dtype == "fp32" else "mixed")   # bf16, fp16: 2+2+12 bytes
     return dict(step_time_s=e.step_time, tokens_per_s=e.tokens_per_s,
                 comm_s=e.times["tp_comm"] + e.times["pp_comm"] + e.times["dp_exposed"],
                 bubble_s=e.times["bubble"], hardware=e.hardware, notes=list(e.notes))

@@ -123,6 +123,10 @@ class OptimizerSurface(torch.optim.Optimizer):
         if dp is None or comm.global_ranks(dp.group) != comm.global_ranks(group):
             raise UsageError("ShardedOptimizer beside DataParallel: both must work over the same "
                              "process group (one DataParallel, its group)")
+        if any(p not in dp._bucket_of for g in self.param_groups for p in g["params"]):
+            raise UsageError("ShardedOptimizer beside DataParallel: some of its parameters are "
+                             "outside the DataParallel (their gradients would not be averaged); "
+                             "wrap the whole model, or none of it")
         return dp
 
     def add_param_group(self, param_group):
@@ -215,7 +219,7 @@ class OptimizerSurface(torch.optim.Optimizer):
                                f"{[tuple(p.shape) for p in missing[:4]]}) got no gradient since the "
                                f"last step; torch would skip them, a flat slice cannot: leave them "
                                f"out of the optimizer or freeze them")
-        if self.beside is None and self._data_parallel(self.engine.group) is not None:
+        if self.beside is None and self._steps == 0 and self._data_parallel(self.engine.group):
             raise UsageError("ShardedOptimizer: a DataParallel was built over these parameters "
                              "after the optimizer (each gradient would be averaged twice); build "
                              "the DataParallel first, then the optimizer over its parameters")
