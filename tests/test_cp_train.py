@@ -69,7 +69,8 @@ FOUR = [  # (flags, cp, dp, tp, ring bytes checked)
 
 @pytest.mark.slow
 def test_cp_equals_serial_on_4_ranks(tmp_path):
-    results = dist.launch(_cases, 4, [c[0] for c in FOUR], str(tmp_path), timeout=600)
+    # 21 s at load 4 (2 cores): 240 s ends a slow launch with its message, inside pytest's 300 s
+    results = dist.launch(_cases, 4, [c[0] for c in FOUR], str(tmp_path), timeout=240)
     ref = serial_state(STEPS)
     ref16 = {d: train.run_state(NANO + STEPS + ["--dtype", d], nproc=1) for d in ("bf16", "fp16")}
     for i, (flags, cp, dp, tp, check_bytes) in enumerate(FOUR):
@@ -100,7 +101,7 @@ EIGHT = [(["--cp", "4", "--tp", "2", "--sp"], 4, 1, 2),
 
 @pytest.mark.slow
 def test_cp4_composes_on_8_ranks(tmp_path):
-    results = dist.launch(_cases, 8, [c[0] for c in EIGHT], str(tmp_path), timeout=600)
+    results = dist.launch(_cases, 8, [c[0] for c in EIGHT], str(tmp_path), timeout=240)
     ref = serial_state(STEPS)
     for i, (flags, cp, dp, tp) in enumerate(EIGHT):
         assert_same_training(_merged(results, i), ref, loss_tol=1e-5)
@@ -133,7 +134,7 @@ def _activation_bytes():
 def test_activation_memory_falls_as_one_over_cp():
     from minipar.lab import nb09
     serial = {r["seq_len"]: r for r in nb09.activation_bytes([64, 256])}
-    for per_rank in dist.launch(_activation_bytes, 4, timeout=300):
+    for per_rank in dist.launch(_activation_bytes, 4, timeout=240):
         for n, rows in per_rank.items():
             for r in rows:
                 one = serial[r["seq_len"]]

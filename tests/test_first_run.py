@@ -188,7 +188,7 @@ def test_bench_gpu_check_runs_pytest_with_its_own_options():
     error; the check's pytest drops them."""
     cmd = bench_gpu.gpu_test_command()
     assert cmd[cmd.index("-o") + 1] == "addopts="
-    ok, text = bench_gpu.run_gpu_tests(timeout=300, extra=("-p", "no:xdist", "-p", "no:nbval"))
+    ok, text = bench_gpu.run_gpu_tests(timeout=240, extra=("-p", "no:xdist", "-p", "no:nbval"))
     assert ok and "skipped" in text, text
 
 
@@ -198,7 +198,7 @@ def test_bench_gpu_check_names_each_failure(tmp_path, monkeypatch):
     (tests / "test_gpu.py").write_text("def test_fine():\n    pass\n\n\n"
                                        "def test_broken():\n    assert 1 == 2, 'one is not two'\n")
     monkeypatch.setattr(bench_gpu, "GPU_TESTS", str(tests / "test_gpu.py"))
-    ok, text = bench_gpu.run_gpu_tests(timeout=300)
+    ok, text = bench_gpu.run_gpu_tests(timeout=240)
     assert not ok
     assert "1 failed, 1 passed" in text and "FAILED tests/test_gpu.py::test_broken" in text, text
 

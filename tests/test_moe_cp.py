@@ -61,7 +61,7 @@ def tmp(tmp_path_factory):
 
 def _composed(name: str, tmp: str) -> dict:
     if not _LAUNCH:
-        _LAUNCH.append(dist.launch(_train_cases, 4, CASES, tmp, timeout=600))
+        _LAUNCH.append(dist.launch(_train_cases, 4, CASES, tmp, timeout=240))   # < pytest's 300 s
     return train.merge_states([r[name] for r in _LAUNCH[0]])
 
 

@@ -245,7 +245,7 @@ def _training_orders(cases):
 
 
 def test_every_training_exchange_runs_under_nccls_rule():
-    results = dist.launch(_training_orders, 4, TRAINING, timeout=600)
+    results = dist.launch(_training_orders, 4, TRAINING, timeout=240)   # 6 s at load 1
     for i, flags in enumerate(TRAINING):
         traces = [res[i] for res in results]
         kinds = {e[2].kind for t in traces for e in t if e[0] == "post"}
