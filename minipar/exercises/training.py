@@ -29,12 +29,20 @@ def _train(student, argv, patch, spy, wrap_step):
     try:
         if wrap_step is not None:
             setattr(zero, "sharded_optimizer_step", wrap_step(real["sharded_optimizer_step"], findings))
-        setattr(zero, patch, spy(getattr(student, patch), findings))
+        watched, calls = spy(getattr(student, patch), findings), [0]
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return watched(*args, **kwargs)
+        setattr(zero, patch, counted)
         with contextlib.redirect_stdout(io.StringIO()):
             out = train.worker(train.parse_config(argv), train.Hooks(end=train.with_state))
     finally:
         for name, fn in real.items():
             setattr(zero, name, fn)
+    if not calls[0]:       # a check that never ran the student's code must not pass
+        findings.insert(0, ("not called", f"zero.{patch} was never called during training, so "
+                            f"nothing of yours was checked (a checker fault: please report it)"))
     out["findings"] = findings
     return out
 
