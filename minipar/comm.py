@@ -267,6 +267,12 @@ def clock() -> str:
     return "cuda-events" if dist.is_initialized() and dist.get_backend() == "nccl" else "host"
 
 
+def scalar_device() -> torch.device:
+    """Where a collective's small host-born tensor must live: NCCL reduces GPU tensors only."""
+    return torch.device("cuda", torch.cuda.current_device()) if clock() == "cuda-events" else \
+        torch.device("cpu")
+
+
 _UNTIMED = object()   # NCCL with device timing off: the op counts bytes, not seconds
 
 
@@ -465,10 +471,8 @@ def barrier(group=None) -> None:
 
 def all_reduce_scalars(values: list[float], group=None, op: str = "sum") -> list[float]:
     """Reduce a few Python floats (metrics, not training traffic: not recorded)."""
-    # NCCL reduces only GPU tensors; float64 keeps byte counts exact either way.
-    on_gpu = dist.is_initialized() and dist.get_backend() == "nccl"
-    t = torch.tensor(values, dtype=torch.float64,
-                     device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+    # float64 keeps byte counts exact
+    t = torch.tensor(values, dtype=torch.float64, device=scalar_device())
     if size(group) > 1:
         posted = _post("all_reduce", group, _nbytes(t))
         with untracked():

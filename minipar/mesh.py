@@ -157,6 +157,11 @@ class Mesh:
     def is_last_stage(self) -> bool:
         return self._coord["pp"] == self.pp - 1
 
+    @property
+    def holds_loss(self) -> bool:
+        """Counts the loss once: the last stage computes it, replicated over its TP ranks."""
+        return self.is_last_stage and self._coord["tp"] == 0
+
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage ``stage`` on this rank's (dp, cp, tp) line."""
         return self.ranks("pp")[stage % self.pp]

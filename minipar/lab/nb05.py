@@ -187,8 +187,7 @@ def seam_step(cfg: train.RunConfig) -> dict:
     forward_backward = _traffic()
     comm.reset()
     engine.step()
-    holds_loss = grid.is_last_stage and grid.coord("tp") == 0
-    total, = comm.all_reduce_scalars([loss if holds_loss else 0.0], comm.WORLD)
+    total, = comm.all_reduce_scalars([loss if grid.holds_loss else 0.0], comm.WORLD)
     return dict(rank=grid.rank, loss=total / grid.dp, forward_backward=forward_backward,
                 engine=_traffic(), model_state_bytes=engine.model_state_bytes())
 

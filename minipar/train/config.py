@@ -196,7 +196,7 @@ def world_size_from(nproc: int | None) -> int:
 def _positive(name: str, value, strict: bool = True) -> None:
     ok = value is not None and math.isfinite(value) and (value > 0 if strict else value >= 0)
     if not ok:
-        raise UsageError(f"--{name} must be a positive finite number, got {value}")
+        raise UsageError(f"--{name} must be a finite number {'>' if strict else '>='} 0, got {value}")
 
 
 def parse_config(argv: list[str]) -> RunConfig:

@@ -183,8 +183,7 @@ def evaluate(cfg: RunConfig, mesh: Mesh, runner, batches: data.Batches, device) 
     for i in range(1, cfg.eval_batches + 1):
         total += runner.evaluate(*local_tokens(batches, i, mesh, device))
     moe.step_stats(runner.module)        # MoE: forget the evaluation's routing
-    holds_loss = mesh.is_last_stage and mesh.coord("tp") == 0
-    loss_sum, = comm.all_reduce_scalars([total if holds_loss else 0.0], comm.WORLD)
+    loss_sum, = comm.all_reduce_scalars([total if mesh.holds_loss else 0.0], comm.WORLD)
     return loss_sum / (mesh.dp * mesh.cp * cfg.eval_batches)
 
 

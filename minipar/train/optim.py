@@ -81,9 +81,7 @@ def global_grad_norm(mesh, runner, engine, plans: dict | None = None) -> torch.T
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
-    device = grads[0].device if grads else (
-        torch.device("cuda", torch.cuda.current_device()) if comm.clock() == "cuda-events"
-        else torch.device("cpu"))
+    device = grads[0].device if grads else comm.scalar_device()
     total = torch.zeros((), dtype=torch.float64, device=device)
     for group in groups.values():
         norms = torch._foreach_norm(group, 2, dtype=torch.float32)

@@ -73,7 +73,7 @@ class StepLog:
             torch.cuda.synchronize()
         step_time = (time.perf_counter() - self.t0) / len(self.pending)
         memory = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        on = self.device if comm.clock() == "cuda-events" else torch.device("cpu")
+        on = comm.scalar_device()
         losses = torch.stack([t.to(on, torch.float64) for t in self.losses])
         state = engine.model_state_bytes()
         peaks = torch.tensor([state["params"], state["grads"], state["optimizer"],
@@ -174,8 +174,7 @@ class Recorder:
         if self.tracer:                                     # host time: no sync for the trace
             self.tracer.complete(f"step {step}", self.t_step, time.perf_counter(), cat="step")
         # the loss lives on the last stage and every TP rank has it: one per replica counts
-        holds_loss = self.mesh.is_last_stage and self.mesh.coord("tp") == 0
-        self.records = self.steps.end_step(step, lr, loss, holds_loss, self.logging, engine,
+        self.records = self.steps.end_step(step, lr, loss, self.mesh.holds_loss, self.logging, engine,
                                            lambda: clip.grad_norm)
         if not self.logging:
             return None
