@@ -1,4 +1,4 @@
-"""The launcher, the environment readers and the process grid."""
+"""The launcher, the environment readers and the process mesh."""
 import time
 
 import pytest

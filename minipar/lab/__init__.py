@@ -5,7 +5,7 @@
     nb02  02_tensor_parallel      column and row splits, TP bytes, memory and time per rank
     nb03  03_pipeline_parallel    measured pipeline timelines, bubbles, the schedule explorer
     nb04  04_zero_and_amsp        where the memory goes, ZeRO/AMSP measured, AMSP's space
-    nb05  05_3d_parallel_trainer  the process grid, the trainer's seams one at a time, 3D
+    nb05  05_3d_parallel_trainer  the process mesh, the trainer's seams one at a time, 3D
                                   layouts against the serial run
     nb06  06_scaling_experiments  weak/strong scaling measured and predicted, the pipeline's
                                   micro-batch trade-off, GPT 22B-1T on Frontier

@@ -30,7 +30,7 @@ from ..model import build
 
 
 # --------------------------------------------------------------------------------------
-# 1. The process grid
+# 1. The process mesh
 # --------------------------------------------------------------------------------------
 def grid_groups(dp: int, pp: int, tp: int, ep: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every named axis of the mesh (tp, pp, dp, and ep / edp carved inside dp),

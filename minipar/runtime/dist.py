@@ -13,7 +13,7 @@ Three ways in, one result (an initialised default process group):
   node list (this is how minipar runs on Frontier's MI250X
   nodes, where the NCCL backend is RCCL).
 
-The process grid, once the group is up, is ``minipar.mesh.Mesh``.
+The process mesh, once the group is up, is ``minipar.mesh.Mesh``.
 """
 from __future__ import annotations
 
