@@ -23,7 +23,17 @@ Shard = tuple[int, int, int]
 
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """Every k in 1..n that divides n, ascending; trial division up to sqrt(n), so a search
+    over a trillion devices lists them in a fraction of a second ([] for n < 1)."""
+    small, large = [], []
+    k = 1
+    while k * k <= n:
+        if n % k == 0:
+            small.append(k)
+            if k * k != n:
+                large.append(n // k)
+        k += 1
+    return small + large[::-1]
 
 
 # --------------------------------------------------------------------------------------
@@ -79,11 +89,18 @@ def shard_violation(shard: Shard, dp: int, per_node: int | None = None,
     return None
 
 
+def spec_flags_violation(shard, zero) -> str | None:
+    """A spec comes from a shard spec or from a ZeRO stage (a preset of one), not both."""
+    if shard is not None and zero is not None:
+        return "give --zero or --shard, not both (a ZeRO stage is a preset of the shard spec)"
+    return None
+
+
 def resolve_shard(dp: int, shard: Shard | str | None = None, zero: int | None = None) -> Shard:
     """The (s_p, s_g, s_os) spec from a shard spec or a ZeRO stage (default 0), not both."""
-    if shard is not None and zero is not None:
-        raise PlanError("give --zero or --shard, not both (a ZeRO stage is a preset of the "
-                        "shard spec)")
+    why = spec_flags_violation(shard, zero)
+    if why:
+        raise PlanError(why)
     if isinstance(shard, str):
         shard = parse_shard(shard)
     spec = zero_shard(zero or 0, dp) if shard is None else tuple(shard)

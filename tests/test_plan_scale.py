@@ -4,8 +4,10 @@ of allowed values in the search, and bad input that ends in one line."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -248,3 +250,95 @@ def test_amsp_picks_move_towards_its_small_groups_and_frontier_stays_close():
     frontier = {r["case"]: r["error"] for r in published.points() if "Frontier" in r["case"]
                 and r["error"] is not None}
     assert len(frontier) == 2 and all(-0.21 < x < 0 for x in frontier.values())
+
+
+# --------------------------------------------------------------------------------------
+# Bounded work, and bad input refused in one line before any (review findings)
+# --------------------------------------------------------------------------------------
+def _plan(capsys, *args):
+    from minipar.plan.__main__ import main
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _refused(capsys, words, *args):
+    code, out, err = _plan(capsys, *args)
+    assert code == 2 and out == "" and err.count("\n") == 1 and words in err, (code, err)
+    return err
+
+
+def test_divisors_are_every_divisor_in_order():
+    from minipar.rules import divisors
+    for n in range(0, 1500):
+        assert divisors(n) == [k for k in range(1, n + 1) if n % k == 0]
+    assert divisors(2**40) == [2**k for k in range(41)]
+    assert divisors(720720)[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert len(divisors(720720)) == 240            # 2^4 3^2 5 7 11 13: 5 x 3 x 2 x 2 x 2 x 2
+
+
+@pytest.mark.timeout(30)
+def test_searches_that_hung_finish_or_refuse_in_one_line(capsys):
+    # a trillion devices: refused before any work
+    _refused(capsys, "--gpus must be from 1 to 1,048,576", "search", "--model", "gpt-175b",
+             "--gpus", 2**40, "--hardware", "dgx-a100")
+    # a billion micro-batches per replica: only micro-batch sizes up to 16 are tried
+    _refused(capsys, "nothing fits", "search", "--model", "gpt-175b", "--gpus", 8,
+             "--global-batch-tokens", "2048e9", "--hardware", "dgx-a100")
+    from minipar.plan.search import _schedules
+    sizes = {b for b, _, _ in _schedules(model_preset("gpt-175b"), 1, 10**9, None, (1,), 1, 16)}
+    assert sizes == {1, 2, 4, 5, 8, 10, 16}       # the divisors of 10^9 up to 16
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_range_is_refused_in_one_line(capsys):
+    _refused(capsys, "more than the 4,096 values", "search", "--model", "gpt-175b", "--gpus",
+             1024, "--hardware", "dgx-a100", "--tp", "1-100000000")
+    _refused(capsys, "more than the 4,096 values", "search", "--model", "gpt-175b", "--gpus",
+             1024, "--hardware", "dgx-a100", "--pp", "1-3000,5000-8000")
+    from minipar.plan.arguments import int_set
+    assert int_set("--tp")("1-4096") == tuple(range(1, 4097))
+
+
+def test_chunks_without_the_interleaved_schedule_are_refused():
+    with pytest.raises(PlanError, match="interleaved schedule, not 1f1b"):
+        search("gpt-175b", 1024, "dgx-a100", v=4, schedule="1f1b")
+    with pytest.raises(PlanError, match="interleaved schedule, not gpipe"):
+        search("gpt-175b", 1024, "dgx-a100", v=4, schedule="gpipe")
+    # a set that allows 1 keeps 1 under 1f1b: v = 1 for all, as asked
+    res = search("gpt-175b", 1024, "dgx-a100", v=(1, 4), schedule="1f1b", top=3)
+    assert {e.layout.v for e in res} == {1}
+
+
+def test_the_planner_asks_the_trainers_tp_questions(capsys):
+    """The trainer passes the hidden and MLP widths and, with --sp, the sequence to
+    ``rules.tp_violation`` (minipar.train.config); so does the planner, in estimate and
+    search alike."""
+    common = ("--model", "llama-7b", "--tp", 8, "--gpus", 8, "--hardware", "dgx-a100")
+    for extra, words in ((("--ffn-hidden", 11007), "does not divide the MLP width 11007"),
+                         (("--seq-len", 2047, "--sp"), "sequence length 2047 is not divisible "
+                                                       "by 8")):
+        _refused(capsys, words, "estimate", *common, "--global-batch", 8, *extra)
+        _refused(capsys, words, "search", *common, *extra)
+    # the released shapes still split as their frameworks split them: LLaMA's F = 11008 =
+    # 2^8 x 43, LLaMA 3's 14336 = 2^11 x 7, each over tp 8
+    for name in ("llama-7b", "llama3-8b", "llama3-70b", "gpt-175b"):
+        e = estimate(model_preset(name), "dgx-h100",
+                     Layout(tp=8, pp=1, dp=1, micro_batch=1, microbatches=1, sp=True),
+                     check=True)
+        assert e.step_time > 0
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(tp=(3, 5)), "tp=3 does not divide the 1024 GPUs"),
+    (dict(shard="3,3,3"), "shard factor 3 does not divide dp="),
+    (dict(framework="megatron-lm", zero=3), "megatron-lm does not run ZeRO-3"),
+    (dict(cp=4, max_cp=2), "cp=4 is above --max-cp 2"),
+    (dict(v=2, pp=1), "interleaved needs --pp > 1"),
+])
+def test_an_empty_search_says_what_stood_in_the_way(kwargs, words):
+    """Not the batch (1,536 sequences, which 1,024 data-parallel ranks do not divide: the
+    first layout tried) but what refused the candidates that got furthest."""
+    with pytest.raises(PlanError, match=re.escape(words)) as e:
+        search("gpt-175b", 1024, "dgx-a100", **kwargs)
+    assert "divide the batch" not in str(e.value)

@@ -21,6 +21,10 @@ from .shapes import RECOMPUTE_MODES, ModelShape, model_preset
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "seq_len", "ffn_hidden")
 REQUIRED = ("layers", "hidden", "heads", "vocab", "seq_len")
+# A bound, not a rule (an assumption): no search axis has more than a few thousand useful
+# values (tp up to a node or the heads, pp up to the layers, micro-batches up to the batch
+# per replica); a longer range is a typo, and listing it would only exhaust memory.
+MAX_RANGE = 4096
 
 
 def add_shape(p, model_help: str = "a preset (gpt-22b, gpt-175b, gpt-1t, llama-7b, "
@@ -95,6 +99,10 @@ def _values(text: str, flag: str, parse, ranges: bool = False) -> tuple:
             lo, hi = parse(lo), parse(hi)
             if lo > hi:
                 raise argparse.ArgumentTypeError(f"{flag} range {item} is empty (low > high)")
+            if len(out) + hi - lo + 1 > MAX_RANGE:
+                raise argparse.ArgumentTypeError(
+                    f"{flag} {text} has more than the {MAX_RANGE:,} values a search axis "
+                    f"takes (range {item}: {hi - lo + 1:,}); give a shorter range or a set")
             out += range(lo, hi + 1)
         else:
             out.append(parse(item))

@@ -99,6 +99,30 @@ def dp_per_node(layout: Layout, gpus_per_node: int, order: str = "tp,pp,dp") -> 
     return max(1, min(layout.replicas, gpus_per_node // stride)) if stride < gpus_per_node else 1
 
 
+def shape_tp_violation(shape: ModelShape, tp: int, sp: bool = False) -> str | None:
+    """``rules.tp_violation`` with every field of ``shape`` the trainer passes it (heads,
+    key/value heads, hidden and MLP widths, and with sequence parallelism the sequence): the
+    one place the planner asks whether tp splits a model."""
+    return tp_violation(shape.heads, tp, shape.kv_heads, hidden=shape.hidden, ffn=shape.ffn,
+                        seq_len=shape.seq_len, sp=sp)
+
+
+def layout_violation(shape: ModelShape, layout: Layout, stage_rule: str = "even",
+                     hint: bool = True) -> str | None:
+    """The first of the trainer's rules ``layout`` breaks for ``shape``, in the trainer's
+    order (``minipar.train.config``: cp, tp, interleaving, the stage split under
+    ``stage_rule``), or None. ``hint``: a pp that even stages refuse
+    names the frameworks that build uneven ones (off where no framework can be chosen)."""
+    t, p, v = layout.tp, layout.pp, layout.v
+    stages = pp_violation(shape.layers, p, v, uneven=stage_rule != "even")
+    if stages and hint and stage_rule == "even" and v == 1 and shape.layers >= p:
+        stages += " (or a framework that builds uneven stages: megatron-lm, nanotron)"
+    return (cp_violation(shape.seq_len, layout.cp, t, layout.sp)   # the trainer's order
+            or shape_tp_violation(shape, t, layout.sp)
+            or interleave_violation(p, layout.microbatches, v)
+            or stages)
+
+
 def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
                  order: str = "tp,pp,dp", gpus_per_node: int | None = None,
                  stage_rule: str = "even") -> Layout:
@@ -122,13 +146,7 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
                         f"(v > 1 makes 1f1b interleaved)")
     if v > 1 and layout.schedule != "1f1b":
         raise PlanError(f"interleaving (v={v}) needs the 1f1b schedule")
-    stages = pp_violation(shape.layers, p, v, uneven=stage_rule != "even")
-    if stages and stage_rule == "even" and v == 1 and shape.layers >= p:
-        stages += " (or a framework that builds uneven stages: megatron-lm, nanotron)"
-    why = (tp_violation(shape.heads, t, shape.kv_heads)
-           or stages
-           or interleave_violation(p, layout.microbatches, v)
-           or cp_violation(shape.seq_len, layout.cp, t, layout.sp))
+    why = layout_violation(shape, layout, stage_rule)
     if why:
         raise PlanError(why)
     per_node = dp_per_node(layout, gpus_per_node, order) if gpus_per_node else None

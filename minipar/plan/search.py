@@ -9,9 +9,10 @@ For a model, a number of devices, a global batch (in tokens) and a framework pro
          equal chunks (and s/cp over tp with sequence parallelism); by default only where
          memory forces it (below), else up to ``max_cp``, or fixed by ``cp``
     dp   = devices / (tp pp cp) must divide the batch
-    v    model chunks per stage (interleaved 1F1B), dividing layers/pp, at most ``max_v``,
-         only where the framework interleaves
+    v    model chunks per stage (interleaved 1F1B), dividing layers/pp, at most ``max_v``
+         unless given, only where the framework interleaves
     b    micro-batch size, dividing the batch per replica, at most ``max_micro_batch``
+         unless given (so a batch of a billion sequences tries 16 sizes, not its divisors)
     m    = batch / (dp b) micro-batches
     (s_p, s_g, s_os)   the framework's shardings over the dp x cp replicas (minipar: every
                        AMSP spec, ``sharding.shard_specs``; Megatron-LM: DP or its
@@ -59,17 +60,24 @@ from .errors import PlanError
 from .estimate import Estimate, dp_exposure, dp_profile, estimate, time_parts
 from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
-from .layout import ORDERS, Layout, cp_violation, dp_per_node, tp_violation
+from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_violation,
+                     pp_violation, shape_tp_violation)
 from .peak import activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes
 from .stages import distinct, split_violation
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
-from .sharding import Shard, divisors, parse_shard, shard_violation, zero_shard
+from .sharding import (Shard, divisors, parse_shard, shard_violation, spec_flags_violation,
+                       zero_shard)
 
 OBJECTIVES = ("step", "amsp")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# A bound on the search's work, not on any machine (an assumption, measured here): the
+# largest clusters reported by 2025 hold of the order of 10^5 GPUs, and at 2^20 devices a
+# count with many divisors (720,720: 240 of them) takes the search about 10 s on one core;
+# AMSP's spec space grows with the square of the divisors beyond (14,414,400: 90 s).
+MAX_GPUS = 2**20
 
 
-def _gib(x: float) -> str:
+def human_bytes(x: float) -> str:
     """Bytes in GiB, or MiB for the small models of a laptop."""
     return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
 
@@ -118,11 +126,12 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(f"unknown order {order!r}; use {' or '.join(ORDERS)}")
     if objective not in OBJECTIVES:
         raise PlanError(f"unknown objective {objective!r}; use {' or '.join(OBJECTIVES)}")
-    if gpus < 1:
-        raise PlanError(f"--gpus must be at least 1, got {gpus}")
-    if shard is not None and zero is not None:
-        raise PlanError("give either --zero or --shard, not both (a ZeRO stage is a preset "
-                        "of the shard spec)")
+    if not 1 <= gpus <= MAX_GPUS:
+        raise PlanError(f"--gpus must be from 1 to {MAX_GPUS:,} (the search's bound on its "
+                        f"work), got {gpus:,}")
+    why = spec_flags_violation(shard, zero)
+    if why:
+        raise PlanError(why)
     if isinstance(shard, str):
         shard = parse_shard(shard)
     tps, pps, mbs, vs = (allowed(x, name) for x, name in ((tp, "tp"), (pp, "pp"),
@@ -149,8 +158,9 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                         f"--schedule interleaved, or choose another --framework")
     if schedule == "interleaved" and vs == (1,):
         raise PlanError("--schedule interleaved needs --chunks of 2 or more")
-    if schedule == "gpipe" and min(vs or [1]) > 1:
-        raise PlanError("--chunks > 1 needs the interleaved schedule, not gpipe")
+    if schedule in ("gpipe", "1f1b") and min(vs or [1]) > 1:
+        raise PlanError(f"--chunks > 1 needs the interleaved schedule, not {schedule}; give "
+                        f"--schedule interleaved or leave out --schedule")
     tokens = global_batch_tokens or shape.global_batch_tokens
     if not tokens:
         raise PlanError(f"model {shape.name} has no default batch; give --global-batch-tokens")
@@ -174,8 +184,10 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     else:                      # cp where memory forces it (module docstring)
         tries = [[1], None]
     results: list[Estimate] = []
+    rejected: list = []                # (depth, why): the deepest first refusal (``_scan``)
     for tried in tries:
         candidates, leanest = _scan(shape, gpus, hw, fw, batch, capacity, modes, tried,
+                                    rejected,
                                     tps=tps, pps=pps, max_cp=max_cp, max_tp=max_tp,
                                     shard=shard, zeros=zeros, mbs=mbs, vs=vs, max_v=max_v,
                                     max_micro_batch=max_micro_batch, schedule=schedule,
@@ -194,17 +206,17 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
             break              # no layout divides the batch, or cp = 1 fits at ease
     if not results and not pool:
         need, lean = leanest
-        if lean is None:
-            raise PlanError(f"no layout of {shape.name} on {gpus} GPUs divides a batch of "
-                            f"{batch} sequences of {shape.seq_len} tokens; change --gpus, "
-                            f"--global-batch-tokens, --tp, --pp, --cp or --micro-batch")
+        if lean is None:         # every candidate was refused: say why (``_scan``)
+            raise PlanError(f"no layout of {shape.name} on {gpus} GPUs (a batch of {batch} "
+                            f"sequences of {shape.seq_len} tokens) can run: {rejected[0][1]}")
         raise PlanError(f"nothing fits: the leanest layout of {shape.name} on {gpus} GPUs "
                         f"({lean.describe(shard=False)}, model states fully sharded) needs "
-                        f"{_gib(need)} per device of {_gib(capacity)} usable; use more GPUs "
-                        f"or a smaller micro-batch or batch")
+                        f"{human_bytes(need)} per device of {human_bytes(capacity)} usable; use "
+                        f"more GPUs or a smaller micro-batch or batch")
     if not results:
-        raise PlanError(f"nothing fits {shape.name} on {gpus} GPUs within {_gib(capacity)} "
-                        f"usable per device; use more GPUs or a smaller micro-batch or batch")
+        raise PlanError(f"nothing fits {shape.name} on {gpus} GPUs within "
+                        f"{human_bytes(capacity)} usable per device; use more GPUs or a smaller "
+                        f"micro-batch or batch")
     if objective == "amsp":
         def seconds(e):
             return e.times["dp_comm"], e.step_time
@@ -236,27 +248,36 @@ def allowed(value, name: str) -> tuple | None:
     return values
 
 
-def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, *, tps, pps, max_cp, max_tp,
-          shard, zeros, mbs, vs, max_v, max_micro_batch, schedule, use_sp, order, overlap,
-          flash, dtype, specs_per_layout, objective):
+def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pps, max_cp,
+          max_tp, shard, zeros, mbs, vs, max_v, max_micro_batch, schedule, use_sp, order,
+          overlap, flash, dtype, specs_per_layout, objective):
     """The pruned scan (module docstring) over ``cps`` (None: every cp that cuts the
-    sequence, at most ``max_cp``): ([(key, layout)], the leanest (bytes, layout) seen)."""
+    sequence, at most ``max_cp``): ([(key, layout)], the leanest (bytes, layout) seen).
+    ``rejected`` holds [(depth, why)]: why the first candidate refused at the deepest step
+    was refused (degrees 0, shard specs 1, schedule 2), since a candidate that passed the
+    degrees and the specs shows what really stands in the way (a batch that 1024 dp ranks
+    do not divide says nothing about a --shard that no layout runs)."""
     candidates: list[tuple] = []           # (key, layout), each layout's best specs
     leanest = (math.inf, None)             # for the "nothing fits" message
+
+    def refuser(depth: int):
+        def refuse(why: str) -> None:
+            if not rejected or depth > rejected[0][0]:
+                rejected[:] = [(depth, why)]
+        return refuse
+
     for t, p, c, d in _degrees(shape, gpus, batch, tps, pps, max_tp or hw.gpus_per_node,
-                               fw.stage_rule, cps, max_cp, use_sp):
+                               fw.stage_rule, cps, max_cp, use_sp, refuser(0)):
         grid = Layout(tp=t, pp=p, cp=c, dp=d)
         per_node = dp_per_node(grid, hw.gpus_per_node, order)
         replicas = grid.replicas                   # ZeRO shards over dp x cp
-        specs = _specs(fw, replicas, p, per_node, shard, zeros)
+        specs = _specs(fw, replicas, p, per_node, shard, zeros, refuser(1))
         if not specs:
             continue
         states = _state_table(shape, grid, specs, dtype, fw)
         profiles: dict = {}                # (spec, full recomputation) -> dp_profile
         for b, m, chunks in _schedules(shape, p, batch // d, mbs, vs, max_v, max_micro_batch,
-                                       fw.stage_rule):
-            if schedule == "interleaved" and chunks < 2:
-                continue
+                                       schedule == "interleaved", refuser(2)):
             for mode in modes:
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
                               recompute=mode, v=chunks, sp=use_sp and t > 1,
@@ -284,16 +305,28 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, *, tps, pps, max_cp,
     return candidates, leanest
 
 
-def _specs(fw, replicas: int, pp: int, per_node: int, shard, zeros) -> list:
+def _specs(fw, replicas: int, pp: int, per_node: int, shard, zeros, refuse) -> list:
     """The shard specs to try over ``replicas``: the one given, the ZeRO stages allowed
-    (those the framework runs, unless it runs every AMSP spec), or the framework's."""
+    (those the framework runs, unless it runs every AMSP spec), or the framework's; none,
+    with the reason passed to ``refuse``, when it runs none of them."""
     if shard is not None:
-        return [] if shard_violation(shard, replicas, per_node) else [tuple(shard)]
+        why = shard_violation(shard, replicas, per_node)
+        if why:
+            refuse(why)
+            return []
+        return [tuple(shard)]
     runs = fw.specs(replicas, pp, per_node)
     if zeros is None:
         return runs
     wanted = sorted({zero_shard(z, replicas) for z in zeros})
-    return wanted if fw.spec_family == "amsp" else [x for x in wanted if x in runs]
+    if fw.spec_family == "amsp":
+        return wanted
+    out = [x for x in wanted if x in runs]
+    if not out:
+        refuse(f"{fw.name} does not run ZeRO-{' or ZeRO-'.join(map(str, zeros))} over dp x cp "
+               f"= {replicas} ranks with pp={pp}; it runs the specs "
+               f"{', '.join(map(str, runs))}")
+    return out
 
 
 def _state_table(shape, grid: Layout, specs, dtype, fw) -> dict:
@@ -321,16 +354,17 @@ def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw) -> list:
 
 def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
              stage_rule: str = "even", cps: list[int] | None = None,
-             max_cp: int | None = None, sp: bool = True):
-    """(tp, pp, cp, dp): tp divides the heads and the key/value heads (``layout.
-    tp_violation``; at most ``max_tp`` unless given), pp gives the framework a stage split
-    (``stages.split_violation``), cp cuts the sequence (``layout.cp_violation``; ``cps``
+             max_cp: int | None = None, sp: bool = True, refuse=lambda why: None):
+    """(tp, pp, cp, dp): tp splits the model as the trainer requires (``layout.
+    shape_tp_violation``; at most ``max_tp`` unless given), pp gives the framework a stage
+    split (``stages.split_violation``), cp cuts the sequence (``layout.cp_violation``; ``cps``
     None: every such cp, at most ``max_cp``), dp the batch. A single value given for tp, pp
-    or cp that cannot work is a PlanError; from a set, such values are skipped."""
+    or cp that cannot work is a PlanError; from a set, such values are skipped, and
+    ``refuse`` is told why."""
     for axis, values in (("tp", tps), ("pp", pps)):
         if values is not None and len(values) == 1:
             x = values[0]
-            why = (tp_violation(shape.heads, x, shape.kv_heads) if axis == "tp"
+            why = (shape_tp_violation(shape, x, sp and x > 1) if axis == "tp"
                    else split_violation(shape, x, stage_rule))
             if why or gpus % x:
                 raise PlanError(why or f"{axis}={x} must divide the {gpus} GPUs")
@@ -340,34 +374,67 @@ def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
         if gpus % c or why:
             raise PlanError(why or f"cp={c} must divide the {gpus} GPUs")
     tps = tps or [t for t in divisors(shape.heads) if t <= max_tp]
+    # assumption, a bound on the work and not a framework's rule: no framework here gives a
+    # stage less than a layer, bar nanotron's balance, whose extra stages hold the blocks
+    # after the layers (norm, head, cast, loss); split_violation decides which pp run
     pps = pps or [p for p in divisors(gpus) if p <= shape.layers + 4]
     for t in tps:
-        if tp_violation(shape.heads, t, shape.kv_heads):
+        why = (f"tp={t} does not divide the {gpus} GPUs" if gpus % t
+               else shape_tp_violation(shape, t, sp and t > 1))
+        if why:
+            refuse(why)
             continue
         for p in pps:
-            if gpus % (t * p) or split_violation(shape, p, stage_rule):
+            why = (f"tp={t} x pp={p} = {t * p} does not divide the {gpus} GPUs"
+                   if gpus % (t * p) else split_violation(shape, p, stage_rule))
+            if why:
+                refuse(why)
                 continue
-            for c in cps or divisors(gpus // (t * p)):
-                if (max_cp and c > max_cp) or cp_violation(shape.seq_len, c, t, sp and t > 1):
-                    continue
+            # a cp > 1 cuts the sequence into 2 cp chunks, so it divides the sequence too
+            for c in cps or divisors(math.gcd(gpus // (t * p), shape.seq_len)):
                 d, rest = divmod(gpus, t * p * c)
-                if not rest and batch % d == 0:
-                    yield t, p, c, d
+                why = (f"cp={c} is above --max-cp {max_cp}" if max_cp and c > max_cp else
+                       cp_violation(shape.seq_len, c, t, sp and t > 1)
+                       or (f"tp={t} x pp={p} x cp={c} = {t * p * c} does not divide the "
+                           f"{gpus} GPUs" if rest else None)
+                       or (f"dp={d} (the {gpus} GPUs over tp={t} x pp={p} x cp={c}) does not "
+                           f"divide the batch of {batch} sequences; change --gpus, "
+                           f"--global-batch-tokens, --tp, --pp or --cp" if batch % d else None))
+                if why:
+                    refuse(why)
+                    continue
+                yield t, p, c, d
 
 
 def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int,
-               max_micro_batch: int, stage_rule: str = "even"):
-    """(b, m, v): micro-batch size, micro-batch count, chunks per stage (Megatron-LM's rule:
-    interleaving needs pp > 1, m divisible by pp and pp v dividing the layers)."""
-    for b in divisors(per_replica):
-        if (mbs is None and b > max_micro_batch) or (mbs is not None and b not in mbs):
+               max_micro_batch: int, interleaved: bool = False, refuse=lambda why: None):
+    """(b, m, v): micro-batch size (those in ``mbs``, else 1 to ``max_micro_batch``) dividing
+    the ``per_replica`` sequences, micro-batch count, chunks per stage (those in ``vs``, else
+    the divisors of the layers per stage up to ``max_v``; only v >= 2 when ``interleaved``)
+    that the trainer's rules allow (``pp_violation``: pp v divides the layers;
+    ``interleave_violation``: interleaving needs pp > 1 and m divisible by pp). ``refuse`` is
+    told why a size or a chunk count was skipped."""
+    sizes = mbs if mbs is not None else range(1, min(max_micro_batch, per_replica) + 1)
+    if vs is not None:
+        chunk_counts = vs
+    elif shape.layers % pp == 0:
+        chunk_counts = [v for v in divisors(shape.layers // pp) if v <= max_v]
+    else:                      # uneven stages (plan.stages) are never interleaved
+        chunk_counts = [1]
+    for b in sizes:
+        if per_replica % b:
+            refuse(f"micro-batch {b} does not divide the {per_replica} sequences per replica")
             continue
         m = per_replica // b
-        for chunks in divisors(shape.layers // pp) if shape.layers % pp == 0 else [1]:
-            if chunks > max_v or (vs is not None and chunks not in vs):
+        for chunks in chunk_counts:
+            why = ("--schedule interleaved needs 2 or more chunks per stage"
+                   if interleaved and chunks < 2 else
+                   (chunks > 1 and pp_violation(shape.layers, pp, chunks))
+                   or interleave_violation(pp, m, chunks))
+            if why:
+                refuse(why)
                 continue
-            if chunks == 1 or (pp > 1 and m % pp == 0):
-                yield b, m, chunks
+            yield b, m, chunks
 
 
 # --------------------------------------------------------------------------------------
@@ -399,10 +466,10 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
         lines.append(f"  DP traffic: {t['dp_comm']:.3g} s in {t['dp_calls']:,} calls, "
                      f"{t['dp_hidden']:.3g} s hidden behind compute, "
                      f"{t['dp_exposed']:.3g} s exposed")
-    lines.append(f"  memory: {_gib(mem['total'])} of {_gib(best.capacity)} usable "
-                 f"(params {_gib(mem['params'])}, grads {_gib(mem['grads'])}, optimizer "
-                 f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}, "
-                 f"temporary {_gib(mem['temporary'])})")
+    lines.append(f"  memory: {human_bytes(mem['total'])} of {human_bytes(best.capacity)} usable "
+                 f"(params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, optimizer "
+                 f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])}, "
+                 f"temporary {human_bytes(mem['temporary'])})")
     if best.unvalidated:
         lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
                      "alpha-beta model at the measured network efficiency, never faster "
@@ -426,6 +493,6 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
         if better:
             line += " and gains on " + ", ".join(f"{_PARTS[k]} {deltas[k]:.3g} s" for k in better)
         if runner_up.memory["total"] < mem["total"]:
-            line += f"; it needs less memory ({_gib(runner_up.memory['total'])})"
+            line += f"; it needs less memory ({human_bytes(runner_up.memory['total'])})"
         lines.append(line)
     return "\n".join(lines)

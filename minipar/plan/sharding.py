@@ -3,7 +3,7 @@ in ``minipar.rules`` (one copy for the trainer, the engine and the planner)."""
 from __future__ import annotations
 
 from ..rules import (Shard, contiguous, divisors, parse_shard, resolve_shard,  # noqa: F401
-                     shard_violation, zero_shard)
+                     shard_violation, spec_flags_violation, zero_shard)
 from ..runtime.errors import PlanError
 
 
