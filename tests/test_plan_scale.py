@@ -300,6 +300,30 @@ def test_a_huge_range_is_refused_in_one_line(capsys):
     assert int_set("--tp")("1-4096") == tuple(range(1, 4097))
 
 
+@pytest.mark.parametrize("field, rows, words", [
+    ("inter_node_efficiency", [[2]], "is a pair [nodes, fraction]"),
+    ("inter_node_efficiency", [2, 0.9], "is a pair [nodes, fraction]"),
+    ("inter_node_efficiency", [[2, 0.9], [2, 0.8]], "strictly increasing nodes"),
+    ("inter_node_efficiency", [[4, 0.9], [2, 0.95]], "strictly increasing nodes"),
+    ("inter_node_efficiency", [[2, "0.9"]], "fraction must be finite"),
+    ("inter_node_efficiency", {"2": 0.9}, "must be a list"),
+    ("bandwidth_by_size", [[4096, 0.5, 1]], "is a pair [bytes, factor]"),
+    ("bandwidth_by_size", [[8192, 0.5], [4096, 0.4]], "strictly increasing bytes"),
+    ("local_links", [[2, 1e11]], "must be a list of objects"),
+    ("matmul_table", [1], "must be a list of objects"),
+])
+def test_malformed_hardware_tables_are_refused_in_one_line(tmp_path, capsys, field, rows,
+                                                          words):
+    from minipar.plan.hardware import PRESET_DIR
+    data = json.loads((PRESET_DIR / "dgx-a100.json").read_text())
+    data[field] = rows
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=re.escape(words)):
+        load_hardware(path)
+    _refused(capsys, words, "estimate", "--model", "llama-7b", "--gpus", 8, "--hardware", path)
+
+
 def test_chunks_without_the_interleaved_schedule_are_refused():
     with pytest.raises(PlanError, match="interleaved schedule, not 1f1b"):
         search("gpt-175b", 1024, "dgx-a100", v=4, schedule="1f1b")

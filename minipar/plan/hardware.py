@@ -50,7 +50,9 @@ Units: bytes, seconds, FLOP/s. Bandwidths are per direction.
   so in one note. 0 (GPUs): every device has its own engine.
 
 Every peak, bandwidth and latency must be finite and positive (those whose 0 means "left
-out" may be 0): a file with a NaN, a zero or a negative one is refused with one line.
+out" may be 0), and the two-column tables (``bandwidth_by_size``, ``inter_node_efficiency``)
+pairs of such numbers by strictly increasing first column: a file with a NaN, a zero, a
+negative, a malformed or an out-of-order one is refused with one line.
 """
 from __future__ import annotations
 
@@ -136,6 +138,32 @@ def _positive(value, what: str, where: str, zero_ok: bool = False) -> None:
         raise PlanError(f"{where}: {what} must be {bound}, got {value!r}")
 
 
+def _pairs(rows, what: str, where: str, first: str, second: str) -> None:
+    """PlanError unless ``rows`` is a list of [number, number] pairs, both finite and > 0,
+    the first column strictly increasing (the tables are read in that order: one row per
+    size or width, no duplicates)."""
+    if not isinstance(rows, list):
+        raise PlanError(f"{where}: {what} must be a list of [{first}, {second}] pairs, got "
+                        f"{rows!r}")
+    previous = None
+    for row in rows:
+        if not isinstance(row, (list, tuple)) or len(row) != 2:
+            raise PlanError(f"{where}: each {what} row is a pair [{first}, {second}], got "
+                            f"{row!r}")
+        _positive(row[0], f"{what} {first}", where)
+        _positive(row[1], f"{what} {second}", where)
+        if previous is not None and row[0] <= previous:
+            raise PlanError(f"{where}: {what} rows must go by strictly increasing {first}, "
+                            f"one row each; got {row[0]!r} after {previous!r}")
+        previous = row[0]
+
+
+def _objects(rows, what: str, where: str) -> None:
+    """PlanError unless ``rows`` is a list of JSON objects."""
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise PlanError(f"{where}: {what} must be a list of objects, got {rows!r}")
+
+
 def check_numbers(hw: Hardware, where: str) -> None:
     """Every peak, bandwidth and latency finite and positive (a zero latency or bandwidth
     would make collectives free or infinite, a NaN poison every prediction); the optional
@@ -153,22 +181,22 @@ def check_numbers(hw: Hardware, where: str) -> None:
                             f"{getattr(hw, name)!r}")
     if hw.runtime_bytes >= hw.memory_bytes:
         raise PlanError(f"{where}: runtime_bytes must be less than memory_bytes")
+    if hw.tree is not None and not isinstance(hw.tree, dict):
+        raise PlanError(f"{where}: tree must be an object, got {hw.tree!r}")
     for key in ("base_latency", "intra_latency", "inter_latency", "bandwidth_factor"):
         if hw.tree is not None:
-            _positive((hw.tree or {}).get(key), f"tree.{key}", where,
-                      zero_ok=key == "base_latency")
+            _positive(hw.tree.get(key), f"tree.{key}", where, zero_ok=key == "base_latency")
+    _objects(hw.local_links, "local_links", where)
     for link in hw.local_links:
         _positive(link.get("devices"), "local_links devices", where)
         _positive(link.get("bandwidth"), "local_links bandwidth", where)
-    for row in hw.bandwidth_by_size:
-        _positive(row[0], "bandwidth_by_size bytes", where)
-        _positive(row[1], "bandwidth_by_size factor", where)
+    _pairs(hw.bandwidth_by_size, "bandwidth_by_size", where, "bytes", "factor")
+    _pairs(hw.inter_node_efficiency, "inter_node_efficiency", where, "nodes", "fraction")
     for row in hw.inter_node_efficiency:
-        _positive(row[0], "inter_node_efficiency nodes", where)
-        _positive(row[1], "inter_node_efficiency fraction", where)
         if row[1] > 1:
             raise PlanError(f"{where}: inter_node_efficiency fractions are at most 1, got "
                             f"{row[1]!r}")
+    _objects(hw.matmul_table, "matmul_table", where)
     for row in hw.matmul_table:
         for key in ("m", "n", "k", "flops_per_s"):
             _positive(row.get(key), f"matmul_table {key}", where)
