@@ -324,6 +324,40 @@ def test_malformed_hardware_tables_are_refused_in_one_line(tmp_path, capsys, fie
     _refused(capsys, words, "estimate", "--model", "llama-7b", "--gpus", 8, "--hardware", path)
 
 
+@pytest.mark.timeout(30)
+def test_megatron_first_and_last_stages_are_the_exhaustive_best():
+    """``stages._megatron`` tries a few last-stage counts per first-stage count; every pair,
+    tried here by brute force with the same objective (the slowest stage, the head counted
+    in layers, ties to a lighter first stage, then a lighter last), picks the same split."""
+    from minipar.plan.stages import _megatron, head_cost, layer_cost
+
+    def exhaustive(shape, pp):
+        l, head = shape.layers, head_cost(shape) / layer_cost(shape)
+        best = None
+        for first in range(1, l):
+            for last in range(1, l - first + 1):
+                rest = l - first - last
+                if (pp == 2 and rest) or (pp > 2 and (rest < pp - 2 or rest % (pp - 2))):
+                    continue
+                mid = [rest // (pp - 2)] * (pp - 2) if pp > 2 else []
+                key = (max([first, *mid, last + head]), first, last)
+                if best is None or key < best[0]:
+                    best = (key, (first, *mid, last))
+        return best[1]
+
+    for name, vocab in (("llama-7b", None), ("gpt-175b", None), ("llama-7b", 256_000),
+                        ("llama3-8b", 1_000_000)):
+        base = model_preset(name)
+        base = base if vocab is None else replace(base, vocab=vocab)
+        for layers in (*range(3, 30), 61, 97):
+            shape = replace(base, layers=layers)
+            for pp in range(2, min(layers, 9) + 1):
+                assert _megatron(shape, pp) == exhaustive(shape, pp), (name, layers, pp)
+    t0 = time.perf_counter()
+    split = _megatron(replace(model_preset("gpt-175b"), layers=20001), 7)
+    assert sum(split) == 20001 and time.perf_counter() - t0 < 5
+
+
 def test_chunks_without_the_interleaved_schedule_are_refused():
     with pytest.raises(PlanError, match="interleaved schedule, not 1f1b"):
         search("gpt-175b", 1024, "dgx-a100", v=4, schedule="1f1b")

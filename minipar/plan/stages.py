@@ -31,6 +31,7 @@ The bubble and each stage's memory follow from the split (``estimate``, ``memory
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -81,16 +82,30 @@ def _balanced(shape, pp: int) -> tuple[tuple[int, ...], int] | None:
 def _megatron(shape, pp: int) -> tuple[int, ...]:
     """First and last stages' layer counts (one or more each) that make the slowest stage
     fastest, the p - 2 middle stages equal (module docstring); the head counted on the last
-    stage in layers' worth of work (``head_cost`` / ``layer_cost``)."""
+    stage in layers' worth of work (``head_cost`` / ``layer_cost``). Ties go to a lighter
+    first stage, then to a lighter last one.
+
+    For each first count f the middle stages take k layers each and the last the rest,
+    l - f - (p - 2) k, so the slowest stage is max(f, k, l - f - (p - 2) k + head): the
+    middle grows with k and the last shrinks, and the best k is where they cross, the
+    integers either side of (l - f + head) / (p - 1), or an end of k's range, or, where the
+    first stage is the slowest anyway, the largest k it still leaves slowest. Those few k
+    per f are tried, not every one: O(l), not O(l^2)."""
     l, head = shape.layers, head_cost(shape) / layer_cost(shape)
     best = None
     for first in range(1, l):
-        for last in range(1, l - first + 1):
+        if pp == 2:
+            options = [l - first]                               # the last stage: the rest
+        else:
+            top = (l - first - 1) // (pp - 2)                   # the last keeps a layer
+            cross = (l - first + head) / (pp - 1)
+            ks = {1, top, math.floor(cross), math.ceil(cross), min(first, top)}
+            options = [l - first - (pp - 2) * k for k in sorted(ks, reverse=True)
+                       if 1 <= k <= top]
+        for last in options:                                    # lighter last stage first
             rest = l - first - last
-            if pp == 2 and rest or pp > 2 and (rest < pp - 2 or rest % (pp - 2)):
-                continue
             mid = (rest // (pp - 2),) * (pp - 2) if pp > 2 else ()
-            key = (max(first, *mid, last + head), first)   # ties: a lighter first stage
+            key = (max(first, *mid, last + head), first)
             if best is None or key < best[0]:
                 best = (key, (first, *mid, last))
     return best[1]
