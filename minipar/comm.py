@@ -269,8 +269,8 @@ def clock() -> str:
 
 def scalar_device() -> torch.device:
     """Where a collective's small host-born tensor must live: NCCL reduces GPU tensors only."""
-    return torch.device("cuda", torch.cuda.current_device()) if clock() == "cuda-events" else \
-        torch.device("cpu")
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 _UNTIMED = object()   # NCCL with device timing off: the op counts bytes, not seconds
