@@ -22,6 +22,7 @@ import torch
 
 from minipar import plan
 from minipar.model import build
+from minipar.runtime.errors import UsageError
 from minipar.bench.validate import minipar_overlap, model_states_vs_plan, validate_step_time
 from minipar.train import run
 
@@ -208,9 +209,13 @@ def test_validation_marks_the_calibration_point():
     assert (one["calibration"], two["calibration"]) == (True, False)
     assert one["predicted_s"] == pytest.approx(seconds)
     other = dataclasses.replace(hw, sources={"calibration_step": {**step, "batch_size": 2 * B}})
-    out = validate_step_time(MODEL, {"1 rank": ["--nproc", "1"]}, steps=1, batch_size=B,
+    out = validate_step_time(MODEL, {"1 rank": ["--nproc", "1"]}, steps=2, batch_size=B,
                              hardware=other)
     assert out["calibration_point"] is None
+    # the first step warms up and is not timed: one step leaves nothing to time
+    with pytest.raises(UsageError, match="--steps must be at least 2"):
+        validate_step_time(MODEL, {"1 rank": ["--nproc", "1"]}, steps=1, batch_size=B,
+                           hardware=other)
 
 
 def test_dp_overlap_is_what_the_buckets_allow():

@@ -368,6 +368,33 @@ def test_chunks_without_the_interleaved_schedule_are_refused():
     assert {e.layout.v for e in res} == {1}
 
 
+def test_estimate_refuses_a_global_batch_its_micro_batches_contradict(capsys):
+    common = ("estimate", "--model", "llama-7b", "--tp", 8, "--gpus", 8, "--hardware",
+              "dgx-a100")
+    _refused(capsys, "--global-batch 4 disagrees with --microbatches 3", *common,
+             "--microbatches", 3, "--global-batch", 4)
+    code, out, err = _plan(capsys, *common, "--microbatches", 4, "--global-batch", 4, "--json")
+    assert code == 0 and json.loads(out)["microbatches"] == 4      # dp 1 x b 1 x m 4 = 4
+
+
+def test_estimate_of_a_shape_without_a_batch_asks_for_one(capsys):
+    _refused(capsys, "model custom has no default batch; give --global-batch or "
+             "--microbatches", "estimate", "--layers", 2, "--hidden", 64, "--heads", 4,
+             "--vocab", 100, "--seq-len", 16, "--gpus", 1, "--hardware", "dgx-a100")
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--model", "gpt-175b", "--gpus", 5, "--pp", 5), "96 layers, which do not split into pp=5"),
+    (("--model", "llama3-8b", "--gpus", 16, "--tp", 16), "does not divide the 8 key/value heads"),
+    (("--model", "llama-7b", "--gpus", 8, "--tp", 8, "--ffn-hidden", 11007),
+     "does not divide the MLP width 11007"),
+    (("--model", "llama-7b", "--gpus", 24, "--cp", 3), "not divisible by 6"),
+])
+def test_memory_refuses_the_layouts_estimate_refuses(capsys, args, words):
+    _refused(capsys, words, "memory", *args)
+    _refused(capsys, words, "estimate", *args, "--hardware", "dgx-a100")
+
+
 def test_the_planner_asks_the_trainers_tp_questions(capsys):
     """The trainer passes the hidden and MLP widths and, with --sp, the sequence to
     ``rules.tp_violation`` (minipar.train.config); so does the planner, in estimate and
@@ -400,3 +427,9 @@ def test_an_empty_search_says_what_stood_in_the_way(kwargs, words):
     with pytest.raises(PlanError, match=re.escape(words)) as e:
         search("gpt-175b", 1024, "dgx-a100", **kwargs)
     assert "divide the batch" not in str(e.value)
+
+
+def test_validate_needs_a_step_after_the_warm_up():
+    r = subprocess.run([sys.executable, "-m", "minipar.bench", "validate", "--steps", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--steps" in r.stderr, r.stderr

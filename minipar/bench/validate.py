@@ -2,7 +2,8 @@
 measurements on this machine.
 
 ``validate_step_time`` runs ``minipar.train`` on a few layouts of a small model and sets
-each measured step time (median after the first step) next to the planner's prediction on
+each measured step time (median of the steps after the first, which warms up; so at
+least two steps) next to the planner's prediction on
 the calibrated hardware (``minipar.bench.calibrate``), marking the calibration point.
 Nothing is fitted to the validation runs. ``model_states_vs_plan`` does the same for the
 model-state bytes, which must agree exactly.
@@ -100,6 +101,9 @@ def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: 
     from minipar.plan.estimate import estimate
     from minipar.plan.hardware import hardware_from_dict, load_hardware
     from minipar.plan.shapes import model_preset
+    if steps < 2:
+        raise UsageError(f"--steps must be at least 2 (the first step warms up and is not "
+                         f"timed), got {steps}")
     load_before = os.getloadavg()
     if hardware is None:
         data = calibrate(nprocs=2, quick=quick, name="laptop-cpu, calibrated here",
@@ -113,7 +117,7 @@ def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: 
         argv = ["--model", model, "--steps", str(steps), "--batch-size", str(batch_size),
                 "--quiet", *flags]
         history = train_history(argv)
-        timed = sorted(h["step_time_s"] for h in history[1:] or history)   # step 1 warms up
+        timed = sorted(h["step_time_s"] for h in history[1:])   # step 1 warms up
         measured = timed[len(timed) // 2]
         hides = overlap
         e = estimate(shape, hw, layout_of(argv), dtype="fp32", overlap=hides)
@@ -200,13 +204,25 @@ _LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2", "z3"
 
 
 
+def _steps(text: str) -> int:
+    """argparse type for --steps: a whole number >= 2 (the first step is warm-up)."""
+    import argparse
+    from minipar.runtime.cli import positive_int
+    steps = positive_int(text)
+    if steps < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (the first step warms up and is not "
+                                         f"timed), got {steps}")
+    return steps
+
+
 def build_parser():
     from minipar.runtime.cli import ArgumentParser, fraction
     from minipar.runtime.cli import positive_int as positive
     p = ArgumentParser(prog="python -m minipar.bench validate",
                        description="predicted vs measured step time of minipar.train here")
     p.add_argument("--model", default="tiny", help="a minipar.model preset (default tiny)")
-    p.add_argument("--steps", type=positive, default=6, help="training steps per layout (the first is warm-up)")
+    p.add_argument("--steps", type=_steps, default=6,
+                   help="training steps per layout, at least 2 (the first is warm-up)")
     p.add_argument("--batch-size", type=positive, default=16, help="global, in sequences")
     p.add_argument("--layouts", type=lambda t: t.split(","), default=list(_LAYOUT_KEYS),
                    help=f"comma-separated, from {','.join(_LAYOUT_KEYS)} (default: all)")

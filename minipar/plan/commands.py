@@ -9,24 +9,16 @@ from __future__ import annotations
 
 from . import moe as moe_plan
 from ..runtime.cli import emit, text_table
-from .sharding import parse_shard, zero_shard
+from .sharding import resolve_shard
 from .errors import PlanError
 from .estimate import estimate
 from .frameworks import FRAMEWORKS, check_framework
 from .hardware import load_hardware
-from .layout import Layout, check_layout, dp_per_node
+from .layout import Layout, check_layout, dp_per_node, layout_violation
 from .memory import model_state_bytes
-from .search import explain, search
+from .search import explain, human_bytes, search
 from .arguments import SHAPE_FLAGS, shape_from_args
 from .shapes import megatron_flops, megatron_params, training_flops
-
-
-def _gib(x: float) -> str:
-    return f"{x / 2**30:,.2f} GiB"
-
-
-def _human(x: float) -> str:
-    return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
 
 
 # --------------------------------------------------------------------------------------
@@ -95,12 +87,8 @@ def cmd_flops(args) -> None:
 
 
 def _spec(args, dp: int):
-    if args.zero is not None and args.shard is not None:
-        raise PlanError("give either --zero or --shard, not both (a ZeRO stage is a preset "
-                        "of the shard spec)")
-    if args.shard is not None:
-        return parse_shard(args.shard)
-    return zero_shard(args.zero or 0, dp)
+    """The (s_p, s_g, s_os) of --shard or --zero (default ZeRO-0) over ``dp`` ranks."""
+    return resolve_shard(dp, args.shard, args.zero)
 
 
 def cmd_memory(args) -> None:
@@ -119,6 +107,11 @@ def cmd_memory(args) -> None:
     if args.gpus % inner:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
     dp = args.gpus // inner
+    if shape is not None:     # the rules estimate applies; even stages, as this prices them
+        why = layout_violation(shape, Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=dp),
+                               hint=False)
+        if why:
+            raise PlanError(why)
     spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
     out = model_state_bytes(n if shape is None else shape, dp * args.cp, shard=spec, tp=args.tp,
                             pp=args.pp, dtype=args.dtype)
@@ -153,7 +146,7 @@ def _results_table(results) -> str:
         lay = e.layout
         rows.append([i, lay.tp, lay.pp, lay.v, lay.cp, lay.dp, lay.micro_batch, lay.microbatches,
                      "{},{},{}".format(*lay.shard), lay.recompute,
-                     _human(e.memory["total"]), f"{e.step_time:.4g}",
+                     human_bytes(e.memory["total"]), f"{e.step_time:.4g}",
                      f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
     return (text_table(rows, ["#", "tp", "pp", "v", "cp", "dp", "b", "m", "shard", "recompute",
                           "memory", "step s", "tokens/s", "MFU"])
@@ -212,6 +205,10 @@ def cmd_estimate(args) -> None:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
     dp = args.dp or args.gpus // inner
     spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
+    if args.global_batch is None and args.microbatches is None \
+            and not shape.global_batch_tokens:
+        raise PlanError(f"model {shape.name} has no default batch; give --global-batch or "
+                        f"--microbatches")
     batch = shape.global_batch_tokens // shape.seq_len if args.global_batch is None \
         else args.global_batch
     notes = []
@@ -225,6 +222,12 @@ def cmd_estimate(args) -> None:
                      f"{batch} sequences / (dp {dp} x micro-batch {args.micro_batch})")
     else:
         microbatches = args.microbatches
+        implied = dp * args.micro_batch * microbatches
+        if args.global_batch is not None and args.global_batch != implied:
+            raise PlanError(f"--global-batch {args.global_batch} disagrees with --microbatches "
+                            f"{microbatches}: dp {dp} x micro-batch {args.micro_batch} x "
+                            f"{microbatches} micro-batches = {implied} sequences; give one of "
+                            f"the two, or values that agree")
         notes.append(f"micro-batches: {microbatches} per step (given), so a global batch of "
                      f"{dp * args.micro_batch * microbatches} sequences")
     v = args.chunks
