@@ -436,6 +436,24 @@ def test_bubble_is_the_other_stages_micro_batches_over_v():
         assert e.mfu == pytest.approx(flops / (t["step"] * 32 * 191.5e12))
 
 
+def test_bubble_obeys_the_schedule_not_the_cost_model():
+    """Checks that need no stage time: fill and drain are p-1 micro-batches of the other
+    stages whatever m is, so the bubble's seconds do not move with m; interleaving by v
+    divides them by v; one stage has none."""
+    shape = model_preset("gpt-22b")
+    hw = load_hardware("frontier-mi250x")
+    bubble = {(v, m): estimate(shape, hw, Layout(tp=2, pp=4, dp=4, micro_batch=1,
+                                                 microbatches=m, v=v, sp=True)).times["bubble"]
+              for v in (1, 2) for m in (8, 16, 32)}
+    assert bubble[1, 8] > 0
+    for m in (16, 32):
+        assert bubble[1, m] == pytest.approx(bubble[1, 8])
+    for m in (8, 16, 32):
+        assert bubble[2, m] == pytest.approx(bubble[1, m] / 2)
+    one = estimate(shape, hw, Layout(tp=2, pp=1, dp=16, micro_batch=1, microbatches=16, sp=True))
+    assert one.times["bubble"] == 0
+
+
 def test_scaling_weak_flat_strong_falls_with_the_bubble():
     shape = model_preset("gpt-175b")
     layout = Layout(tp=8, pp=8, dp=4, micro_batch=1, microbatches=64, shard=(1, 1, 4),

@@ -35,7 +35,8 @@ def test_sources_that_compare_layouts_keep_their_order(computed):
                   "llm-foundry MPT-3b H100", "llm-foundry MPT-1b H100",
                   "llm-foundry MPT-70b A100-80GB", "torchtitan Llama 3.1 8B"):
         assert orders[group]["agrees"], (group, orders[group])
-    # across model sizes (weak scaling) the order is looser: at least two pairs in three
+    # across model sizes (weak scaling) the order is looser: more than 60% of pairs, a floor
+    # chosen below what the planner gets today (it guards against regressions)
     for group in ("Megatron-LM H100", "Megatron-LM A100 2021"):
         c, n = orders[group]["pairs"]
         assert c / n > 0.6, (group, c, n)
