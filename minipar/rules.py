@@ -197,6 +197,19 @@ def ep_violation(ep: int, dp: int) -> str | None:
     return None
 
 
+def add_moe_flags(group) -> None:
+    """The MoE shape and layout flags that ``moe_violation`` checks, declared once for the
+    trainer and the planner (each adds its own: the trainer's losses, ...)."""
+    group.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                       help="experts per MoE layer (0: a dense model)")
+    group.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
+    group.add_argument("--moe-every", type=int, default=1, metavar="N",
+                       help="every N-th block's MLP becomes an MoE layer")
+    group.add_argument("--ep", type=int, default=1, metavar="N",
+                       help="expert-parallel degree: experts split over N consecutive DP ranks "
+                            "(divides dp and E)")
+
+
 def moe_violation(experts: int, top_k: int = 1, every: int = 1, ep: int = 1,
                   dp: int | None = None, layers: int | None = None) -> str | None:
     """An MoE of ``experts`` per layer (0: dense), ``top_k`` per token, every ``every``-th

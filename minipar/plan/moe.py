@@ -321,13 +321,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
 # --------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
     g = p.add_argument_group("mixture of experts")
-    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
-                   help="experts per MoE layer (0: dense)")
-    g.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
-    g.add_argument("--moe-every", type=int, default=1, metavar="N",
-                   help="every N-th layer is an MoE layer")
-    g.add_argument("--ep", type=int, default=1, metavar="N",
-                   help="expert-parallel degree (divides dp and E)")
+    rules.add_moe_flags(g)
 
 
 def from_args(args) -> MoE | None:

@@ -109,19 +109,13 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a checkpoint (or DIR's newest) up to --steps, in any layout")
     g = p.add_argument_group("mixture of experts (minipar.moe)")
-    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
-                   help="experts per MoE layer (0: a dense model)")
-    g.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
-    g.add_argument("--moe-every", type=int, default=1, metavar="N",
-                   help="every N-th block's MLP becomes an MoE layer")
+    rules.add_moe_flags(g)
     g.add_argument("--capacity-factor", type=float, default=0.0, metavar="C",
                    help="slots per expert and sequence: ceil(C seq_len K / E); 0 = dropless")
     g.add_argument("--moe-aux-coef", type=float, default=0.01, metavar="X",
                    help="load-balancing loss coefficient")
     g.add_argument("--moe-z-coef", type=float, default=0.0, metavar="X",
                    help="router z-loss coefficient")
-    g.add_argument("--ep", type=int, default=1, metavar="N",
-                   help="expert-parallel degree: experts split over N consecutive DP ranks")
     return p
 
 
