@@ -43,7 +43,7 @@ What the device can give to all of this is ``Hardware.usable_bytes``: its memory
 runtime's share (context, the collective library's buffers, BLAS workspaces:
 ``runtime_bytes``), less what the allocator holds beyond live tensors, (reserved - allocated)
 / reserved: the framework profile's measured ``memory_reserve``, else the hardware's
-``fragmentation``. Layouts that public runs executed must fit (``published.EXECUTED``,
+``fragmentation``. Layouts that public runs executed must fit (``published.executed_runs()``,
 tests/test_plan_grounded.py), and published peaks are held against ``device_memory``
 (``anchors``, docs/reference.md).
 """

@@ -26,7 +26,7 @@ l/p each. Four rules, each a framework's:
   those: ``bench_cluster/create_configs.py``, ``is_enough_layers_for_pp``).
 
 ``layout.pp_violation`` is the rule for a framework that builds only even stages (minipar's
-trainer: ``minipar.pp.validate`` says the same), ``split_violation`` the one for any rule.
+trainer: ``minipar.pp.split`` refuses the rest), ``split_violation`` the one for any rule.
 The bubble and each stage's memory follow from the split (``estimate``, ``memory``).
 """
 from __future__ import annotations

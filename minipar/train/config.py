@@ -126,7 +126,7 @@ class RunConfig:
     nproc: int | None
     tp: int
     pp: int
-    dp: int                        # resolved: world size / (tp * pp) unless given
+    dp: int                        # resolved: world size / (tp * pp * cp) unless given
     zero: int | None
     shard: str | None
     spec: tuple[int, int, int] | None   # (s_p, s_g, s_os); None = plain data parallelism
