@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from minipar.plan import Layout, PlanError, estimate, load_hardware, model_preset, search
-from minipar.plan.shapes import ModelShape, load_model, model_from_dict, training_flops
+from minipar.plan.shapes import ModelShape, load_model, model_from_dict, training_flops, with_seq_len
 
 # the Ultra-Scale Playbook sweep's "llama-1B" (huggingface/bench_cluster create_configs.py):
 # h 2048, F 4096, 32 heads (MHA), 24 layers, GPT-2's vocabulary, tied, sequence 4096
@@ -359,13 +359,29 @@ def test_megatron_first_and_last_stages_are_the_exhaustive_best():
 
 
 def test_chunks_without_the_interleaved_schedule_are_refused():
-    with pytest.raises(PlanError, match="interleaved schedule, not 1f1b"):
+    with pytest.raises(PlanError, match="needs --schedule interleaved, not 1f1b"):
         search("gpt-175b", 1024, "dgx-a100", v=4, schedule="1f1b")
-    with pytest.raises(PlanError, match="interleaved schedule, not gpipe"):
+    with pytest.raises(PlanError, match="needs --schedule interleaved, not gpipe"):
         search("gpt-175b", 1024, "dgx-a100", v=4, schedule="gpipe")
     # a set that allows 1 keeps 1 under 1f1b: v = 1 for all, as asked
     res = search("gpt-175b", 1024, "dgx-a100", v=(1, 4), schedule="1f1b", top=3)
     assert {e.layout.v for e in res} == {1}
+    with pytest.raises(PlanError, match="interleaved needs --chunks of 2 or more"):
+        search("gpt-175b", 1024, "dgx-a100", v=1, schedule="interleaved")
+    res = search("gpt-175b", 1024, "dgx-a100", v=(1, 4), schedule="interleaved", top=3)
+    assert {e.layout.v for e in res} == {4}
+
+
+def test_default_sequence_parallelism_prices_a_tp_it_cannot_cut_without_it(capsys):
+    """--sp by default is the framework's: on where it cuts the sequence, and a tp that does
+    not divide it is priced without SP, not dropped; asked for, it refuses that tp."""
+    shape = with_seq_len(model_preset("gpt-175b"), 2047)
+    best = search(shape, 1024, "dgx-a100", global_batch_tokens=1536 * 2047, top=1)[0]
+    assert best.layout.tp > 1 and not best.layout.sp
+    even = search("gpt-175b", 1024, "dgx-a100", top=1)[0]
+    assert even.layout.tp > 1 and even.layout.sp
+    with pytest.raises(PlanError, match="or drop --sp"):
+        search(shape, 1024, "dgx-a100", global_batch_tokens=1536 * 2047, tp=8, sp=True)
 
 
 def test_estimate_refuses_a_global_batch_its_micro_batches_contradict(capsys):

@@ -14,7 +14,7 @@ from .errors import PlanError
 from .estimate import estimate
 from .frameworks import FRAMEWORKS, check_framework
 from .hardware import load_hardware
-from .layout import Layout, check_layout, dp_per_node, layout_violation
+from .layout import Layout, check_layout, dp_per_node, layout_violation, schedule_violation
 from .memory import model_state_bytes
 from .search import explain, human_bytes, search
 from .arguments import SHAPE_FLAGS, shape_from_args
@@ -232,12 +232,10 @@ def cmd_estimate(args) -> None:
                      f"{dp * args.micro_batch * microbatches} sequences")
     v = args.chunks
     schedule = args.schedule
-    if schedule == "interleaved":
-        if v < 2:
-            raise PlanError("--schedule interleaved needs --chunks of 2 or more")
-        schedule = "1f1b"
-    elif v > 1:
-        raise PlanError("--chunks > 1 needs --schedule interleaved")
+    why = schedule_violation(schedule, v)
+    if why:
+        raise PlanError(why)
+    schedule = "1f1b" if schedule == "interleaved" else schedule   # v > 1 makes it interleaved
     layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
                     microbatches=microbatches, shard=spec, recompute=args.recompute,
                     v=v, sp=args.sp, schedule=schedule, cp=args.cp)

@@ -107,6 +107,16 @@ def shape_tp_violation(shape: ModelShape, tp: int, sp: bool = False) -> str | No
                         seq_len=shape.seq_len, sp=sp)
 
 
+def schedule_violation(schedule: str | None, chunks: int) -> str | None:
+    """The command line's schedule and model chunks per stage agree: interleaving needs two
+    chunks or more, and more than one chunk needs interleaving (``schedule`` None: free)."""
+    if schedule == "interleaved" and chunks < 2:
+        return "--schedule interleaved needs --chunks of 2 or more"
+    if schedule in ("gpipe", "1f1b") and chunks > 1:
+        return f"--chunks > 1 needs --schedule interleaved, not {schedule}"
+    return None
+
+
 def layout_violation(shape: ModelShape, layout: Layout, stage_rule: str = "even",
                      hint: bool = True) -> str | None:
     """The first of the trainer's rules ``layout`` breaks for ``shape``, in the trainer's

@@ -61,7 +61,7 @@ from .estimate import Estimate, dp_exposure, dp_profile, estimate, time_parts
 from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_violation,
-                     pp_violation, shape_tp_violation)
+                     pp_violation, schedule_violation, shape_tp_violation)
 from .peak import activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes
 from .stages import distinct, split_violation
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
@@ -70,10 +70,11 @@ from .sharding import (Shard, divisors, parse_shard, shard_violation, spec_flags
 
 OBJECTIVES = ("step", "amsp")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
-# A bound on the search's work, not on any machine (an assumption, measured here): the
-# largest clusters reported by 2025 hold of the order of 10^5 GPUs, and at 2^20 devices a
-# count with many divisors (720,720: 240 of them) takes the search about 10 s on one core;
-# AMSP's spec space grows with the square of the divisors beyond (14,414,400: 90 s).
+# A bound on the GPU count, not on any machine (an assumption): the largest clusters
+# reported by 2025 hold of the order of 10^5 GPUs. It bounds the work only loosely: the
+# time grows with the count's divisors (tp x pp x cp x the shard specs), so on the 2-core
+# VM a count with many divisors took 19 s (720,720 GPUs), 27 s (997,920) and 31 s (110,880
+# with --max-cp 8); pinning --tp, --pp or --cp, or giving --zero, cuts it.
 MAX_GPUS = 2**20
 
 
@@ -156,11 +157,9 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     if (schedule == "interleaved" or min(vs or [1]) > 1) and not fw.interleaving:
         raise PlanError(f"{fw.name} has no interleaved schedule; leave out --chunks and "
                         f"--schedule interleaved, or choose another --framework")
-    if schedule == "interleaved" and vs == (1,):
-        raise PlanError("--schedule interleaved needs --chunks of 2 or more")
-    if schedule in ("gpipe", "1f1b") and min(vs or [1]) > 1:
-        raise PlanError(f"--chunks > 1 needs the interleaved schedule, not {schedule}; give "
-                        f"--schedule interleaved or leave out --schedule")
+    why = vs and schedule_violation(schedule, max(vs) if schedule == "interleaved" else min(vs))
+    if why:                # a set of chunks is refused only when none of them can run
+        raise PlanError(why)
     tokens = global_batch_tokens or shape.global_batch_tokens
     if not tokens:
         raise PlanError(f"model {shape.name} has no default batch; give --global-batch-tokens")
@@ -172,7 +171,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     modes = [r for r in RECOMPUTE_MODES if r in fw.recompute and r in (recomputes or [r])]
     if not fw.interleaving or schedule in ("gpipe", "1f1b"):
         max_v, vs = 1, (1,)
-    use_sp = fw.sp if sp is None else sp
+    use_sp = sp_rule(shape, fw.sp if sp is None else sp, given=sp is not None)
 
     keep = max(4 * top, 20)
     if not fw.cp:
@@ -280,7 +279,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                                        schedule == "interleaved", refuser(2)):
             for mode in modes:
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
-                              recompute=mode, v=chunks, sp=use_sp and t > 1,
+                              recompute=mode, v=chunks, sp=use_sp(t, c),
                               schedule="gpipe" if schedule == "gpipe" else "1f1b")
                 table = _memory_table(shape, base, states, flash, dtype, fw)
                 leanest = min(leanest, (table[0][0], base), key=lambda x: x[0])
@@ -352,25 +351,37 @@ def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw) -> list:
                   for spec, (rows, gather) in states.items())
 
 
+def sp_rule(shape: ModelShape, sp: bool, given: bool):
+    """``sp(t, c)``: whether a layout of tp t and cp c runs sequence parallelism. Asked for
+    (``given``), it is on wherever tp > 1 and the rules refuse a sequence it cannot cut; by
+    default (the framework's), it is on only where it cuts each rank's s/c tokens into t
+    equal pieces, and the other layouts are priced without it rather than dropped."""
+    def at(t: int, c: int) -> bool:
+        return sp and t > 1 and (given or (shape.seq_len % t == 0
+                                           and (shape.seq_len // c) % t == 0))
+    return at
+
+
 def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
              stage_rule: str = "even", cps: list[int] | None = None,
-             max_cp: int | None = None, sp: bool = True, refuse=lambda why: None):
+             max_cp: int | None = None, sp=lambda t, c: t > 1, refuse=lambda why: None):
     """(tp, pp, cp, dp): tp splits the model as the trainer requires (``layout.
     shape_tp_violation``; at most ``max_tp`` unless given), pp gives the framework a stage
     split (``stages.split_violation``), cp cuts the sequence (``layout.cp_violation``; ``cps``
     None: every such cp, at most ``max_cp``), dp the batch. A single value given for tp, pp
     or cp that cannot work is a PlanError; from a set, such values are skipped, and
-    ``refuse`` is told why."""
+    ``refuse`` is told why. ``sp(t, c)``: whether that layout runs sequence parallelism
+    (``sp_rule``)."""
     for axis, values in (("tp", tps), ("pp", pps)):
         if values is not None and len(values) == 1:
             x = values[0]
-            why = (shape_tp_violation(shape, x, sp and x > 1) if axis == "tp"
+            why = (shape_tp_violation(shape, x, sp(x, 1)) if axis == "tp"
                    else split_violation(shape, x, stage_rule))
             if why or gpus % x:
                 raise PlanError(why or f"{axis}={x} must divide the {gpus} GPUs")
     if cps is not None and len(cps) == 1 and cps[0] > 1:
         c, t0 = cps[0], (tps[0] if tps and len(tps) == 1 else 1)
-        why = cp_violation(shape.seq_len, c, t0, bool(sp and t0 > 1))
+        why = cp_violation(shape.seq_len, c, t0, sp(t0, c))
         if gpus % c or why:
             raise PlanError(why or f"cp={c} must divide the {gpus} GPUs")
     tps = tps or [t for t in divisors(shape.heads) if t <= max_tp]
@@ -380,7 +391,7 @@ def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
     pps = pps or [p for p in divisors(gpus) if p <= shape.layers + 4]
     for t in tps:
         why = (f"tp={t} does not divide the {gpus} GPUs" if gpus % t
-               else shape_tp_violation(shape, t, sp and t > 1))
+               else shape_tp_violation(shape, t, sp(t, 1)))
         if why:
             refuse(why)
             continue
@@ -394,7 +405,7 @@ def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
             for c in cps or divisors(math.gcd(gpus // (t * p), shape.seq_len)):
                 d, rest = divmod(gpus, t * p * c)
                 why = (f"cp={c} is above --max-cp {max_cp}" if max_cp and c > max_cp else
-                       cp_violation(shape.seq_len, c, t, sp and t > 1)
+                       cp_violation(shape.seq_len, c, t, sp(t, c))
                        or (f"tp={t} x pp={p} x cp={c} = {t * p * c} does not divide the "
                            f"{gpus} GPUs" if rest else None)
                        or (f"dp={d} (the {gpus} GPUs over tp={t} x pp={p} x cp={c}) does not "

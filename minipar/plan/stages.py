@@ -141,6 +141,9 @@ def split_violation(shape, pp: int, rule: str = "even", chunks: int = 1) -> str 
         return f"unknown stage rule {rule!r}; use one of {', '.join(RULES)}"
     if rule != "balanced" or pp == 1 or chunks > 1:
         return pp_violation(shape.layers, pp, chunks, uneven=rule != "even")
+    why = pp_violation(shape.layers, pp, chunks, uneven=True)   # before any list of pp stages
+    if why:
+        return why
     if _balanced(shape, pp) is None:       # nanotron's own test: every stage gets a block
         return (f"nanotron's cost balance leaves a stage of pp={pp} without a block for "
                 f"{shape.layers} layers (its head weighs "
