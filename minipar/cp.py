@@ -71,6 +71,8 @@ def chunks_of(rank: int, n: int, balanced: bool = True) -> tuple[int, ...]:
 
 def local_positions(seq_len: int, n: int, rank: int, balanced: bool = True) -> torch.Tensor:
     """The global positions of the seq_len/n tokens rank ``rank`` holds, in its local order."""
+    if n == 1:
+        return torch.arange(seq_len)
     pieces = 2 * n if balanced else n
     if seq_len % pieces:                       # never drop the tail tokens silently
         raise UsageError(rules.cp_violation(seq_len, n) if balanced else

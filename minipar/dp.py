@@ -206,6 +206,11 @@ class DataParallel(nn.Module):
         # group with its own process group (MoE experts) from that group's first rank
         if init_sync:
             frozen = [p for p in module.parameters() if not p.requires_grad]
+            if frozen and any(g.group is not self.group for g in groups):
+                raise ValueError("DataParallel: frozen parameters beside groups with their own "
+                                 "process group: a frozen one may belong to such a group, so "
+                                 "the first rank's copy cannot be broadcast to all; make them "
+                                 "equal yourself and pass init_sync=False")
             comm.broadcast_from_first([p for g in groups if g.group is self.group for p in g.params]
                                       + frozen + list(module.buffers()), self.group)
             for g in groups:
@@ -320,8 +325,8 @@ class DataParallel(nn.Module):
         on one process (every rank holds the whole averaged gradient); returns the norm."""
         if any(r.group is not self.group for r in self.reductions):
             raise ValueError("DataParallel.clip_grad_norm_: a parameter group is averaged over its "
-                             "own process group (experts), so ranks hold different parameters and "
-                             "norms; clip with the trainer's --clip-grad (minipar.train.optim)")
+                             "own process group, so ranks hold different parameters and norms; "
+                             "sum the squared norms over each group's ranks before clipping")
         self.finish_grad_sync()
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 

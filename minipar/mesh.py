@@ -79,8 +79,9 @@ class Mesh:
         for name, n in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp), ("ep", ep)):
             if not (isinstance(n, int) and n >= 1):
                 raise UsageError(f"mesh axis {name} must be a whole number >= 1, got {n!r}")
-        if rules.ep_violation(ep, dp):
-            raise UsageError(rules.ep_violation(ep, dp))
+        why = rules.ep_violation(ep, dp)
+        if why:
+            raise UsageError(why)
         self.dp, self.pp, self.tp, self.cp, self.ep = dp, pp, tp, cp, ep
         world = dp * pp * cp * tp
         self.distributed = tdist.is_initialized()

@@ -321,8 +321,9 @@ def expert_parallel(model: nn.Module, group) -> nn.Module:
     every rank keeps every expert)."""
     n, i = comm.size(group), comm.rank(group)
     for layer in moe_layers(model):
-        if rules.moe_violation(layer.n_experts, ep=n):    # whole experts on every rank
-            raise UsageError(rules.moe_violation(layer.n_experts, ep=n))
+        why = rules.moe_violation(layer.n_experts, ep=n)    # whole experts on every rank
+        if why:
+            raise UsageError(why)
         layer.ep_group = group
         per_rank = layer.n_experts // n
         for key in list(layer.experts):

@@ -140,7 +140,7 @@ def _damaged(saved, tmp_path, how):
             f.truncate(100)
     elif how == "metadata":
         (bad / ".metadata").write_bytes(b"garbage")
-    elif how in ("vocab", "newer-config", "step-text", "no-layout"):
+    elif how in ("vocab", "newer-config", "step-text", "step-float", "no-layout"):
         m = json.loads((bad / "manifest.json").read_text())
         if how == "vocab":
             m["model"]["config"]["vocab_size"] = 300
@@ -148,6 +148,8 @@ def _damaged(saved, tmp_path, how):
             m["model"]["config"]["rope_theta"] = 1e4
         elif how == "step-text":
             m["step"] = "abc"
+        elif how == "step-float":                     # int() would have read it as 10
+            m["step"] = 10.7
         else:
             del m["layout"]
         (bad / "manifest.json").write_text(json.dumps(m))
@@ -163,6 +165,7 @@ BAD_CHECKPOINTS = [
     ("vocab", "another model (vocab_size 300 here 256)"),
     ("newer-config", "manifest.json is damaged (TypeError"),
     ("step-text", "manifest.json is damaged (ValueError"),
+    ("step-float", "manifest.json is damaged (ValueError: step 10.7 is not a whole number"),
     ("no-layout", "manifest.json is damaged (KeyError"),
     ("other-model", "another model (n_layer 4 here 8)"),
     ("done", "give --steps above 10"),

@@ -164,3 +164,5 @@ def test_a_sequence_that_does_not_cut_evenly_is_refused_not_truncated():
     with pytest.raises(UsageError, match="3 equal chunks"):
         cp.local_positions(10, 3, 0, balanced=False)
     assert sorted(torch.cat([cp.local_positions(12, 2, r) for r in range(2)]).tolist()) == list(range(12))
+    # one rank holds the whole sequence, any length (MoE's token share asks at cp 1 too)
+    assert cp.local_positions(9, 1, 0).tolist() == list(range(9))

@@ -142,6 +142,14 @@ def _frozen_and_groups():
             dp.DataParallel(net, groups=[ParamGroup("dense", tuple(listed), "dp", None, 2)])
         except ValueError as e:
             refusals.append(str(e))
+    # a group over its own process group (experts): a frozen weight may be one of its, so
+    # the dense group's first rank cannot be broadcast over it
+    own = tdist.new_group([0, 1])                   # a process group of its own
+    try:
+        dp.DataParallel(net, groups=[ParamGroup("dense", tuple(trainable[:1]), "dp", None, 2),
+                                     ParamGroup("expert", tuple(trainable[1:]), "edp", own, 2)])
+    except ValueError as e:
+        refusals.append(str(e))
     return net[0].weight.detach().clone(), refusals
 
 
@@ -153,4 +161,5 @@ def test_frozen_weights_are_rank_0s_and_groups_must_list_every_trainable_paramet
     torch.manual_seed(0)
     expected = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))[0].weight
     assert torch.equal(f0, f1) and torch.equal(f0, expected.detach())
-    assert len(r0) == 2 and all("exactly once" in r for r in r0), r0
+    assert len(r0) == 3 and all("exactly once" in r for r in r0[:2]), r0
+    assert "frozen parameters beside groups with their own process group" in r0[2]

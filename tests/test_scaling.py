@@ -39,6 +39,8 @@ def test_efficiency_is_throughput_per_process_against_the_smallest_point():
     (["weak", "--nproc-list", "1,3", "--tp", "2"], "do not divide into tp=2"),
     (["strong", "--nproc-list", "1,3", "--batch-size", "16"], "strong scaling at 3 processes"),
     (["weak", "--nproc-list", "1,2", "--dp", "2"], "--dp is set by the sweep"),
+    (["weak", "--nproc-list", "1,2", "--save", "ck"], "--save does not fit a sweep"),
+    (["weak", "--nproc-list", "1,2", "--resume=ck"], "--resume does not fit a sweep"),
     (["weak", "--nproc-list", "1,x"], "--nproc-list wants process counts"),
     (["weak", "--nproc-list", "1,2", "--steps", "1"], "leaves no step after --discard"),
     (["weak", "--nproc-list", "1,2", "--hardware", "no-such-machine"], "--hardware"),

@@ -321,8 +321,13 @@ def test_an_mlp_tp_cannot_split_is_refused_not_left_whole():
     block.mlp = torch.nn.Linear(cfg.d_model, cfg.d_model)
     with pytest.raises(UsageError, match="other_mlp"):
         tp.parallelize_block(block, None)
+    assert type(block.attn.qkv) is torch.nn.Linear                 # refused before any swap
+    gpt = model.GPT(cfg)
+    gpt.blocks[-1].mlp = torch.nn.Linear(cfg.d_model, cfg.d_model)
+    with pytest.raises(UsageError, match="other_mlp"):
+        tp.parallelize(gpt, None)
+    assert type(gpt.embed) is not tp.ParallelEmbedding and type(gpt.blocks[0].mlp.fc) is torch.nn.Linear
     seen = []
     tp.parallelize_block(model.Block(cfg), None)                   # model.MLP: split by tp
-    block.attn = model.Block(cfg).attn
     tp.parallelize_block(block, None, other_mlp=lambda mlp, group: seen.append(mlp))
     assert seen == [block.mlp]

@@ -237,6 +237,11 @@ def _sharded_beside_part_of_dp():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     dp.DataParallel(model[0])                      # the second layer is outside it
+    # beside a DataParallel over the whole model, a frozen weight is no reason to refuse
+    whole = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    whole[0].weight.requires_grad_(False)
+    dp.DataParallel(whole)
+    zero.ShardedOptimizer(whole.parameters(), torch.optim.SGD, stage=1, lr=0.1)
     try:
         zero.ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=1, lr=0.1)
     except UsageError as e:

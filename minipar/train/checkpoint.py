@@ -285,7 +285,8 @@ def read_manifest(path: str) -> dict:
                          f"written by this minipar")
     try:   # everything a reader takes from it, checked once here
         model_config_of(manifest)
-        manifest["step"] = int(manifest["step"])
+        if type(manifest["step"]) is not int:          # not 10.7, True or "12"
+            raise ValueError(f"step {manifest['step']!r} is not a whole number")
         manifest["layout"], manifest["training"]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise damaged(e) from None

@@ -133,6 +133,11 @@ def plan_points(mode: str, nproc_list: list[int], trainer_argv: list[str]) -> li
         if any(a.split("=", 1)[0] == name for a in trainer_argv):
             raise UsageError(f"{name} is set by the sweep at each point; leave it out "
                              f"(--nproc-list gives the process counts)")
+    for name in ("--save", "--resume"):          # every point trains from step 0 to --steps
+        if any(a.split("=", 1)[0] == name for a in trainer_argv):
+            raise UsageError(f"{name} does not fit a sweep (each point is a fresh run of "
+                             f"--steps steps, and the second would meet the first's "
+                             f"checkpoint); leave it out")
     argv = strip_flags(list(trainer_argv))
     base_n = nproc_list[0]
     base = trainer_config(strip_flags(list(trainer_argv), ("--quiet", "--log-every"))
@@ -315,7 +320,7 @@ def sweep(mode: str, nproc_list: list[int] | str, trainer_argv: list[str] = (),
 
     Returns one record per point, smallest first::
 
-        {"mode", "processes", "layout": {dp, tp, pp, zero, shard, microbatches, micro_batch,
+        {"mode", "processes", "layout": {dp, tp, pp, cp, zero, shard, microbatches, micro_batch,
          batch_size}, "model", "step_time_s", "tokens_per_s", "efficiency", "ideal": 1.0,
          "compute_s", "comm_s", "comm_bytes", "comm_bytes_by_op", "model_state_bytes",
          "loss", "timed_steps", "predicted": {"step_time_s", "tokens_per_s", "efficiency",

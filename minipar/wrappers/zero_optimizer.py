@@ -123,7 +123,8 @@ class OptimizerSurface(torch.optim.Optimizer):
         if dp is None or comm.global_ranks(dp.group) != comm.global_ranks(group):
             raise UsageError("ShardedOptimizer beside DataParallel: both must work over the same "
                              "process group (one DataParallel, its group)")
-        if any(p not in dp._bucket_of for g in self.param_groups for p in g["params"]):
+        if any(p not in dp._bucket_of for g in self.param_groups for p in g["params"]
+               if p.requires_grad):                        # frozen ones have no gradient
             raise UsageError("ShardedOptimizer beside DataParallel: some of its parameters are "
                              "outside the DataParallel (their gradients would not be averaged); "
                              "wrap the whole model, or none of it")
