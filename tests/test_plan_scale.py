@@ -397,6 +397,9 @@ def test_estimate_of_a_shape_without_a_batch_asks_for_one(capsys):
     _refused(capsys, "model custom has no default batch; give --global-batch or "
              "--microbatches", "estimate", "--layers", 2, "--hidden", 64, "--heads", 4,
              "--vocab", 100, "--seq-len", 16, "--gpus", 1, "--hardware", "dgx-a100")
+    _refused(capsys, "model custom has no default batch; give --batch or "
+             "--global-batch-tokens", "flops", "--layers", 2, "--hidden", 64, "--heads", 4,
+             "--vocab", 100, "--seq-len", 16)      # was a batch of 1, said nowhere
 
 
 @pytest.mark.parametrize("args, words", [

@@ -204,24 +204,13 @@ _LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2", "z3"
 
 
 
-def _steps(text: str) -> int:
-    """argparse type for --steps: a whole number >= 2 (the first step is warm-up)."""
-    import argparse
-    from minipar.runtime.cli import positive_int
-    steps = positive_int(text)
-    if steps < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (the first step warms up and is not "
-                                         f"timed), got {steps}")
-    return steps
-
-
 def build_parser():
     from minipar.runtime.cli import ArgumentParser, fraction
     from minipar.runtime.cli import positive_int as positive
     p = ArgumentParser(prog="python -m minipar.bench validate",
                        description="predicted vs measured step time of minipar.train here")
     p.add_argument("--model", default="tiny", help="a minipar.model preset (default tiny)")
-    p.add_argument("--steps", type=_steps, default=6,
+    p.add_argument("--steps", type=int, default=6,
                    help="training steps per layout, at least 2 (the first is warm-up)")
     p.add_argument("--batch-size", type=positive, default=16, help="global, in sequences")
     p.add_argument("--layouts", type=lambda t: t.split(","), default=list(_LAYOUT_KEYS),

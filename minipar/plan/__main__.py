@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-tokens", type=count,
                    help="default: the preset's (GPT-3's 3.1M tokens, LLaMA's 4.2M)")
     p.add_argument("--micro-batch", type=int_set("--micro-batch"), metavar="B",
-                   help="micro-batch sizes allowed (one, a set or a range)")
+                   help="micro-batch sizes allowed (one, a set or a range); default: 1 to 16, "
+                        "each dividing the batch per replica")
     p.add_argument("--top", type=positive, default=5, help="how many layouts to list")
     p.add_argument("--max-tp", type=positive,
                    help="largest TP degree to try (default: one node)")

@@ -48,8 +48,11 @@ def cmd_flops(args) -> None:
             raise PlanError(f"--global-batch-tokens {args.global_batch_tokens} is not a "
                             f"multiple of the sequence length {shape.seq_len}")
         batch = args.global_batch_tokens // shape.seq_len
+    elif args.batch or shape.global_batch_tokens:
+        batch = args.batch or shape.global_batch_tokens // shape.seq_len
     else:
-        batch = args.batch or (shape.global_batch_tokens // shape.seq_len) or 1
+        raise PlanError(f"model {shape.name} has no default batch; give --batch or "
+                        f"--global-batch-tokens")
     model_f = training_flops(shape, batch, "none")
     hardware_f = training_flops(shape, batch, args.recompute)
     moe = moe_plan.from_args(args)                      # MoE: FLOPs follow the active params

@@ -183,9 +183,9 @@ def check_numbers(hw: Hardware, where: str) -> None:
         raise PlanError(f"{where}: runtime_bytes must be less than memory_bytes")
     if hw.tree is not None and not isinstance(hw.tree, dict):
         raise PlanError(f"{where}: tree must be an object, got {hw.tree!r}")
-    for key in ("base_latency", "intra_latency", "inter_latency", "bandwidth_factor"):
-        if hw.tree is not None:
-            _positive(hw.tree.get(key), f"tree.{key}", where, zero_ok=key == "base_latency")
+    for key in ("base_latency", "intra_latency", "inter_latency",
+                "bandwidth_factor") if hw.tree is not None else ():
+        _positive(hw.tree.get(key), f"tree.{key}", where, zero_ok=key == "base_latency")
     _objects(hw.local_links, "local_links", where)
     for link in hw.local_links:
         _positive(link.get("devices"), "local_links devices", where)

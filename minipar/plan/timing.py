@@ -79,7 +79,7 @@ def network_efficiency(nodes: int, hw: Hardware) -> float:
     """The fraction of ``inter_node_bandwidth`` a ring over ``nodes`` nodes reaches: the
     hardware's measured ``inter_node_efficiency`` rows, linear in log2(nodes) between
     them, held beyond the first and the last; 1 without rows."""
-    rows = sorted(hw.inter_node_efficiency)
+    rows = hw.inter_node_efficiency           # by node count, as loading checked
     if not rows:
         return 1.0
     if nodes <= rows[0][0]:
