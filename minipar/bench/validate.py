@@ -102,8 +102,7 @@ def validate_step_time(model: str = "tiny", layouts: dict | None = None, steps: 
     from minipar.plan.hardware import hardware_from_dict, load_hardware
     from minipar.plan.shapes import model_preset
     if steps < 2:
-        raise UsageError(f"--steps must be at least 2 (the first step warms up and is not "
-                         f"timed), got {steps}")
+        raise UsageError(f"--steps {_STEPS_RULE}, got {steps}")
     load_before = os.getloadavg()
     if hardware is None:
         data = calibrate(nprocs=2, quick=quick, name="laptop-cpu, calibrated here",
@@ -200,6 +199,17 @@ def cmd_validate(args) -> None:
     emit(args, out, text)
 
 
+_STEPS_RULE = "must be at least 2 (the first step warms up and is not timed)"
+
+
+def _steps(text: str) -> int:
+    """argparse type for --steps, so that the parser names the command: ``_STEPS_RULE``."""
+    import argparse
+    if not text.lstrip("-").isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"{_STEPS_RULE}, got {text}")
+    return int(text)
+
+
 _LAYOUT_KEYS = {"1": "1 rank", "dp2": "DP 2", "tp2": "TP 2", "pp2": "PP 2", "z3": "ZeRO-3 2"}
 
 
@@ -210,7 +220,7 @@ def build_parser():
     p = ArgumentParser(prog="python -m minipar.bench validate",
                        description="predicted vs measured step time of minipar.train here")
     p.add_argument("--model", default="tiny", help="a minipar.model preset (default tiny)")
-    p.add_argument("--steps", type=int, default=6,
+    p.add_argument("--steps", type=_steps, default=6,
                    help="training steps per layout, at least 2 (the first is warm-up)")
     p.add_argument("--batch-size", type=positive, default=16, help="global, in sequences")
     p.add_argument("--layouts", type=lambda t: t.split(","), default=list(_LAYOUT_KEYS),
