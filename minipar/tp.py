@@ -411,27 +411,20 @@ class VocabParallelCrossEntropy(nn.Module):
 # --------------------------------------------------------------------------------------
 # The serial GPT -> the tensor-parallel GPT
 # --------------------------------------------------------------------------------------
-def _check_mlps(blocks, other_mlp) -> None:
-    """Refused before anything is swapped: an MLP tp cannot split and no ``other_mlp``."""
-    for mlp in (b.mlp for b in blocks):
-        if not isinstance(mlp, MLP) and other_mlp is None:
-            raise UsageError(f"tp splits model.MLP; for a {type(mlp).__name__} pass "
-                             f"other_mlp=f(mlp, group)")
-
-
 def parallelize_block(block, group, sequence_parallel: bool = False, other_mlp=None):
     """One block, in place: qkv and fc column-parallel, both proj row-parallel (attention reads
     its number of heads, h/t here, from qkv's width). Another kind of MLP (a mixture of
     experts) is split by ``other_mlp(mlp, group)``, the layout's; none given: refused."""
     attn, mlp, sp = block.attn, block.mlp, sequence_parallel
-    _check_mlps([block], other_mlp)
-    attn.qkv = ColumnParallelLinear.from_serial(attn.qkv, group, groups=3, sequence_parallel=sp)
-    attn.proj = RowParallelLinear.from_serial(attn.proj, group, sequence_parallel=sp)
-    if isinstance(mlp, MLP):
+    if isinstance(mlp, MLP):                         # the MLP first: a refusal swaps nothing
         mlp.fc = ColumnParallelLinear.from_serial(mlp.fc, group, sequence_parallel=sp)
         mlp.proj = RowParallelLinear.from_serial(mlp.proj, group, sequence_parallel=sp)
-    else:             # left whole, its gradients would miss TP's sum: hence the refusal above
+    elif other_mlp is None:         # left whole, its gradients would miss TP's sum: say so
+        raise UsageError(f"tp splits model.MLP; for a {type(mlp).__name__} pass other_mlp=f(mlp, group)")
+    else:
         other_mlp(mlp, group)
+    attn.qkv = ColumnParallelLinear.from_serial(attn.qkv, group, groups=3, sequence_parallel=sp)
+    attn.proj = RowParallelLinear.from_serial(attn.proj, group, sequence_parallel=sp)
     if sp:
         block.ln1 = SequenceParallelLayerNorm(block.ln1, group)
         block.ln2 = SequenceParallelLayerNorm(block.ln2, group)
@@ -443,13 +436,12 @@ def parallelize(model, group, sequence_parallel: bool = False, other_mlp=None):
     place (``other_mlp``: as ``parallelize_block``'s). Structure and names stay, so a pipeline
     can cut it; under SP the activations between blocks are (b, s/t, h)."""
     sp = sequence_parallel and comm.size(group) > 1
-    _check_mlps(model.blocks, other_mlp)
+    for block in sorted(model.blocks, key=lambda b: isinstance(b.mlp, MLP)):  # refusals first
+        parallelize_block(block, group, sequence_parallel=sp, other_mlp=other_mlp)
     embed = model.embed
     model.embed = ParallelEmbedding(
         VocabParallelEmbedding.from_serial(embed.tok, group, sequence_parallel=sp),
         embed.pos, embed.drop, group, sequence_parallel=sp)
-    for block in model.blocks:
-        parallelize_block(block, group, sequence_parallel=sp, other_mlp=other_mlp)
     head = model.head
     if sp:
         head.ln = SequenceParallelLayerNorm(head.ln, group)
