@@ -42,8 +42,9 @@ their own layers, embedding and head), so the peak is the largest of the stages'
 What the device can give to all of this is ``Hardware.usable_bytes``: its memory less the
 runtime's share (context, the collective library's buffers, BLAS workspaces:
 ``runtime_bytes``), less what the allocator holds beyond live tensors, (reserved - allocated)
-/ reserved: the framework profile's measured ``memory_reserve``, else the hardware's
-``fragmentation``. Layouts that public runs executed must fit (``published.executed_runs()``,
+/ reserved: the hardware's ``fragmentation`` when the profile was fitted to measured runs
+(``capacity``), else the framework profile's measured ``memory_reserve``, else the
+hardware's hand-set ``fragmentation``. Layouts that public runs executed must fit (``published.executed_runs()``,
 tests/test_plan_grounded.py), and published peaks are held against ``device_memory``
 (``anchors``, docs/reference.md).
 """
@@ -198,3 +199,11 @@ def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
         if best is None or mem["total"] > best["total"]:
             best = dict(mem, stage=st.index)
     return best
+
+
+def capacity(hw, framework, reserve: float | None = None) -> float:
+    """The bytes a model may fill on ``hw`` (module docstring): ``reserve`` if given, else a
+    fitted profile's own reserve, else the framework's measured one."""
+    if reserve is None and not hw.fitted:
+        reserve = framework.memory_reserve
+    return hw.usable_bytes(reserve)

@@ -62,8 +62,8 @@ def intra_bandwidth(per_node: int, stride: int, hw: Hardware) -> float:
     span = (per_node - 1) * stride + 1
     for link in sorted(hw.local_links, key=lambda x: x["devices"]):
         if span <= link["devices"]:
-            return float(link["bandwidth"])
-    return hw.intra_node_bandwidth
+            return float(link["bandwidth"]) * hw.intra_node_efficiency
+    return hw.intra_node_bandwidth * hw.intra_node_efficiency
 
 
 def size_factor(nbytes: float, hw: Hardware) -> float:
@@ -262,4 +262,5 @@ def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware) -> float:
         return (hw.collective_latency + hw.inter_node_latency
                 + nbytes / (hw.inter_node_bandwidth / hw.gpus_per_node
                             * network_efficiency(2, hw)))
-    return hw.collective_latency + hw.intra_node_latency + nbytes / hw.intra_node_bandwidth
+    return (hw.collective_latency + hw.intra_node_latency
+            + nbytes / (hw.intra_node_bandwidth * hw.intra_node_efficiency))

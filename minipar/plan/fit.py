@@ -1,0 +1,360 @@
+"""A hardware profile fitted to measured runs, and judged on runs kept out of the fit.
+
+``python -m minipar.plan fit RUNS.csv --hardware BASE -o PROFILE.json`` keeps BASE's datasheet
+values (peak FLOP/s, link and NIC bandwidths, memory, cited in its ``sources``) and fits the
+few efficiencies the planner cannot know from a datasheet:
+
+    time     compute_efficiency      large GEMMs' fraction of peak            (0, 1]
+             gemm_half_flops         GEMM size at half that efficiency        (compute)
+             intra_node_efficiency   collectives' fraction of the node links  (0, 1]
+             inter_node_efficiency   the NICs' fraction at 2 nodes and at the widest run
+             collective_latency      per call;  inter_node_latency: per ring step across nodes
+             layer_overhead          seconds a layer costs per micro-batch beyond its kernels
+             overlap_slowdown        compute slowed by the traffic hidden beside it
+             overlap_exposed         the share of hideable traffic that stays exposed
+    memory   runtime_bytes           per rank, before the model
+             fragmentation           the allocator's reserve, (reserved - live) / reserved
+
+Time: least squares of log(predicted / measured tokens/s) over the runs that ran (the whole
+estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of
+it), each parameter bounded by physics (no efficiency above 1, so no bandwidth above its
+datasheet) and fitted in log space where it spans decades. Memory: least squares of
+log(predicted / measured peak) over the runs that logged one. Each value comes with its
+standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a parameter the
+runs do not move (no run crosses nodes, say) keeps BASE's value and is reported as not
+identified. The profile records the data's sha256 and, with ``--holdout``, the errors on the
+runs kept out (``score``): MFU error (median, worst), the median per-cell rank correlation
+(a cell: one model on one node count), the regret of the planner's pick in each cell (the
+measured throughput of the layout it ranks first among the cell's, over the cell's best: 0
+when its pick crashed) and the precision and recall of the crashes it predicts (a layout
+that does not fit, or that the framework refuses).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from .errors import PlanError
+from .estimate import estimate
+from .frameworks import load_framework
+from .hardware import Hardware
+from .runs import Run
+
+# (field, lower, upper, log-scaled?)  inter@lo, inter@hi: the two rows of inter_node_efficiency
+TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
+                   ("gemm_half_flops", 1e6, 1e13, True),
+                   ("intra_node_efficiency", 0.02, 1.0, False),
+                   ("inter@lo", 1e-3, 1.0, True),
+                   ("inter@hi", 1e-4, 1.0, True),
+                   ("collective_latency", 1e-7, 1e-2, True),
+                   ("intra_node_latency", 1e-7, 1e-2, True),
+                   ("inter_node_latency", 1e-7, 1e-2, True),
+                   ("layer_overhead", 1e-7, 0.1, True),
+                   ("overlap_slowdown", 0.0, 0.95, False),
+                   ("overlap_exposed", 0.0, 0.95, False))
+# A robust loss (soft L1 beyond 0.2 in log units, a 22% error): a few runs in any sweep are
+# broken (a slow node, a straggler), and plain squares would let one of them move the fit.
+LOSS, F_SCALE = "cauchy", 0.2
+MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False))
+
+
+def _estimate(run: Run, hw: Hardware, check: bool = False):
+    return estimate(run.shape, hw, run.layout, framework=load_framework(run.framework),
+                    flash=run.flash, check=check)
+
+
+def predictions(runs: list[Run], hw: Hardware) -> list:
+    """Each run's ``Estimate``, or None where the framework or the planner refuses the layout
+    (a crash predicted)."""
+    out = []
+    for r in runs:
+        try:
+            out.append(_estimate(r, hw, check=True))
+        except PlanError:
+            out.append(None)
+    return out
+
+
+def _widest(runs: list[Run]) -> int:
+    return max([r.nodes for r in runs] + [2])
+
+
+def _get(hw: Hardware, name: str, widest: int) -> float:
+    if name.startswith("inter@"):
+        rows = hw.inter_node_efficiency or [[2, 1.0]]
+        from .timing import network_efficiency
+        return network_efficiency(2 if name == "inter@lo" else widest, hw) if rows else 1.0
+    return float(getattr(hw, name))
+
+
+def _with(hw: Hardware, values: dict, widest: int) -> Hardware:
+    lo, hi = values.get("inter@lo"), values.get("inter@hi")
+    plain = {k: v for k, v in values.items() if not k.startswith("inter@")}
+    if lo is not None or hi is not None:
+        lo = _get(hw, "inter@lo", widest) if lo is None else lo
+        hi = _get(hw, "inter@hi", widest) if hi is None else hi
+        plain["inter_node_efficiency"] = [[2, lo], [widest, hi]] if widest > 2 else [[2, lo]]
+    return replace(hw, **plain)
+
+
+def _least_squares(residuals, names, bounds, x0):
+    """scipy's bounded trust-region least squares, the standard errors and which of
+    ``names`` the data moves. Raises PlanError when it does not converge."""
+    from scipy.optimize import least_squares
+    lo = np.array([b[0] for b in bounds])
+    hi = np.array([b[1] for b in bounds])
+    x0 = np.clip(np.array(x0, dtype=float), lo + 1e-9, hi - 1e-9)
+    sol = least_squares(residuals, x0, bounds=(lo, hi), x_scale="jac", diff_step=1e-3,
+                        max_nfev=200, loss=LOSS, f_scale=F_SCALE)
+    if sol.status <= 0 or not np.all(np.isfinite(sol.fun)):
+        raise PlanError(f"the fit did not converge ({sol.message}); give more runs, or runs "
+                        f"that vary what the profile fits")
+    jac, n = sol.jac, len(sol.fun)
+    moved = np.linalg.norm(jac, axis=0) > 1e-6 * max(1.0, np.linalg.norm(jac))
+    dof = max(1, n - int(moved.sum()))
+    s2 = float(sol.fun @ sol.fun) / dof
+    sigma = np.full(len(names), math.nan)
+    if moved.any():
+        j = jac[:, moved]
+        cov = s2 * np.linalg.pinv(j.T @ j)
+        sigma[moved] = np.sqrt(np.clip(np.diag(cov), 0, None))
+    return sol.x, sigma, moved, float(np.sqrt(s2))
+
+
+def _pack(spec, hw, widest):
+    x0, bounds = [], []
+    for name, lo, hi, log in spec:
+        value = _get(hw, name, widest)
+        hi = hi if hi is not None else hw.memory_bytes / 2
+        if log:
+            x0.append(math.log10(max(value, lo)))
+            bounds.append((math.log10(lo), math.log10(hi)))
+        else:
+            x0.append(value)
+            bounds.append((lo, hi))
+    return x0, bounds
+
+
+def _unpack(spec, x):
+    return {name: (10 ** v if log else float(v)) for (name, _, _, log), v in zip(spec, x)}
+
+
+def _report(spec, x, sigma, moved, base: dict) -> dict:
+    """{name: [value, standard error]} (a log-fitted value's error as an absolute one), and
+    the base value with a null error for a parameter the data did not move."""
+    out = {}
+    for (name, _, _, log), v, s, m in zip(spec, x, sigma, moved):
+        value = 10 ** v if log else float(v)
+        if not m:
+            out[name] = [base[name], None]
+        else:
+            out[name] = [value, value * math.log(10) * s if log else float(s)]
+    return out
+
+
+def fit_time(runs: list[Run], base: Hardware) -> tuple[Hardware, dict, float]:
+    """``base`` with the time parameters fitted to the runs that ran, their report and the
+    residual standard deviation (in natural log units)."""
+    ran = [r for r in runs if r.ran]
+    usable = [(r, e) for r, e in zip(ran, predictions(ran, base)) if e is not None]
+    if len(usable) < len(TIME_PARAMETERS) + 2:
+        raise PlanError(f"{len(usable)} runs that ran and the planner can price: too few to fit "
+                        f"{len(TIME_PARAMETERS)} parameters; give at least "
+                        f"{len(TIME_PARAMETERS) + 2}")
+    measured = np.log([r.tokens_per_s_gpu * r.layout.gpus for r, _ in usable])
+    widest = _widest(ran)
+    spec = TIME_PARAMETERS
+    x0, bounds = _pack(spec, base, widest)
+
+    def residuals(x):
+        hw = _with(base, _unpack(spec, x), widest)
+        return np.log([_estimate(r, hw).tokens_per_s for r, _ in usable]) - measured
+
+    x, sigma, moved, s = _least_squares(residuals, [p[0] for p in spec], bounds, x0)
+    values = {name: v for name, v in _unpack(spec, x).items()}
+    kept = {name: _get(base, name, widest) for name, *_ in spec}
+    values = {k: (v if m else kept[k]) for (k, v), m in zip(values.items(), moved)}
+    return _with(base, values, widest), _report(spec, x, sigma, moved, kept), s
+
+
+def fit_memory(runs: list[Run], hw: Hardware) -> tuple[Hardware, dict, float]:
+    """``hw`` with the runtime bytes and the allocator's reserve fitted to the runs' logged
+    peaks: measured = runtime + live / (1 - reserve), the live bytes the planner's
+    ``device_memory``."""
+    pairs = [(r.peak_mem_gib * 2**30, e.memory["total"])
+             for r, e in zip(runs, predictions(runs, hw))
+             if e is not None and r.ran and math.isfinite(r.peak_mem_gib)]
+    if len(pairs) < 3:
+        return hw, {name: [getattr(hw, name), None] for name, *_ in MEMORY_PARAMETERS}, math.nan
+    measured, live = np.log([m for m, _ in pairs]), np.array([p for _, p in pairs])
+    spec = MEMORY_PARAMETERS
+    x0, bounds = _pack(spec, hw, 2)
+
+    def residuals(x):
+        v = _unpack(spec, x)
+        return np.log(v["runtime_bytes"] + live / (1 - v["fragmentation"])) - measured
+
+    x, sigma, moved, s = _least_squares(residuals, [p[0] for p in spec], bounds, x0)
+    kept = {name: getattr(hw, name) for name, *_ in spec}
+    values = {k: (v if m else kept[k]) for (k, v), m in zip(_unpack(spec, x).items(), moved)}
+    return replace(hw, **values), _report(spec, x, sigma, moved, kept), s
+
+
+# --------------------------------------------------------------------------------------
+# Judging a profile on runs
+# --------------------------------------------------------------------------------------
+def spearman(a, b) -> float:
+    """Rank correlation (average ranks for ties); NaN for fewer than 3 pairs or no spread."""
+    if len(a) < 3:
+        return math.nan
+    from scipy.stats import spearmanr
+    rho = spearmanr(a, b).statistic
+    return float(rho) if np.isfinite(rho) else math.nan
+
+
+def score(runs: list[Run], hw: Hardware) -> dict:
+    """How ``hw`` predicts ``runs`` (module docstring): mfu_ratio_median (predicted /
+    measured), mfu_error_median and _worst (|ratio - 1|), rank_median (per cell), pick_median
+    and pick_worst (measured share of the cell's best), crash_precision and crash_recall,
+    false_crash (predicted to crash among the runs that ran), cells, runs, priced."""
+    est = predictions(runs, hw)
+    ratios, cells = [], {}
+    crash = {"tp": 0, "fp": 0, "fn": 0, "tn": 0}
+    for r, e in zip(runs, est):
+        cells.setdefault(r.cell, []).append((r, e))
+        predicted_crash = e is None or not e.fits
+        key = ("tp" if predicted_crash else "fn") if not r.ran else ("fp" if predicted_crash
+                                                                     else "tn")
+        crash[key] += 1
+        if r.ran and e is not None:
+            ratios.append(e.tokens_per_s / (r.tokens_per_s_gpu * r.layout.gpus))
+    ranks, picks = [], []
+    for members in cells.values():
+        ok = [(r, e) for r, e in members if r.ran and e is not None and e.fits]
+        rho = spearman([e.tokens_per_s for _, e in ok], [r.tokens_per_s_gpu for r, _ in ok])
+        if math.isfinite(rho):
+            ranks.append(rho)
+        best = max((r.tokens_per_s_gpu for r, _ in members if r.ran), default=0.0)
+        chosen = [(r, e) for r, e in members if e is not None and e.fits]
+        if best and chosen:
+            pick = max(chosen, key=lambda x: x[1].tokens_per_s)[0]
+            picks.append(pick.tokens_per_s_gpu / best if pick.ran else 0.0)
+    errors = [abs(x - 1) for x in ratios]
+    nan = math.nan
+    return {
+        "runs": len(runs), "priced": len(ratios), "cells": len(cells),
+        "mfu_ratio_median": float(np.median(ratios)) if ratios else nan,
+        "mfu_error_median": float(np.median(errors)) if errors else nan,
+        "mfu_error_worst": float(max(errors)) if errors else nan,
+        "rank_median": float(np.median(ranks)) if ranks else nan,
+        "pick_median": float(np.median(picks)) if picks else nan,
+        "pick_worst": float(min(picks)) if picks else nan,
+        "crash_precision": crash["tp"] / max(1, crash["tp"] + crash["fp"]),
+        "crash_recall": crash["tp"] / max(1, crash["tp"] + crash["fn"]),
+        "false_crash": crash["fp"] / max(1, crash["fp"] + crash["tn"]),
+    }
+
+
+def residuals_by(runs: list[Run], hw: Hardware, key) -> dict:
+    """Median predicted / measured tokens/s of the runs that ran, grouped by ``key(run)``."""
+    groups: dict = {}
+    for r, e in zip(runs, predictions(runs, hw)):
+        if r.ran and e is not None:
+            groups.setdefault(key(r), []).append(e.tokens_per_s / (r.tokens_per_s_gpu
+                                                                     * r.layout.gpus))
+    return {k: (len(v), float(np.median(v))) for k, v in sorted(groups.items())}
+
+
+def fit(runs: list[Run], base: Hardware) -> tuple[Hardware, dict]:
+    """Time, then memory; the fitted profile and {"parameters", "log_sigma_time",
+    "log_sigma_memory"}."""
+    hw, time_report, s_time = fit_time(runs, base)
+    hw, memory_report, s_mem = fit_memory(runs, hw)
+    return hw, {"parameters": {**time_report, **memory_report},
+                "log_sigma_time": s_time, "log_sigma_memory": s_mem}
+
+
+# --------------------------------------------------------------------------------------
+# python -m minipar.plan fit
+# --------------------------------------------------------------------------------------
+def cross_validate(runs: list[Run], base: Hardware, holdout: str | None = None,
+                   kfold: str | None = None) -> list[dict]:
+    """Fit without each held-out part and score on it: one fold for ``holdout``
+    (``runs.select``'s spec), one per model or node count for ``kfold``."""
+    from .runs import select
+    if holdout:
+        folds = [(holdout, select(runs, holdout))]
+    else:
+        key = (lambda r: r.shape.name) if kfold == "model" else (lambda r: r.nodes)
+        folds = [(f"{kfold}={v}", [r for r in runs if key(r) == v])
+                 for v in sorted({key(r) for r in runs})]
+    out = []
+    for name, held in folds:
+        kept = [r for r in runs if r not in held]
+        if not any(r.ran for r in kept):
+            raise PlanError(f"holding out {name} leaves no run that ran to fit")
+        hw, _ = fit(kept, base)
+        out.append({"holdout": name, **score(held, hw)})
+    return out
+
+
+def _value(name: str, v: float) -> str:
+    return f"{v:.3g}" if v is not None and math.isfinite(v) else "-"
+
+
+def cmd_fit(args) -> None:
+    import json
+    from pathlib import Path
+    from ..runtime.cli import emit, text_table
+    from .hardware import load_hardware
+    from .runs import digest, read_runs
+    runs, notes = read_runs(args.runs)
+    base = load_hardware(args.hardware)
+    hw, report = fit(runs, base)
+    folds = cross_validate(runs, base, args.holdout, args.kfold) if (args.holdout or
+                                                                      args.kfold) else []
+    fitted = {"data": Path(args.runs).name, "sha256": digest(args.runs), "rows": len(runs),
+              "base": base.name, **report, "training": score(runs, hw), "holdout": folds}
+    profile = replace(hw, name=args.name or f"{base.name}-fitted", fitted=fitted)
+    out = profile.to_dict()
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+    lines = list(notes)
+    rows = [[name, _value(name, v), "not identified: kept" if s is None else _value(name, s)]
+            for name, (v, s) in report["parameters"].items()]
+    lines += [text_table(rows, ["parameter", "value", "std. error"]),
+              f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "
+              f"{report['log_sigma_memory']:.3f}"]
+    for title, key in (("nodes", lambda r: r.nodes), ("tp", lambda r: r.layout.tp),
+                       ("pp", lambda r: r.layout.pp), ("dp", lambda r: r.layout.dp)):
+        groups = residuals_by(runs, profile, key)
+        lines.append(f"predicted / measured tokens/s by {title}: " + ", ".join(
+            f"{k}: {v:.2f} ({n})" for k, (n, v) in groups.items()))
+    table = [["fitted rows"] + [_value(c, fitted["training"][c]) for c in SCORE_COLUMNS]]
+    table += [[f["holdout"]] + [_value(c, f[c]) for c in SCORE_COLUMNS] for f in folds]
+    lines.append(text_table(table, ["scored on"] + list(SCORE_COLUMNS)))
+    if args.output:
+        lines.append(f"wrote {args.output}")
+    emit(args, out, "\n".join(lines))
+
+
+SCORE_COLUMNS = ("runs", "mfu_ratio_median", "mfu_error_median", "mfu_error_worst",
+                 "rank_median", "pick_median", "pick_worst", "crash_precision", "crash_recall",
+                 "false_crash")
+
+
+def add_fit_parser(sub) -> None:
+    p = sub.add_parser("fit", help="fit a hardware profile to measured runs (plan.fit)")
+    p.add_argument("runs", help="a runs CSV (python -m minipar.scaling --runs writes one) or "
+                                "the Ultra-Scale Playbook grid")
+    p.add_argument("--hardware", required=True,
+                   help="the base profile: its datasheet peaks and bandwidths are kept")
+    p.add_argument("-o", "--output", help="write the fitted profile here (JSON)")
+    p.add_argument("--name", help="the fitted profile's name (default: BASE-fitted)")
+    p.add_argument("--holdout", help="score a fit without these runs on them: model=NAME or "
+                                     "nodes=N[,N...]")
+    p.add_argument("--kfold", choices=["model", "nodes"],
+                   help="cross-validate: hold out each model (or node count) in turn")
+    p.set_defaults(func=cmd_fit)
