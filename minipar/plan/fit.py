@@ -159,10 +159,10 @@ def fit_time(runs: list[Run], base: Hardware) -> tuple[Hardware, dict, float]:
     residual standard deviation (in natural log units)."""
     ran = [r for r in runs if r.ran]
     usable = [(r, e) for r, e in zip(ran, predictions(ran, base)) if e is not None]
-    if len(usable) < len(TIME_PARAMETERS) + 2:
-        raise PlanError(f"{len(usable)} runs that ran and the planner can price: too few to fit "
-                        f"{len(TIME_PARAMETERS)} parameters; give at least "
-                        f"{len(TIME_PARAMETERS) + 2}")
+    if len(usable) < 3:
+        raise PlanError(f"{len(usable)} runs that ran and the planner can price: too few to "
+                        f"fit; give at least 3 (more, varied in tp, pp, dp and micro-batch, "
+                        f"pin down more parameters: the report says which it could not)")
     measured = np.log([r.tokens_per_s_gpu * r.layout.gpus for r, _ in usable])
     widest = _widest(ran)
     spec = TIME_PARAMETERS
