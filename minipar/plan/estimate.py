@@ -181,7 +181,8 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
         b, s = layout.micro_batch, shape.seq_len // layout.cp
         msg = b * s * shape.hidden * ACTIVATION_BYTES[dtype]
         _, nodes = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)
-        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw)
+        job_nodes = -(-layout.gpus // hw.gpus_per_node)
+        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw, job_nodes)
     parts = worst["parts"]
     out = {"compute": parts["total"], "tp_comm": worst["tp_comm"],
            "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,

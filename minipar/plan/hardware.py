@@ -51,7 +51,15 @@ Units: bytes, seconds, FLOP/s. Bandwidths are per direction.
   ``intra_node_bandwidth`` (the links' datasheet rate) a collective reaches inside a node.
   ``layer_overhead``: seconds each layer costs per micro-batch (forward and backward)
   beyond its kernels' work (launches, the host's scheduling, synchronisation); 0 unless
+  fitted. ``p2p_latency``: seconds a point-to-point message between nodes costs per node of
+  the job, beyond its bytes: an empirical term, fitted where pipelines slow with the job's
+  width far more than their bytes say (the Playbook grid's at 32 and 64 nodes); 0 unless
   fitted.
+* ``memory_sigma``: how far the planner's peak memory strays from measured peaks on this
+  hardware, the robust standard deviation of log(predicted / measured) (1.4826 x their median
+  absolute deviation) where ``plan fit`` measured it; a layout fits only when its peak fits
+  with 95% confidence, its predicted bytes x exp(1.645 x memory_sigma) (``peak.capacity``);
+  0: the prediction taken as exact.
 * ``fitted``: what ``python -m minipar.plan fit`` fitted the profile to ({"data", "sha256",
   "rows", "parameters": {name: [value, sigma]}, "holdout": {...}}); empty for a profile whose
   efficiencies are set by hand, and every estimate on such a profile says so in a note.
@@ -109,6 +117,8 @@ class Hardware:
     gemm_half_flops: float = 0.0
     intra_node_efficiency: float = 1.0
     layer_overhead: float = 0.0
+    p2p_latency: float = 0.0
+    memory_sigma: float = 0.0
     fitted: dict = field(default_factory=dict, compare=False)
     cores: int = 0                  # CPU cores a node's devices share; 0: one engine each
     sources: dict = field(default_factory=dict, compare=False)
@@ -193,7 +203,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
                  "runtime_bytes", "step_calibration", "cores"):
         _positive(getattr(hw, name), name, where, zero_ok=name != "step_calibration")
     _positive(hw.intra_node_efficiency, "intra_node_efficiency", where)
-    for name in ("gemm_half_flops", "layer_overhead"):
+    for name in ("gemm_half_flops", "layer_overhead", "p2p_latency", "memory_sigma"):
         _positive(getattr(hw, name), name, where, zero_ok=True)
     for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency"):
         if getattr(hw, name) > 1:
