@@ -67,7 +67,7 @@ MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0
 
 def _estimate(run: Run, hw: Hardware, check: bool = False):
     return estimate(run.shape, hw, run.layout, framework=load_framework(run.framework),
-                    flash=run.flash, check=check)
+                    flash=run.flash, dtype=run.dtype, check=check)
 
 
 def predictions(runs: list[Run], hw: Hardware) -> list:
@@ -119,7 +119,7 @@ def _least_squares(residuals, bounds, x0):
     moved = np.linalg.norm(jac, axis=0) > 1e-6 * max(1.0, np.linalg.norm(jac))
     s2 = float(sol.fun @ sol.fun) / max(1, n - int(moved.sum()))
     sigma = np.full(len(x0), np.inf)
-    if moved.any():
+    if moved.any() and n > moved.sum():      # as many runs as parameters: no error to tell
         j = jac[:, moved]
         sigma[moved] = np.sqrt(np.clip(np.diag(s2 * np.linalg.pinv(j.T @ j)), 0, None))
     return sol.x, sigma, moved, float(np.sqrt(s2))
@@ -142,8 +142,8 @@ def _unpack(spec, x):
 def _fit(spec, base: Hardware, widest: int, residuals_of) -> tuple[Hardware, dict, float]:
     """Fit ``spec``'s parameters of ``base`` to ``residuals_of(hardware)`` (an array); a
     parameter the data does not move at all keeps ``base``'s value. Returns the fitted
-    hardware, {name: [value, standard error, or None where not moved]} and the residuals'
-    sd. Correlated parameters (a large-GEMM efficiency against a fixed cost per layer) can
+    hardware, {name: [value, standard error or None, "fitted" | "kept": not moved |
+    "undetermined": no more runs than parameters moved]} and the residuals' sd. Correlated parameters (a large-GEMM efficiency against a fixed cost per layer) can
     trade against each other: their standard errors say so, and the table marks a value
     whose error exceeds it."""
     kept = {name: _get(base, name, widest) for name, *_ in spec}
@@ -153,9 +153,13 @@ def _fit(spec, base: Hardware, widest: int, residuals_of) -> tuple[Hardware, dic
     report = {}
     for (name, _, _, log), v, e, m in zip(spec, x, sigma, moved):
         value = 10 ** v if log else float(v)
-        report[name] = ([value, value * math.log(10) * e if log else float(e)] if m
-                        else [kept[name], None])
-    return _with(base, {k: v for k, (v, _) in report.items()}, widest), report, s
+        if not m:
+            report[name] = [kept[name], None, "kept"]
+        elif not math.isfinite(e):
+            report[name] = [value, None, "undetermined"]
+        else:
+            report[name] = [value, value * math.log(10) * e if log else float(e), "fitted"]
+    return _with(base, {k: v[0] for k, v in report.items()}, widest), report, s
 
 
 def fit_time(runs: list[Run], base: Hardware) -> tuple[Hardware, dict, float]:
@@ -180,7 +184,8 @@ def fit_memory(runs: list[Run], hw: Hardware) -> tuple[Hardware, dict, float]:
              for r, e in zip(runs, predictions(runs, hw))
              if e is not None and r.ran and math.isfinite(r.peak_mem_gib)]
     if len(pairs) < 3:
-        return hw, {name: [getattr(hw, name), None] for name, *_ in MEMORY_PARAMETERS}, math.nan
+        return hw, {name: [getattr(hw, name), None, "kept"] for name, *_ in MEMORY_PARAMETERS}, \
+            math.nan
     measured, live = np.log([m for m, _ in pairs]), np.array([p for _, p in pairs])
 
     def residuals_of(h):
@@ -285,9 +290,24 @@ def cross_validate(runs: list[Run], base: Hardware, holdout: str | None = None,
         kept = [r for r in runs if r not in held]
         if not any(r.ran for r in kept):
             raise PlanError(f"holding out {name} leaves no run that ran to fit")
-        hw, _ = fit(kept, base)
-        out.append({"holdout": name, **score(held, hw)})
+        hw, report = fit(kept, base)
+        values = {k: v[0] for k, v in report["parameters"].items()}
+        out.append({"holdout": name, **score(held, hw), "parameters": values,
+                    "memory_sigma": hw.memory_sigma})
     return out
+
+
+def fold_hardware(profile: Hardware, holdout: str) -> Hardware:
+    """The hardware a fold of ``profile``'s cross-validation fitted (without ``holdout``'s
+    runs), rebuilt from the values it recorded: the fit the holdout scores belong to."""
+    fold = next(f for f in profile.fitted["holdout"] if f["holdout"] == holdout)
+    base = replace(profile, memory_sigma=fold["memory_sigma"])
+    return _with(base, fold["parameters"], _widest_of(profile))
+
+
+def _widest_of(hw: Hardware) -> int:
+    rows = hw.inter_node_efficiency
+    return int(rows[-1][0]) if rows else 2
 
 
 def _value(name: str, v: float) -> str:
@@ -307,14 +327,29 @@ def cmd_fit(args) -> None:
                                                                       args.kfold) else []
     fitted = {"data": Path(args.runs).name, "sha256": digest(args.runs), "rows": len(runs),
               "base": base.name, **report, "training": score(runs, hw), "holdout": folds}
-    profile = replace(hw, name=args.name or f"{base.name}-fitted", fitted=fitted)
+    where = f"{fitted['data']} (sha256 {fitted['sha256'][:12]}..., {len(runs)} runs)"
+    sources, done = dict(base.sources), set()
+    for name, (value, error, status) in report["parameters"].items():
+        key = "inter_node_efficiency" if name.startswith("inter@") else name
+        said = {"fitted": f"{name} fitted to {where}: {value:.4g} +- {error or 0:.2g}",
+                "kept": f"{name} not moved by {where}: {base.name}'s value kept",
+                "undetermined": f"{name} fitted to {where}: {value:.4g}, its error "
+                                f"undetermined (no more runs than parameters)"}[status]
+        sources[key] = f"{sources[key]}; {said}" if key in done else said
+        done.add(key)
+    sources["memory_sigma"] = f"fitted to {where}: the memory residuals' robust sd"
+    profile = replace(hw, name=args.name or f"{base.name}-fitted", fitted=fitted,
+                      sources=sources, description=f"{base.description}; efficiencies "
+                      f"fitted to measured runs ({fitted['data']})")
     out = profile.to_dict()
     if args.output:
         Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
     lines = list(notes)
-    rows = [[name, _value(name, v), "not moved: kept" if e is None else _value(name, e),
-             "" if e is None or e <= abs(v) else "poorly determined"]
-            for name, (v, e) in report["parameters"].items()]
+    notes_of = {"kept": "not moved: base value kept", "undetermined": "undetermined: no more "
+                "runs than parameters", "fitted": ""}
+    rows = [[name, _value(name, v), _value(name, e), notes_of[status] or
+             ("poorly determined" if e > abs(v) else "")]
+            for name, (v, e, status) in report["parameters"].items()]
     lines += [text_table(rows, ["parameter", "value", "std. error", ""]),
               f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "
               f"{report['log_sigma_memory']:.3f}"]
@@ -349,3 +384,20 @@ def add_fit_parser(sub) -> None:
     p.add_argument("--kfold", choices=["model", "nodes"],
                    help="cross-validate: hold out each model (or node count) in turn")
     p.set_defaults(func=cmd_fit)
+
+
+def scores_table(hw: Hardware) -> str:
+    """The fitted profile's recorded scores as the markdown table docs/reference.md shows."""
+    def row(label, f):
+        pct = lambda x: f"{x:.0%}"
+        return (f"| {label} | {f['runs']:,} | {f['mfu_ratio_median']:.2f} | "
+                f"{pct(f['mfu_error_median'])} / {pct(f['mfu_error_worst'])} | "
+                f"{f['rank_median']:.2f} | {f['pick_median']:.2f} / {f['pick_worst']:.2f} | "
+                f"{f['crash_precision']:.2f} / {f['crash_recall']:.2f} | "
+                f"{f['false_crash']:.1%} |")
+    lines = ["| scored on | runs | MFU ratio (median) | MFU error median / worst | rank "
+             "(median) | pick median / worst | crash precision / recall | ran, predicted to "
+             "crash |", "| --- | --- | --- | --- | --- | --- | --- | --- |",
+             row(f"the fitted rows ({hw.fitted['data']})", hw.fitted["training"])]
+    lines += [row(f"held out: {f['holdout']}", f) for f in hw.fitted["holdout"]]
+    return "\n".join(lines)

@@ -6,7 +6,8 @@ A row says what ran and what it measured:
     placement     nodes, gpus_per_node, dp, tp, pp, cp
     engine        shard (AMSP's P-G-OS group sizes, "1-1-8" is ZeRO-1 over 8), mbs,
                   grad_acc (micro-batches per step), gbs (sequences per step), recompute,
-                  schedule, chunks, sp, flash (a fused attention kernel), framework
+                  schedule, chunks, sp, flash (a fused attention kernel), dtype (mixed: 16-bit
+                  with fp32 Adam states; fp32), framework
     measured      status (ok | oom | crashed), tokens_per_s_gpu, peak_mem_gib, mfu
 
 ``python -m minipar.scaling ... --runs FILE.csv`` writes it from its own sweeps (a laptop, a
@@ -31,7 +32,8 @@ from .shapes import ModelShape, training_flops
 
 COLUMNS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
            "seq_len", "tied", "nodes", "gpus_per_node", "dp", "tp", "pp", "cp", "shard", "mbs",
-           "grad_acc", "gbs", "recompute", "schedule", "chunks", "sp", "flash", "framework", "status",
+           "grad_acc", "gbs", "recompute", "schedule", "chunks", "sp", "flash", "dtype", "framework",
+           "status",
            "tokens_per_s_gpu", "peak_mem_gib", "mfu")
 STATUSES = ("ok", "oom", "crashed")
 
@@ -52,6 +54,7 @@ class Run:
     gpus_per_node: int
     framework: str
     flash: bool                  # a fused attention kernel (FlashAttention, SDPA's)
+    dtype: str                   # mixed | fp32
     status: str                  # ok | oom | crashed
     tokens_per_s_gpu: float      # NaN unless ok
     peak_mem_gib: float          # NaN where not measured
@@ -105,6 +108,7 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
         shape = ModelShape(name, "llama", layers, hidden, heads, 131072, 4096, ffn,
                            tied_head=ffn < 10_000, bias=False)
         gpus_per_node, framework, recompute, sp, flash = 8, "nanotron", "none", None, True
+        dtype = "mixed"
         dp = _int(row, "dp", where)
         shard = (1, 1, dp) if _int(row, "zero", where) else (1, 1, 1)
         cp, schedule, chunks = 1, "1f1b", 1
@@ -119,7 +123,9 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
         gpus_per_node, framework = _int(row, "gpus_per_node", where), row["framework"]
         recompute, schedule = row["recompute"] or "none", row["schedule"] or "1f1b"
         dp, cp, chunks = _int(row, "dp", where), _int(row, "cp", where, 1), _int(row, "chunks", where, 1)
-        sp, flash = row["sp"] == "1", row["flash"] == "1"
+        sp, flash, dtype = row["sp"] == "1", row["flash"] == "1", row["dtype"]
+        if dtype not in ("mixed", "fp32"):
+            raise PlanError(f"{where}: dtype must be mixed or fp32, got {dtype!r}")
         try:
             shard = tuple(int(x) for x in row["shard"].split("-"))
         except ValueError:
@@ -145,7 +151,7 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=mbs, microbatches=acc, shard=shard,
                     recompute=recompute, v=chunks, schedule=schedule,
                     sp=tp > 1 if sp is None else sp)
-    return Run(shape, layout, nodes, gpus_per_node, framework, flash, status, tok, mem)
+    return Run(shape, layout, nodes, gpus_per_node, framework, flash, dtype, status, tok, mem)
 
 
 def read_runs(path: str | Path) -> tuple[list[Run], list[str]]:
@@ -194,7 +200,7 @@ def write_runs(path: str | Path, runs: list[Run]) -> None:
                         s.vocab, s.seq_len, int(s.tied_head), r.nodes, r.gpus_per_node, lay.dp,
                         lay.tp, lay.pp, lay.cp, "-".join(map(str, lay.shard)), lay.micro_batch,
                         lay.microbatches, lay.global_batch, lay.recompute, lay.schedule, lay.v,
-                        int(lay.sp), int(r.flash), r.framework, r.status, f"{r.tokens_per_s_gpu:.6g}",
+                        int(lay.sp), int(r.flash), r.dtype, r.framework, r.status, f"{r.tokens_per_s_gpu:.6g}",
                         f"{r.peak_mem_gib:.6g}", ""])
 
 

@@ -55,8 +55,8 @@ is not), framework ``minipar``, status ``ok`` with tokens/s per process and the 
 measured peak memory (``peak_memory_bytes``, CUDA's max allocated: NaN on CPU). A point that
 fails still appends the rows of the points before it and its own, status ``oom`` when its
 output says it ran out of memory, else ``crashed`` (a timeout too), and the sweep then stops
-with status 1 as before. The schema has no dtype and no MoE column: ``plan fit`` prices every
-row in its hardware profile's dtype (``laptop-cpu``: fp32; the GPU profiles: mixed), and an MoE
+with status 1 as before. A row's dtype is the trainer's: fp32, or mixed for bf16 and fp16
+(16-bit weights and gradients, fp32 Adam states). The schema has no MoE column: an MoE
 model is refused (status 2). An existing FILE.csv must be a runs CSV (its header the schema's),
 else status 2 before any point runs.
 """
@@ -368,7 +368,8 @@ def run_row(point: Point, measured: dict | None, cfg, launcher: str, tasks_per_n
                nodes=nodes, gpus_per_node=per_node, framework="minipar",
                # model.CausalSelfAttention.core is F.scaled_dot_product_attention (fused); the
                # ring attention of cp > 1 (minipar.cp) computes its blocks with plain matmuls
-               flash=point.cp == 1, status=status,
+               flash=point.cp == 1, dtype="fp32" if cfg.dtype == "fp32" else "mixed",
+               status=status,
                tokens_per_s_gpu=measured["tokens_per_s"] / n if ok else math.nan,
                peak_mem_gib=peak / 2**30 if peak else math.nan)
 
