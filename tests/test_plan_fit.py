@@ -30,7 +30,7 @@ from minipar.plan.shapes import ModelShape
 GRID = PRESET_DIR / "runs" / "playbook-grid-1B-8B.csv"
 TRUE = dict(compute_efficiency=0.55, gemm_half_flops=4e10, intra_node_efficiency=0.8,
             inter_node_efficiency=[[2, 0.6], [8, 0.3]], collective_latency=3e-5,
-            intra_node_latency=8e-6, inter_node_latency=4e-5, layer_overhead=2e-4,
+            intra_node_latency=8e-6, inter_node_latency=4e-5, layer_overhead=2e-4, p2p_latency=1e-3,
             overlap_slowdown=0.15, overlap_exposed=0.2, runtime_bytes=2.0 * 2**30,
             fragmentation=0.1)
 SHAPE = ModelShape("syn", "llama", 8, 1024, 16, 32000, 2048, 4096, tied_head=False, bias=False)
@@ -41,11 +41,11 @@ def synthetic_runs(noise: float = 0.03, seed: int = 0) -> list[Run]:
     hw = replace(load_hardware("dgx-h100"), **TRUE, fitted={"data": "synthetic"})
     rng = np.random.default_rng(seed)
     runs = []
-    for nodes in (1, 2, 4, 8):
-        for tp in (1, 2, 4, 8):
+    for nodes in (1, 2, 8):
+        for tp in (1, 2, 8):
             for pp in (1, 2, 4):
                 dp = nodes * 8 // (tp * pp)
-                for mbs in (1, 2, 4):
+                for mbs in (1, 4) if dp else ():
                     if 64 % (dp * mbs):
                         continue
                     for z in (1, dp):
@@ -59,11 +59,12 @@ def synthetic_runs(noise: float = 0.03, seed: int = 0) -> list[Run]:
     return runs
 
 
+@pytest.mark.slow
 def test_a_fit_recovers_the_parameters_a_synthetic_grid_was_made_from(tmp_path):
     path = tmp_path / "runs.csv"
     write_runs(path, synthetic_runs())
     runs, _ = read_runs(path)                        # through the schema, both ways
-    assert len(runs) > 100
+    assert len(runs) == 90
     hw, report = fit(runs, load_hardware("dgx-h100"))
     truth = dict(TRUE, **{"inter@lo": 0.6, "inter@hi": 0.3})
     identified = {k: v[:2] for k, v in report["parameters"].items() if v[2] == "fitted"}
@@ -92,7 +93,8 @@ def test_the_playbook_holdout_figures_are_what_a_fit_without_8b_gives():
     recorded = {f["holdout"]: f for f in profile.fitted["holdout"]}["model=8B"]
     runs, _ = read_runs(GRID)
     held = select(runs, "model=8B")
-    hw, _ = fit([r for r in runs if r not in held], load_hardware(profile.fitted["base"]))
+    out_ids = {id(r) for r in held}
+    hw, _ = fit([r for r in runs if id(r) not in out_ids], load_hardware(profile.fitted["base"]))
     got = score(held, hw)
     for key in ("mfu_ratio_median", "rank_median", "pick_median", "crash_recall",
                 "false_crash"):       # margins: the optimizer's tolerance, not the errors'

@@ -22,8 +22,8 @@ it), each parameter bounded by physics (no efficiency above 1, so no bandwidth a
 datasheet) and fitted in log space where it spans decades. Memory: least squares of
 log(predicted / measured peak) over the runs that logged one. Each value comes with its
 standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a parameter the
-runs do not move (no run crosses nodes, say) keeps BASE's value and is reported as not
-identified. The profile records the data's sha256 and, with ``--holdout``, the errors on the
+runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), and with no more
+runs than parameters the errors are "undetermined". The profile records the data's sha256 and, with ``--holdout``, the errors on the
 runs kept out (``score``): MFU error (median, worst), the median per-cell rank correlation
 (a cell: one model on one node count), the regret of the planner's pick in each cell (the
 measured throughput of the layout it ranks first among the cell's, over the cell's best: 0
@@ -263,12 +263,14 @@ def residuals_by(runs: list[Run], hw: Hardware, key) -> dict:
 
 
 def fit(runs: list[Run], base: Hardware) -> tuple[Hardware, dict]:
-    """Time, then memory; the fitted profile and {"parameters", "log_sigma_time",
-    "log_sigma_memory"}."""
+    """Time, then memory; the fitted profile (its ``fitted`` holds the report, so that its
+    own reserve and memory margin apply: ``peak.capacity``) and the report,
+    {"parameters", "log_sigma_time", "log_sigma_memory"}."""
     hw, time_report, s_time = fit_time(runs, base)
     hw, memory_report, s_mem = fit_memory(runs, hw)
-    return hw, {"parameters": {**time_report, **memory_report},
-                "log_sigma_time": s_time, "log_sigma_memory": s_mem}
+    report = {"parameters": {**time_report, **memory_report}, "log_sigma_time": s_time,
+              "log_sigma_memory": s_mem}
+    return replace(hw, fitted=dict(report)), report
 
 
 # --------------------------------------------------------------------------------------
@@ -287,7 +289,8 @@ def cross_validate(runs: list[Run], base: Hardware, holdout: str | None = None,
                  for v in sorted({key(r) for r in runs})]
     out = []
     for name, held in folds:
-        kept = [r for r in runs if r not in held]
+        out_ids = {id(r) for r in held}
+        kept = [r for r in runs if id(r) not in out_ids]
         if not any(r.ran for r in kept):
             raise PlanError(f"holding out {name} leaves no run that ran to fit")
         hw, report = fit(kept, base)
