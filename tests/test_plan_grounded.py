@@ -18,7 +18,7 @@ from minipar.plan.hardware import hardware_from_dict
 # Cores: processes that outnumber them are time-sliced (issue: 4 processes on 2 cores)
 # --------------------------------------------------------------------------------------
 def test_processes_beyond_the_cores_slow_the_prediction_and_say_so():
-    hw = replace(load_hardware("laptop-cpu"), cores=2)
+    hw = replace(load_hardware("laptop-cpu"), cores=2, fitted={"data": "stands for a fit"})
     shape = model_preset("tiny")
     per_process = {}
     for dp in (1, 2, 4):

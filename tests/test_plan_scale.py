@@ -149,14 +149,6 @@ def test_the_loss_and_sp_buffers_follow_the_framework():
     assert {n: FRAMEWORKS[n].logit_bytes for n in ("megatron-lm", "nanotron", "fsdp",
                                                    "llm-foundry")} == {
         "megatron-lm": 6, "nanotron": 8, "fsdp": 10, "llm-foundry": 4}
-    # the example: the sweep's 1B at tp 32, micro-batch 32, measured 37.6 GB; the
-    # old planner said 9.7 GiB. nanotron's kept gathered inputs are most of the difference.
-    lay = Layout(tp=32, pp=1, dp=1, micro_batch=32, microbatches=8, sp=True)
-    nano = estimate(SWEEP_1B, "dgx-h100", lay, framework="nanotron", flash=True, check=False)
-    mega = estimate(SWEEP_1B, "dgx-h100", lay, framework="megatron-lm", flash=True,
-                    check=False)
-    assert 0.8 < nano.memory["total"] / 37.6e9 < 1.05
-    assert mega.memory["total"] < 0.3 * nano.memory["total"]
 
 
 # --------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """The scaling tool: its points, its arithmetic, its errors, and one real sweep (nano)."""
+import dataclasses
 import json
 import os
 import stat
@@ -8,6 +9,7 @@ import sys
 import pytest
 
 from minipar import plan
+from minipar.plan.runs import read_runs
 from minipar.train import scaling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +53,10 @@ def test_efficiency_is_throughput_per_process_against_the_smallest_point():
     (["weak", "--nproc-list", "1,2", "--plot", "no/such/folder/s.png"], "does not exist"),
     (["weak", "--nproc-list", "1,2", "--out", "no/such/folder/s.jsonl"], "does not exist"),
     (["weak", "--nproc-list", "1,2", "--workdir", os.path.join(ROOT, "pyproject.toml", "sub")], "--workdir"),
+    (["weak", "--nproc-list", "1,2", "--runs", "no/such/folder/r.csv"], "does not exist"),
+    (["weak", "--nproc-list", "1,2", "--runs", os.path.join(ROOT, "pyproject.toml")],
+     "is not a runs CSV"),
+    (["weak", "--nproc-list", "1,2", "--runs", ""], "--runs needs a file name"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_run(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
@@ -127,3 +133,96 @@ def test_the_smallest_point_rerun_keeps_its_fastest_run(monkeypatch):
     records = scaling.sweep("weak", [1, 2], NANO, launcher="local", base_repeats=2)
     assert records[0]["step_time_s"] == 0.10 and records[0]["base_runs_s"] == [0.30, 0.10]
     assert records[1]["efficiency"] == pytest.approx(0.5)      # 0.10 / 0.20, not 0.30 / 0.20
+
+
+@pytest.mark.slow
+def test_runs_csv_holds_every_point_and_plan_fit_reads_it(tmp_path):
+    """Two sweeps append three rows to one runs CSV; the planner reads them back and fits."""
+    csv = tmp_path / "runs.csv"
+    first = _sweep_cli(["weak", "--nproc-list", "1,2", *NANO, "--zero", "1", "--json",
+                        "--runs", str(csv)])
+    second = _sweep_cli(["strong", "--nproc-list", "2", *NANO, "--tp", "2", "--batch-size", "8",
+                         "--microbatches", "2", "--seq-len", "8", "--json", "--runs", str(csv)])
+    runs, notes = read_runs(csv)
+    assert notes == [] and len(runs) == 3
+    assert [(r.nodes, r.gpus_per_node, r.layout.dp, r.layout.tp, r.layout.shard,
+             r.layout.micro_batch, r.layout.microbatches, r.layout.global_batch) for r in runs] == [
+        (1, 1, 1, 1, (1, 1, 1), 16, 1, 16),
+        (1, 2, 2, 1, (1, 1, 2), 16, 1, 32),      # ZeRO-1 over dp=2: P-G-OS 1-1-2
+        (1, 2, 1, 2, (1, 1, 1), 4, 2, 8)]        # batch 8 = 2 micro-batches of 4
+    assert [r.shape.seq_len for r in runs] == [16, 16, 8]
+    assert runs[0].shape == dataclasses.replace(plan.model_preset("nano"), global_batch_tokens=0)
+    for r, rec in zip(runs, first + second):
+        assert r.status == "ok" and r.framework == "minipar" and r.flash
+        assert r.layout.schedule == "1f1b" and r.layout.recompute == "none" and not r.layout.sp
+        assert r.tokens_per_s_gpu == pytest.approx(rec["tokens_per_s"] / rec["processes"], rel=1e-5)
+        assert r.tokens_per_s_gpu > 0 and r.peak_mem_gib != r.peak_mem_gib   # NaN on CPU
+    fit = subprocess.run([sys.executable, "-m", "minipar.plan", "fit", str(csv), "--hardware",
+                          "laptop-cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert fit.returncode == 0, fit.stderr
+    assert "parameter" in fit.stdout and "compute_efficiency" in fit.stdout, fit.stdout
+
+
+def _history(peak=None):
+    return [dict(step=s, loss=1.0, step_time_s=0.1, comm_bytes={}, comm_seconds={},
+                 model_state_bytes=dict(total=0), **({"peak_memory_bytes": peak} if peak else {}))
+            for s in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("make_error, status", [
+    (lambda: scaling.PointFailed("rank 1: CUDA out of memory", returncode=1, oom=True), "oom"),
+    (lambda: scaling.PointFailed("rank 1 died", returncode=1), "crashed"),
+    (lambda: TimeoutError("ran past 600 s"), "crashed"),
+    (lambda: scaling.PointFailed("error: --batch-size ...", returncode=2), None),
+], ids=["oom", "crashed", "timeout", "refused"])
+def test_a_failed_point_is_a_row_too_and_the_sweep_still_stops(make_error, status, tmp_path,
+                                                               monkeypatch):
+    """The points before it keep their rows (with the trainer's peak memory); the failed one
+    is oom or crashed; a point the trainer refused as bad input measured nothing: no row."""
+    error = make_error()
+    outcomes = iter([_history(peak=2**29), error])
+
+    def fake_run(point, *args, **kwargs):
+        out = next(outcomes)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+    monkeypatch.setattr(scaling, "run_point", fake_run)
+    csv = tmp_path / "runs.csv"
+    with pytest.raises(type(error)):
+        scaling.sweep("weak", [1, 2], NANO, launcher="local", runs=str(csv))
+    runs, _ = read_runs(csv)
+    failed = [(status, 2)] if status else []
+    assert [(r.status, r.layout.dp) for r in runs] == [("ok", 1)] + failed
+    assert runs[0].peak_mem_gib == 0.5 and runs[0].tokens_per_s_gpu == pytest.approx(16 * 16 / 0.1)
+    if status:
+        assert runs[1].tokens_per_s_gpu != runs[1].tokens_per_s_gpu   # NaN
+
+
+def test_runs_refuses_what_a_row_cannot_say_before_any_point(tmp_path, monkeypatch):
+    monkeypatch.setattr(scaling, "run_point", lambda *a, **k: pytest.fail("a point ran"))
+    csv = str(tmp_path / "runs.csv")
+    with pytest.raises(scaling.UsageError, match="no mixture-of-experts columns"):
+        scaling.sweep("weak", [1, 2], NANO + ["--moe-experts", "4"], launcher="local", runs=csv)
+    monkeypatch.setattr(scaling, "in_slurm", lambda: True)
+    with pytest.raises(scaling.UsageError, match="3 ranks do not fill whole nodes"):
+        scaling.sweep("strong", [2, 3], NANO + ["--batch-size", "12"], launcher="srun",
+                      tasks_per_node=2, runs=csv)
+    assert not os.path.exists(csv)
+
+
+def test_srun_points_are_rows_of_whole_nodes(monkeypatch):
+    point = scaling.plan_points("weak", [8], NANO + ["--tp", "2"])[0]
+    cfg = scaling.trainer_config([*point.argv, "--nproc", "8", "--backend", "gloo"])
+    measured = dict(tokens_per_s=800.0, peak_memory_bytes=None)
+    row = scaling.run_row(point, measured, cfg, "srun", tasks_per_node=4)
+    assert (row.nodes, row.gpus_per_node, row.layout.tp, row.layout.dp) == (2, 4, 2, 4)
+    assert row.tokens_per_s_gpu == 100.0
+    local = scaling.run_row(point, measured, cfg, "local", 4)
+    assert (local.nodes, local.gpus_per_node, local.flash) == (1, 8, True)
+    # cp > 1: minipar.cp's ring attention is plain matmuls, not a fused kernel
+    ring = scaling.plan_points("weak", [2], NANO + ["--cp", "2"])[0]
+    cfg = scaling.trainer_config([*ring.argv, "--nproc", "2", "--backend", "gloo"])
+    row = scaling.run_row(ring, measured, cfg, "local", 4)
+    assert (row.layout.cp, row.layout.dp, row.flash) == (2, 1, False)

@@ -20,6 +20,7 @@ from ..runtime.errors import UsageError
 from . import moe as moe_plan
 from .arguments import add_shape, int_set, mode_set
 from .commands import cmd_estimate, cmd_flops, cmd_memory, cmd_params, cmd_search
+from .fit import add_fit_parser
 from .frameworks import FRAMEWORKS
 from .layout import ORDERS
 from .search import OBJECTIVES, SCHEDULES
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_costs(p)
     moe_plan.add_arguments(p)
     p.set_defaults(func=cmd_estimate)
+    add_fit_parser(sub)
 
     for action in sub.choices.values():
         action.add_argument("--json", action="store_true", help="machine-readable output")

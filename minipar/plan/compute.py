@@ -63,7 +63,7 @@ def matmul_time(m: float, n: float, k: float, hw: Hardware, element_bytes: int =
     flops = 2.0 * m * n * k
     if hw.matmul_table:
         return flops / _table_rate(flops, hw.matmul_table)
-    t = flops / hw.achievable_flops
+    t = (flops + hw.gemm_half_flops) / hw.achievable_flops
     if hw.hbm_bandwidth:
         t = max(t, element_bytes * (m * k + k * n + m * n) / hw.hbm_bandwidth)
     return t
@@ -169,10 +169,12 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
         optimizer = per_param * math.ceil(phi / layout.shard[2]) / hw.hbm_bandwidth
 
     c = hw.step_calibration * hw.oversubscription(layout.gpus)   # time-sliced CPU cores
-    forward_mb = c * (layers * (fwd + att_f) + head_f + mem_f)
-    backward_mb = c * (matmul + attention + memory_bound) - forward_mb
+    launch = hw.layer_overhead * layers           # per layer and micro-batch, both passes
+    forward_mb = c * (layers * (fwd + att_f) + head_f + mem_f + launch / 2)
+    backward_mb = c * (matmul + attention + memory_bound + launch) - forward_mb
     parts = {"matmul": c * m * matmul, "attention": c * m * attention,
-             "memory_bound": c * m * memory_bound, "optimizer": c * optimizer}
+             "memory_bound": c * m * memory_bound, "launch": c * m * launch,
+             "optimizer": c * optimizer}
     parts["total"] = sum(parts.values())
     parts["forward_mb"], parts["backward_mb"] = forward_mb, backward_mb
     return parts

@@ -51,7 +51,7 @@ from .frameworks import Framework, check_framework, gather_calls, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import Layout, check_layout, dp_per_node
 from .memory import ACTIVATION_BYTES, stage_params
-from .peak import device_memory, stage_list
+from .peak import capacity, device_memory, stage_list
 from .stages import distinct
 from .network import collective_time, coverage, engine_collectives, p2p_time, placement
 from .shapes import ModelShape, training_flops
@@ -181,7 +181,8 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
         b, s = layout.micro_batch, shape.seq_len // layout.cp
         msg = b * s * shape.hidden * ACTIVATION_BYTES[dtype]
         _, nodes = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)
-        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw)
+        job_nodes = -(-layout.gpus // hw.gpus_per_node)
+        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw, job_nodes)
     parts = worst["parts"]
     out = {"compute": parts["total"], "tp_comm": worst["tp_comm"],
            "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,
@@ -218,9 +219,10 @@ def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
 
 
 def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | None = None,
-                slowdown: float = 0.0) -> dict:
+                slowdown: float = 0.0, exposed_share: float = 0.0) -> dict:
     """What of the profile's traffic hides behind ``parts``' compute (module docstring):
-    {"dp_comm" (all of it), "dp_exposed", "dp_hidden", "dp_calls", "interference"}."""
+    {"dp_comm" (all of it), "dp_exposed", "dp_hidden", "dp_calls", "interference"};
+    ``exposed_share`` of what could hide stays exposed (the hardware's ``overlap_exposed``)."""
     total = exposed = hidden_sum = 0.0
     calls = 0
     fwd, bwd = parts["compute_forward_mb"], parts["compute_backward_mb"]
@@ -242,6 +244,7 @@ def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | 
             hide = (pieces - 1) * min(one, per_unit)
         if overlap is not None:
             hide = overlap * hideable
+        hide *= 1 - exposed_share
         exposed += count * (occurrence - hide)
         hidden_sum += count * hide
     hidden = min(hidden_sum, parts["compute"])
@@ -258,7 +261,8 @@ def dp_times(shape: ModelShape, hw: Hardware, layout: Layout, parts: dict,
     "dp_calls", "interference"}; ``parts``: ``time_parts``' output (the compute it can
     hide behind)."""
     profile = dp_profile(shape, hw, layout, order, dtype, framework)
-    return dp_exposure(profile, layout.microbatches, parts, overlap, hw.overlap_slowdown)
+    return dp_exposure(profile, layout.microbatches, parts, overlap, hw.overlap_slowdown,
+                       hw.overlap_exposed)
 
 
 def dp_comm_time(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
@@ -311,7 +315,7 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     times["compute"] += times.pop("interference")
     times["step"] = sum(times[k] for k in ("compute", "tp_comm", "cp_exposed", "bubble",
                                            "pp_comm", "dp_exposed"))
-    notes = []
+    notes = [] if hw.fitted else [unfitted_note(hw)]
     slower = hw.oversubscription(layout.gpus)
     if slower > 1:
         per_node = min(layout.gpus, hw.gpus_per_node)
@@ -323,7 +327,7 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     return Estimate(
         model=shape.name, hardware=hw.name, layout=layout,
         memory=device_memory(shape, layout, flash, dtype, fw),
-        capacity=hw.usable_bytes(reserve if reserve is not None else fw.memory_reserve),
+        capacity=capacity(hw, fw, reserve),
         times=times,
         flops={"model": flops_model, "hardware": flops_hw},
         tokens_per_s=layout.global_batch * shape.seq_len / times["step"],
@@ -333,6 +337,11 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
                                max(stage_list(shape, layout, fw), key=lambda st: st.layers)
                                .layers, layout.microbatches, layout.tp,
                                ACTIVATION_BYTES[dtype], layout.recompute))
+
+
+def unfitted_note(hw: Hardware) -> str:
+    return (f"hardware {hw.name} is unfitted: its efficiencies are set by hand, not fitted to "
+            f"measured runs (python -m minipar.plan fit RUNS.csv --hardware {hw.name})")
 
 
 # --------------------------------------------------------------------------------------

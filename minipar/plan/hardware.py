@@ -43,6 +43,26 @@ Units: bytes, seconds, FLOP/s. Bandwidths are per direction.
   allocator loses to fragmentation. Together they set the usable memory.
 * ``overlap_slowdown``: how much compute slows while a collective runs beside it (0.1:
   hidden communication costs a tenth of its time in compute); 0 unless measured.
+  ``overlap_exposed``: the fraction of the traffic that could hide behind compute which
+  stays exposed all the same (streams that do not overlap in practice); 0 unless fitted.
+* ``gemm_half_flops``: the GEMM size, in FLOPs, that runs at half of ``compute_efficiency``
+  (a GEMM of F FLOPs takes (F + gemm_half_flops) / (peak x efficiency): a fixed cost per
+  kernel that small shapes feel); 0: none. ``intra_node_efficiency``: the fraction of
+  ``intra_node_bandwidth`` (the links' datasheet rate) a collective reaches inside a node.
+  ``layer_overhead``: seconds each layer costs per micro-batch (forward and backward)
+  beyond its kernels' work (launches, the host's scheduling, synchronisation); 0 unless
+  fitted. ``p2p_latency``: seconds a point-to-point message between nodes costs per node of
+  the job, beyond its bytes: an empirical term, fitted where pipelines slow with the job's
+  width far more than their bytes say (the Playbook grid's at 32 and 64 nodes); 0 unless
+  fitted.
+* ``memory_sigma``: how far the planner's peak memory strays from measured peaks on this
+  hardware, the robust standard deviation of log(predicted / measured) (1.4826 x their median
+  absolute deviation) where ``plan fit`` measured it; a layout fits only when its peak fits
+  with 95% confidence, its predicted bytes x exp(1.645 x memory_sigma) (``peak.capacity``);
+  0: the prediction taken as exact.
+* ``fitted``: what ``python -m minipar.plan fit`` fitted the profile to ({"data", "sha256",
+  "rows", "parameters": {name: [value, sigma]}, "holdout": {...}}); empty for a profile whose
+  efficiencies are set by hand, and every estimate on such a profile says so in a note.
 * ``cores``: the CPU cores a node's devices share, where each device is a one-thread
   process (``laptop-cpu``, a calibrated file); ``"auto"``: this machine's usable cores.
   When a layout puts more processes on a node than it has cores, each computes
@@ -93,6 +113,13 @@ class Hardware:
     runtime_bytes: float = 0.0
     fragmentation: float = 0.0
     overlap_slowdown: float = 0.0
+    overlap_exposed: float = 0.0
+    gemm_half_flops: float = 0.0
+    intra_node_efficiency: float = 1.0
+    layer_overhead: float = 0.0
+    p2p_latency: float = 0.0
+    memory_sigma: float = 0.0
+    fitted: dict = field(default_factory=dict, compare=False)
     cores: int = 0                  # CPU cores a node's devices share; 0: one engine each
     sources: dict = field(default_factory=dict, compare=False)
 
@@ -175,7 +202,10 @@ def check_numbers(hw: Hardware, where: str) -> None:
     for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency",
                  "runtime_bytes", "step_calibration", "cores"):
         _positive(getattr(hw, name), name, where, zero_ok=name != "step_calibration")
-    for name in ("compute_efficiency", "attention_efficiency"):
+    _positive(hw.intra_node_efficiency, "intra_node_efficiency", where)
+    for name in ("gemm_half_flops", "layer_overhead", "p2p_latency", "memory_sigma"):
+        _positive(getattr(hw, name), name, where, zero_ok=True)
+    for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency"):
         if getattr(hw, name) > 1:
             raise PlanError(f"{where}: {name} is a fraction of peak, at most 1, got "
                             f"{getattr(hw, name)!r}")
@@ -222,7 +252,7 @@ def hardware_from_dict(data: dict, where: str = "hardware") -> Hardware:
         data = dict(data, cores=_cpu_cores())
     hw = Hardware(**data)
     check_numbers(hw, where)
-    for name in ("fragmentation", "overlap_slowdown"):
+    for name in ("fragmentation", "overlap_slowdown", "overlap_exposed"):
         if not 0 <= getattr(hw, name) < 1:
             raise PlanError(f"{where}: {name} must be a fraction from 0 to 1")
     if isinstance(hw.collective_table, str):

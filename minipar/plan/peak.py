@@ -13,10 +13,9 @@ their own layers, embedding and head), so the peak is the largest of the stages'
   interleaved with v chunks min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk-micro-batches of
   l/(p v) layers (Megatron-LM's warm-up count plus the one in flight; p (v + 1) - 1 on the
   first stage). A framework that saves the all-gathered input of the column-parallel GEMMs
-  under sequence parallelism (nanotron before its ``tp_recompute_allgather``, 2024-07, the
-  version the Ultra-Scale Playbook's sweep ran: its ``column_linear`` all-gathers and calls
-  ``F.linear``, whose autograd keeps the gathered input) keeps those two inputs whole:
-  + 2 x 2 s b h (1 - 1/t) bytes per layer and micro-batch;
+  under sequence parallelism (``keeps_gathered_input``; none of the profiles now: the
+  Ultra-Scale Playbook's measured nanotron peaks say its sweep did not) keeps those two
+  inputs whole: + 2 x 2 s b h (1 - 1/t) bytes per layer and micro-batch;
 * transient buffers, our accounting (each cites the code it follows):
   - on the stage with the head, the loss over one micro-batch's logits: b s V/t logits of
     the framework's ``logit_bytes`` each at the loss's peak (Megatron-LM casts the 16-bit
@@ -42,8 +41,9 @@ their own layers, embedding and head), so the peak is the largest of the stages'
 What the device can give to all of this is ``Hardware.usable_bytes``: its memory less the
 runtime's share (context, the collective library's buffers, BLAS workspaces:
 ``runtime_bytes``), less what the allocator holds beyond live tensors, (reserved - allocated)
-/ reserved: the framework profile's measured ``memory_reserve``, else the hardware's
-``fragmentation``. Layouts that public runs executed must fit (``published.executed_runs()``,
+/ reserved: the hardware's ``fragmentation`` when the profile was fitted to measured runs
+(``capacity``), else the framework profile's measured ``memory_reserve``, else the
+hardware's hand-set ``fragmentation``. Layouts that public runs executed must fit (``published.executed_runs()``,
 tests/test_plan_grounded.py), and published peaks are held against ``device_memory``
 (``anchors``, docs/reference.md).
 """
@@ -198,3 +198,15 @@ def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
         if best is None or mem["total"] > best["total"]:
             best = dict(mem, stage=st.index)
     return best
+
+
+CONFIDENCE_Z = 1.645      # one-sided 95%: a layout fits when its peak fits at this confidence
+
+
+def capacity(hw, framework, reserve: float | None = None) -> float:
+    """The bytes a model may fill on ``hw`` (module docstring): ``reserve`` if given, else a
+    fitted profile's own reserve, else the framework's measured one; less the margin the
+    profile's measured ``memory_sigma`` asks for (``Hardware``)."""
+    if reserve is None and not hw.fitted:
+        reserve = framework.memory_reserve
+    return hw.usable_bytes(reserve) * math.exp(-CONFIDENCE_Z * hw.memory_sigma)

@@ -62,7 +62,8 @@ from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_violation,
                      pp_violation, schedule_violation, shape_tp_violation)
-from .peak import activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes
+from .peak import (activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes,
+                   capacity as device_capacity)
 from .stages import distinct, split_violation
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
 from .sharding import (Shard, divisors, parse_shard, shard_violation, spec_flags_violation,
@@ -167,7 +168,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(f"global batch of {tokens} tokens is not a whole number of "
                         f"{shape.seq_len}-token sequences; use a multiple of {shape.seq_len}")
     batch = tokens // shape.seq_len
-    capacity = hw.usable_bytes(reserve if reserve is not None else fw.memory_reserve)
+    capacity = device_capacity(hw, fw, reserve)
     modes = [r for r in RECOMPUTE_MODES if r in fw.recompute and r in (recomputes or [r])]
     if not fw.interleaving or schedule in ("gpipe", "1f1b"):
         max_v, vs = 1, (1,)
@@ -295,7 +296,8 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                     key = (spec, mode == "full")
                     if key not in profiles:
                         profiles[key] = dp_profile(shape, hw, layout, order, dtype, fw)
-                    dp = dp_exposure(profiles[key], m, parts, overlap, hw.overlap_slowdown)
+                    dp = dp_exposure(profiles[key], m, parts, overlap, hw.overlap_slowdown,
+                                     hw.overlap_exposed)
                     seconds = fixed + dp["dp_exposed"] + dp["interference"]
                     if objective == "amsp":
                         seconds = (dp["dp_comm"], seconds)

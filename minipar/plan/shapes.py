@@ -289,12 +289,13 @@ def trainer_presets() -> dict[str, ModelShape]:
     """``minipar.model``'s presets (tiny, nano, ...) as shapes.
 
     Imported lazily: ``minipar.model`` imports torch, and the planner should not need it.
-    The trainer's GPT has an untied head; its default global batch is 16 sequences.
+    The trainer's GPT has an untied head and no dropout (its masks would cost memory the
+    trainer never allocates); its default global batch is 16 sequences.
     """
     from minipar.model import PRESETS as MODEL_PRESETS
     return {name: ModelShape(name, "gpt", c.n_layer, c.d_model, c.n_head, c.vocab_size,
                              c.seq_len, c.ffn, tied_head=False, bias=c.bias,
-                             global_batch_tokens=16 * c.seq_len)
+                             global_batch_tokens=16 * c.seq_len, dropout=c.dropout > 0)
             for name, c in MODEL_PRESETS.items()}
 
 

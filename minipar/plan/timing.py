@@ -62,8 +62,8 @@ def intra_bandwidth(per_node: int, stride: int, hw: Hardware) -> float:
     span = (per_node - 1) * stride + 1
     for link in sorted(hw.local_links, key=lambda x: x["devices"]):
         if span <= link["devices"]:
-            return float(link["bandwidth"])
-    return hw.intra_node_bandwidth
+            return float(link["bandwidth"]) * hw.intra_node_efficiency
+    return hw.intra_node_bandwidth * hw.intra_node_efficiency
 
 
 def size_factor(nbytes: float, hw: Hardware) -> float:
@@ -255,11 +255,13 @@ def _widest_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -
     return _size_time(rows, nbytes)
 
 
-def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware) -> float:
+def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware, job_nodes: int = 2) -> float:
     """One point-to-point send; across nodes every device of the node sends at once, at the
-    NICs' measured efficiency between two nodes."""
+    NICs' measured efficiency between two nodes, plus ``p2p_latency`` per node of the job
+    (``job_nodes``: what a fitted profile measured, module docstring of ``hardware``)."""
     if across_nodes:
-        return (hw.collective_latency + hw.inter_node_latency
+        return (hw.collective_latency + hw.inter_node_latency + hw.p2p_latency * job_nodes
                 + nbytes / (hw.inter_node_bandwidth / hw.gpus_per_node
                             * network_efficiency(2, hw)))
-    return hw.collective_latency + hw.intra_node_latency + nbytes / hw.intra_node_bandwidth
+    return (hw.collective_latency + hw.intra_node_latency
+            + nbytes / (hw.intra_node_bandwidth * hw.intra_node_efficiency))

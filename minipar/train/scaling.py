@@ -2,6 +2,7 @@
 
     python -m minipar.scaling weak   --nproc-list 1,2,4 [trainer flags] [--out results.jsonl]
     python -m minipar.scaling strong --nproc-list 1,2,4 [trainer flags] [--plot scaling.png] [--json]
+    python -m minipar.scaling weak   --nproc-list 1,2,4 [trainer flags] --runs runs.csv
 
 Every flag the sweep does not know is a trainer flag (``python -m minipar.train --help``):
 ``--tp``, ``--pp``, ``--zero``, ``--model``, ``--steps``, ``--batch-size``... They describe the
@@ -41,19 +42,38 @@ Beside each measured point the planner predicts the same layout
 file from ``python -m minipar.bench calibrate`` is given), and its efficiency by the same rule.
 Bad input (a count that is not a multiple of tp x pp, a batch that does not divide, a flag the
 trainer rejects at some point) exits with status 2 and one line before any point runs.
+
+``--runs FILE.csv`` appends one row per point to FILE.csv in the planner's measured-runs schema
+(``minipar.plan.runs``: ``write_runs``, read back by ``read_runs``; the input of ``python -m
+minipar.plan fit``): the model's shape (the trainer's preset with its ``--seq-len``), where it
+ran (locally one node of N processes; under srun ceil(N/K) nodes of K = ``--tasks-per-node``
+ranks, so every N must be at most K or a multiple of it), the layout (dp, tp, pp, cp, the
+shard spec of ``--zero``/``--shard``, micro-batch size, micro-batches as grad_acc, recompute,
+schedule, chunks, sp: the layout the prediction uses), ``flash`` (minipar's attention is
+``F.scaled_dot_product_attention``, a fused kernel, except the ring attention of cp > 1, which
+is not), framework ``minipar``, status ``ok`` with tokens/s per process and the trainer's
+measured peak memory (``peak_memory_bytes``, CUDA's max allocated: NaN on CPU). A point that
+fails still appends the rows of the points before it and its own, status ``oom`` when its
+output says it ran out of memory, else ``crashed`` (a timeout too), and the sweep then stops
+with status 1 as before. A row's dtype is the trainer's: fp32, or mixed for bf16 and fp16
+(16-bit weights and gradients, fp32 Adam states). The schema has no MoE column: an MoE
+model is refused (status 2). An existing FILE.csv must be a runs CSV (its header the schema's),
+else status 2 before any point runs.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..runtime.errors import UsageError
 
@@ -179,7 +199,17 @@ def _procs(n: int) -> str:
 
 
 class PointFailed(RuntimeError):
-    """A point's trainer exited non-zero; the message has its command and last lines."""
+    """A point's trainer exited non-zero; the message has its command and last lines.
+    ``returncode``: the trainer's exit status (2: it refused its flags); ``oom``: its output
+    says a rank ran out of memory."""
+
+    def __init__(self, message: str, returncode: int | None = None, oom: bool = False):
+        super().__init__(message)
+        self.returncode, self.oom = returncode, oom
+
+
+# what PyTorch (CUDA, HIP, CPU) prints when an allocation fails
+OOM = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory", re.IGNORECASE)
 
 
 def in_slurm() -> bool:
@@ -237,7 +267,9 @@ def run_point(point: Point, launcher: str = "local", timeout: float = 600.0,
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
         raise PointFailed(f"the point with {_procs(point.processes)} failed "
-                           f"(exit {done.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail))
+                          f"(exit {done.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail),
+                          returncode=done.returncode,
+                          oom=bool(OOM.search(done.stderr or "") or OOM.search(done.stdout or "")))
     with open(metrics) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -277,11 +309,12 @@ def measure(point: Point, history: list[dict], warmup: int) -> dict:
     comm = [sum(h["comm_seconds"].values()) for h in timed if "comm_seconds" in h]
     comm_s = statistics.median(comm) if comm else None
     last = timed[-1]
+    peaks = [h["peak_memory_bytes"] for h in history if h.get("peak_memory_bytes")]
     return dict(step_time_s=step, tokens_per_s=point.batch_size * point.seq_len / step,
                 comm_s=comm_s, compute_s=step - comm_s if comm_s is not None else None,
                 comm_bytes=sum(last["comm_bytes"].values()), comm_bytes_by_op=last["comm_bytes"],
                 model_state_bytes=last["model_state_bytes"]["total"], loss=last["loss"],
-                timed_steps=len(timed))
+                timed_steps=len(timed), peak_memory_bytes=max(peaks) if peaks else None)
 
 
 def predict(point: Point, model: str, hardware: str, chunks: int = 1, schedule: str = "1f1b",
@@ -289,16 +322,86 @@ def predict(point: Point, model: str, hardware: str, chunks: int = 1, schedule: 
     """The planner's step time and tokens/s for the layout that ``point`` runs."""
     from .. import plan
     shape = plan.model_preset(model, seq_len=point.seq_len)
-    layout = plan.Layout(tp=point.tp, pp=point.pp, dp=point.dp, micro_batch=point.micro_batch,
-                         microbatches=point.microbatches, shard=point.shard or (1, 1, 1),
-                         v=chunks if schedule == "interleaved" else 1, sp=sp,
-                         schedule="gpipe" if schedule == "gpipe" else "1f1b", cp=point.cp,
-                         recompute=point.recompute)
+    layout = plan_layout(point, chunks, schedule, sp)
     e = plan.estimate(shape, hardware, layout, check=False,
                       dtype="fp32" if dtype == "fp32" else "mixed")   # bf16, fp16: 2+2+12 bytes
     return dict(step_time_s=e.step_time, tokens_per_s=e.tokens_per_s,
                 comm_s=e.times["tp_comm"] + e.times["pp_comm"] + e.times["dp_exposed"],
                 bubble_s=e.times["bubble"], hardware=e.hardware, notes=list(e.notes))
+
+
+def plan_layout(point: Point, chunks: int = 1, schedule: str = "1f1b", sp: bool = False):
+    """The planner's ``Layout`` of ``point`` (what ``predict`` estimates and ``--runs`` writes):
+    the shard spec is the trainer's (``--zero``/``--shard`` over dp x cp; plain DP none), the
+    micro-batch count is gradient accumulation, interleaving is ``chunks`` model chunks."""
+    from ..plan.layout import Layout
+    return Layout(tp=point.tp, pp=point.pp, dp=point.dp, micro_batch=point.micro_batch,
+                  microbatches=point.microbatches, shard=point.shard or (1, 1, 1),
+                  v=chunks if schedule == "interleaved" else 1, sp=sp,
+                  schedule="gpipe" if schedule == "gpipe" else "1f1b", cp=point.cp,
+                  recompute=point.recompute)
+
+
+def model_shape(cfg):
+    """The trainer's model (``cfg.model_cfg``: its preset with ``--seq-len``) as the planner's
+    ``ModelShape``."""
+    from ..plan.shapes import trainer_presets, with_seq_len
+    m = cfg.model_cfg
+    shape = with_seq_len(trainer_presets()[cfg.model], m.seq_len)
+    return replace(shape, layers=m.n_layer, hidden=m.d_model, heads=m.n_head,
+                   vocab=m.vocab_size, ffn_hidden=m.ffn, bias=m.bias)
+
+
+def run_row(point: Point, measured: dict | None, cfg, launcher: str, tasks_per_node: int,
+            status: str = "ok"):
+    """``point`` as a row of the planner's measured runs (``minipar.plan.runs.Run``):
+    ``measured`` is its ``measure`` (None unless status is ok)."""
+    from ..plan.runs import Run
+    n = point.processes
+    if launcher == "srun":           # ``command``: ceil(N / K) nodes of K ranks (N <= K: one)
+        nodes, per_node = -(-n // tasks_per_node), min(n, tasks_per_node)
+    else:                            # local, inprocess: this machine's N processes
+        nodes, per_node = 1, n
+    ok = status == "ok"
+    peak = measured.get("peak_memory_bytes") if ok else None
+    return Run(shape=model_shape(cfg), layout=plan_layout(point, cfg.chunks, cfg.schedule, cfg.sp),
+               nodes=nodes, gpus_per_node=per_node, framework="minipar",
+               # model.CausalSelfAttention.core is F.scaled_dot_product_attention (fused); the
+               # ring attention of cp > 1 (minipar.cp) computes its blocks with plain matmuls
+               flash=point.cp == 1, dtype="fp32" if cfg.dtype == "fp32" else "mixed",
+               status=status,
+               tokens_per_s_gpu=measured["tokens_per_s"] / n if ok else math.nan,
+               peak_mem_gib=peak / 2**30 if peak else math.nan)
+
+
+def failure_status(error: BaseException) -> str | None:
+    """The runs status of a point that raised ``error``: oom, crashed, or None where the
+    trainer refused its flags (exit 2: nothing about the layout was measured)."""
+    if isinstance(error, PointFailed):
+        if error.returncode == 2:
+            return None
+        return "oom" if error.oom else "crashed"
+    return "oom" if OOM.search(str(error)) else "crashed"
+
+
+def check_runs_file(path: str) -> None:
+    """``--runs``: a file that can be written and, if it holds anything, a runs CSV (rows are
+    appended under its header)."""
+    from ..plan.runs import COLUMNS
+    from ..runtime.cli import check_output_file
+    if not path:
+        raise UsageError("--runs needs a file name, e.g. --runs runs.csv")
+    check_output_file(path, "--runs")
+    if os.path.exists(path) and os.path.getsize(path):
+        try:
+            with open(path, newline="") as f:
+                header = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--runs {path}: cannot be read ({e})") from None
+        if header.split(",") != list(COLUMNS):
+            raise UsageError(f"--runs {path} is not a runs CSV (its first line is not the "
+                             f"header {','.join(COLUMNS[:3])},...); give a new file or one "
+                             f"--runs wrote")
 
 
 def efficiencies(records: list[dict], key: str) -> None:
@@ -315,7 +418,7 @@ def sweep(mode: str, nproc_list: list[int] | str, trainer_argv: list[str] = (),
           hardware: str = "laptop-cpu", launcher: str = "auto", warmup: int = 1,
           timeout: float = 600.0, workdir: str | None = None, srun_args: str = "",
           tasks_per_node: int | None = None, base_repeats: int = 1, progress=None,
-          on_point=None) -> list[dict]:
+          on_point=None, runs: str | None = None) -> list[dict]:
     """Run (or, with ``launcher="srun"``, submit step by step) a scaling sweep.
 
     Returns one record per point, smallest first::
@@ -330,6 +433,9 @@ def sweep(mode: str, nproc_list: list[int] | str, trainer_argv: list[str] = (),
     called after each point. ``base_repeats`` > 1 runs the smallest point again after the
     others and keeps its fastest run: on a shared machine, load from other programs then can
     only lower an efficiency, never raise it above the ideal.
+
+    ``runs``: append one row per point to this CSV (``minipar.plan.runs``; module docstring),
+    also when a point fails (the points before it, and it as oom or crashed) before raising.
     """
     from .. import plan
     if isinstance(nproc_list, str):
@@ -353,33 +459,66 @@ def sweep(mode: str, nproc_list: list[int] | str, trainer_argv: list[str] = (),
     if tasks_per_node is None:
         env_tasks = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         tasks_per_node = int(env_tasks) if env_tasks.isdigit() else 8
+    if runs is not None:
+        check_runs_file(runs)
+        if cfg.model_cfg.moe_experts:
+            raise UsageError("--runs: the runs schema has no mixture-of-experts columns (an MoE "
+                             "row would read as its dense model); leave out --runs or "
+                             "--moe-experts")
+        uneven = [n for n in nproc_list if launcher == "srun" and n > tasks_per_node
+                  and n % tasks_per_node]
+        if uneven:
+            raise UsageError(f"--runs: {uneven[0]} ranks do not fill whole nodes of "
+                             f"--tasks-per-node {tasks_per_node}, and a runs row says nodes x "
+                             f"gpus_per_node; use counts up to {tasks_per_node} or multiples "
+                             f"of it")
     if workdir is None and launcher == "srun":
         workdir = f"minipar-scaling-{os.environ.get('SLURM_JOB_ID', 'job')}"  # shared by nodes
     if workdir is not None:
         os.makedirs(workdir, exist_ok=True)
-    records = []
-    for i, point in enumerate(progress(points) if progress else points):
-        history = run_point(point, launcher, timeout, workdir, srun_args, tasks_per_node, i)
-        record = dict(mode=mode, processes=point.processes, layout=point.layout,
-                      model=cfg.model, launcher=launcher, machine=machine(launcher),
-                      measured=measure(point, history, warmup),
-                      predicted=predict(point, cfg.model, hardware, cfg.chunks,
-                                        cfg.schedule, cfg.sp, cfg.dtype))
-        records.append(record)
-        efficiencies(records, "measured")
-        efficiencies(records, "predicted")
-        if on_point:
-            on_point(record)
-    base = records[0]
-    for _ in range(base_repeats - 1):
-        again = measure(points[0], run_point(points[0], launcher, timeout, workdir, srun_args,
-                                             tasks_per_node, len(points)), warmup)
-        base.setdefault("base_runs_s", [base["measured"]["step_time_s"]]).append(
-            again["step_time_s"])
-        if again["step_time_s"] < base["measured"]["step_time_s"]:
-            base["measured"] = again
+    records, current = [], None
+    try:
+        for i, point in enumerate(progress(points) if progress else points):
+            current = point
+            history = run_point(point, launcher, timeout, workdir, srun_args, tasks_per_node, i)
+            current = None
+            record = dict(mode=mode, processes=point.processes, layout=point.layout,
+                          model=cfg.model, launcher=launcher, machine=machine(launcher),
+                          measured=measure(point, history, warmup),
+                          predicted=predict(point, cfg.model, hardware, cfg.chunks,
+                                            cfg.schedule, cfg.sp, cfg.dtype))
+            records.append(record)
+            efficiencies(records, "measured")
+            efficiencies(records, "predicted")
+            if on_point:
+                on_point(record)
+        base = records[0]
+        for _ in range(base_repeats - 1):     # a failed re-run: the point's row is its first run's
+            again = measure(points[0], run_point(points[0], launcher, timeout, workdir, srun_args,
+                                                 tasks_per_node, len(points)), warmup)
+            base.setdefault("base_runs_s", [base["measured"]["step_time_s"]]).append(
+                again["step_time_s"])
+            if again["step_time_s"] < base["measured"]["step_time_s"]:
+                base["measured"] = again
+    except BaseException as e:              # Ctrl-C too: the points done keep their rows
+        if runs is not None:
+            status = (failure_status(e) if current is not None and isinstance(e, Exception)
+                      else None)
+            failed = ([run_row(current, None, cfg, launcher, tasks_per_node, status)]
+                      if status else [])
+            _write_runs(runs, points, records, cfg, launcher, tasks_per_node, failed)
+        raise
     efficiencies(records, "measured")
+    if runs is not None:
+        _write_runs(runs, points, records, cfg, launcher, tasks_per_node)
     return [flatten(r) for r in records]
+
+
+def _write_runs(path: str, points: list[Point], records: list[dict], cfg, launcher: str,
+                tasks_per_node: int, failed: list = ()) -> None:
+    from ..plan.runs import write_runs
+    write_runs(path, [run_row(p, r["measured"], cfg, launcher, tasks_per_node)
+                      for p, r in zip(points, records)] + list(failed))
 
 
 def flatten(r: dict) -> dict:
@@ -470,6 +609,10 @@ def parser():
     p.add_argument("--nproc-list", required=True, metavar="N,N,...",
                    help="process counts, e.g. 1,2,4 (multiples of tp x pp)")
     p.add_argument("--out", default=None, help="write one JSON line per point")
+    p.add_argument("--runs", default=None, metavar="FILE.csv",
+                   help="append one row per point to this measured-runs CSV (the planner's "
+                        "schema, minipar.plan.runs; python -m minipar.plan fit reads it); a "
+                        "failed point is appended as oom or crashed")
     p.add_argument("--plot", default=None, help="save the efficiency figure (PNG)")
     p.add_argument("--json", action="store_true", help="print the records as a JSON list")
     p.add_argument("--hardware", default="laptop-cpu",
@@ -536,6 +679,8 @@ def _main(argv: list[str]) -> list[dict]:
             check_output_file(path, flag)   # a folder, a missing folder, not writable
     if args.plot:
         _check_figure_format(args.plot)
+    if args.runs is not None:
+        check_runs_file(args.runs)          # writable, and a runs CSV if it holds anything
     if args.workdir:
         _check_workdir(args.workdir)
     if args.tasks_per_node is not None and args.tasks_per_node < 1:
@@ -556,7 +701,7 @@ def _main(argv: list[str]) -> list[dict]:
                     launcher=args.launcher, warmup=args.discard, timeout=args.point_timeout,
                     workdir=args.workdir, srun_args=args.srun_args,
                     tasks_per_node=args.tasks_per_node, base_repeats=args.base_repeats,
-                    on_point=report)
+                    on_point=report, runs=args.runs)
     if args.out:
         with open(args.out, "w") as f:
             for r in records:

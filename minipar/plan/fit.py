@@ -1,0 +1,406 @@
+"""A hardware profile fitted to measured runs, and judged on runs kept out of the fit.
+
+``python -m minipar.plan fit RUNS.csv --hardware BASE -o PROFILE.json`` keeps BASE's datasheet
+values (peak FLOP/s, link and NIC bandwidths, memory, cited in its ``sources``) and fits the
+few efficiencies the planner cannot know from a datasheet:
+
+    time     compute_efficiency      large GEMMs' fraction of peak            (0, 1]
+             gemm_half_flops         GEMM size at half that efficiency        (compute)
+             intra_node_efficiency   collectives' fraction of the node links  (0, 1]
+             inter_node_efficiency   the NICs' fraction at 2 nodes and at the widest run
+             collective_latency      per call;  inter_node_latency: per ring step across nodes
+             layer_overhead          seconds a layer costs per micro-batch beyond its kernels
+             p2p_latency             seconds a message between nodes costs per node of the job
+             overlap_slowdown        compute slowed by the traffic hidden beside it
+             overlap_exposed         the share of hideable traffic that stays exposed
+    memory   runtime_bytes           per rank, before the model
+             fragmentation           the allocator's reserve, (reserved - live) / reserved
+
+Time: least squares of log(predicted / measured tokens/s) over the runs that ran (the whole
+estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of
+it), each parameter bounded by physics (no efficiency above 1, so no bandwidth above its
+datasheet) and fitted in log space where it spans decades. Memory: least squares of
+log(predicted / measured peak) over the runs that logged one. Each value comes with its
+standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a parameter the
+runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), and with no more
+runs than parameters the errors are "undetermined". The profile records the data's sha256 and, with ``--holdout``, the errors on the
+runs kept out (``score``): MFU error (median, worst), the median per-cell rank correlation
+(a cell: one model on one node count), the regret of the planner's pick in each cell (the
+measured throughput of the layout it ranks first among the cell's, over the cell's best: 0
+when its pick crashed) and the precision and recall of the crashes it predicts (a layout
+that does not fit, or that the framework refuses).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from .errors import PlanError
+from .estimate import estimate
+from .frameworks import load_framework
+from .hardware import Hardware
+from .runs import Run
+
+# (field, lower, upper, log-scaled?)  inter@lo, inter@hi: the two rows of inter_node_efficiency
+TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
+                   ("gemm_half_flops", 1e6, 1e13, True),
+                   ("intra_node_efficiency", 0.02, 1.0, False),
+                   ("inter@lo", 1e-3, 1.0, True),
+                   ("inter@hi", 1e-4, 1.0, True),
+                   ("collective_latency", 1e-7, 1e-2, True),
+                   ("intra_node_latency", 1e-7, 1e-2, True),
+                   ("inter_node_latency", 1e-7, 1e-2, True),
+                   ("layer_overhead", 1e-7, 0.1, True),
+                   ("p2p_latency", 1e-8, 0.1, True),
+                   ("overlap_slowdown", 0.0, 0.95, False),
+                   ("overlap_exposed", 0.0, 0.95, False))
+# A robust loss (Cauchy's, scale 0.2 in log units, a 22% error): some runs in any sweep are
+# broken (a slow node, a straggler: the Playbook grid has runs at 1/20 of their neighbours'
+# throughput), and plain squares would let them move the fit. Chosen over soft L1 while
+# looking at the 8B rows' validation errors: 8B is a development holdout, not an untouched one.
+LOSS, F_SCALE = "cauchy", 0.2
+MAX_EVALUATIONS = 200      # trials of the whole model (each Jacobian's columns not counted)
+MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False))
+
+
+def _estimate(run: Run, hw: Hardware, check: bool = False):
+    return estimate(run.shape, hw, run.layout, framework=load_framework(run.framework),
+                    flash=run.flash, dtype=run.dtype, check=check)
+
+
+def predictions(runs: list[Run], hw: Hardware) -> list:
+    """Each run's ``Estimate``, or None where the framework or the planner refuses the layout
+    (a crash predicted)."""
+    out = []
+    for r in runs:
+        try:
+            out.append(_estimate(r, hw, check=True))
+        except PlanError:
+            out.append(None)
+    return out
+
+
+def _widest(runs: list[Run]) -> int:
+    return max([r.nodes for r in runs] + [2])
+
+
+def _get(hw: Hardware, name: str, widest: int) -> float:
+    if name.startswith("inter@"):
+        rows = hw.inter_node_efficiency or [[2, 1.0]]
+        from .timing import network_efficiency
+        return network_efficiency(2 if name == "inter@lo" else widest, hw) if rows else 1.0
+    return float(getattr(hw, name))
+
+
+def _with(hw: Hardware, values: dict, widest: int) -> Hardware:
+    lo, hi = values.get("inter@lo"), values.get("inter@hi")
+    plain = {k: v for k, v in values.items() if not k.startswith("inter@")}
+    if lo is not None or hi is not None:
+        lo = _get(hw, "inter@lo", widest) if lo is None else lo
+        hi = _get(hw, "inter@hi", widest) if hi is None else hi
+        plain["inter_node_efficiency"] = [[2, lo], [widest, hi]] if widest > 2 else [[2, lo]]
+    return replace(hw, **plain)
+
+
+def _least_squares(residuals, bounds, x0):
+    """scipy's bounded trust-region least squares: (x, standard errors, which parameters the
+    data moves at all, the residuals' sd). PlanError when it does not converge."""
+    from scipy.optimize import least_squares
+    lo, hi = np.array(bounds).T
+    x0 = np.clip(np.array(x0, dtype=float), lo + 1e-9, hi - 1e-9)
+    sol = least_squares(residuals, x0, bounds=(lo, hi), x_scale="jac", diff_step=1e-3,
+                        max_nfev=MAX_EVALUATIONS, loss=LOSS, f_scale=F_SCALE)
+    if sol.status <= 0 or not np.all(np.isfinite(sol.fun)):
+        raise PlanError(f"the fit did not converge ({sol.message}); give more runs, or runs "
+                        f"that vary what the profile fits")
+    jac, n = sol.jac, len(sol.fun)
+    moved = np.linalg.norm(jac, axis=0) > 1e-6 * max(1.0, np.linalg.norm(jac))
+    s2 = float(sol.fun @ sol.fun) / max(1, n - int(moved.sum()))
+    sigma = np.full(len(x0), np.inf)
+    if moved.any() and n > moved.sum():      # as many runs as parameters: no error to tell
+        j = jac[:, moved]
+        sigma[moved] = np.sqrt(np.clip(np.diag(s2 * np.linalg.pinv(j.T @ j)), 0, None))
+    return sol.x, sigma, moved, float(np.sqrt(s2))
+
+
+def _pack(spec, hw, widest):
+    x0, bounds = [], []
+    for name, lo, hi, log in spec:
+        value = _get(hw, name, widest)
+        hi = hi if hi is not None else hw.memory_bytes / 2
+        x0.append(math.log10(max(value, lo)) if log else value)
+        bounds.append((math.log10(lo), math.log10(hi)) if log else (lo, hi))
+    return x0, bounds
+
+
+def _unpack(spec, x):
+    return {name: (10 ** v if log else float(v)) for (name, _, _, log), v in zip(spec, x)}
+
+
+def _fit(spec, base: Hardware, widest: int, residuals_of) -> tuple[Hardware, dict, float]:
+    """Fit ``spec``'s parameters of ``base`` to ``residuals_of(hardware)`` (an array); a
+    parameter the data does not move at all keeps ``base``'s value. Returns the fitted
+    hardware, {name: [value, standard error or None, "fitted" | "kept": not moved |
+    "undetermined": no more runs than parameters moved]} and the residuals' sd. Correlated parameters (a large-GEMM efficiency against a fixed cost per layer) can
+    trade against each other: their standard errors say so, and the table marks a value
+    whose error exceeds it."""
+    kept = {name: _get(base, name, widest) for name, *_ in spec}
+    x0, bounds = _pack(spec, base, widest)
+    x, sigma, moved, s = _least_squares(
+        lambda v: residuals_of(_with(base, _unpack(spec, v), widest)), bounds, x0)
+    report = {}
+    for (name, _, _, log), v, e, m in zip(spec, x, sigma, moved):
+        value = 10 ** v if log else float(v)
+        if not m:
+            report[name] = [kept[name], None, "kept"]
+        elif not math.isfinite(e):
+            report[name] = [value, None, "undetermined"]
+        else:
+            report[name] = [value, value * math.log(10) * e if log else float(e), "fitted"]
+    return _with(base, {k: v[0] for k, v in report.items()}, widest), report, s
+
+
+def fit_time(runs: list[Run], base: Hardware) -> tuple[Hardware, dict, float]:
+    """``base`` with the time parameters fitted to the runs that ran, their report and the
+    residual standard deviation (in natural log units)."""
+    ran = [r for r in runs if r.ran]
+    usable = [r for r, e in zip(ran, predictions(ran, base)) if e is not None]
+    if len(usable) < 3:
+        raise PlanError(f"{len(usable)} runs that ran and the planner can price: too few to "
+                        f"fit; give at least 3 (more, varied in tp, pp, dp and micro-batch, "
+                        f"pin down more parameters: the report says which it could not)")
+    measured = np.log([r.tokens_per_s_gpu * r.layout.gpus for r in usable])
+    return _fit(TIME_PARAMETERS, base, _widest(ran), lambda hw: np.log(
+        [_estimate(r, hw).tokens_per_s for r in usable]) - measured)
+
+
+def fit_memory(runs: list[Run], hw: Hardware) -> tuple[Hardware, dict, float]:
+    """``hw`` with the runtime bytes and the allocator's reserve fitted to the runs' logged
+    peaks: measured = runtime + live / (1 - reserve), the live bytes the planner's
+    ``device_memory``; and ``memory_sigma``, the robust spread of what remains."""
+    pairs = [(r.peak_mem_gib * 2**30, e.memory["total"])
+             for r, e in zip(runs, predictions(runs, hw))
+             if e is not None and r.ran and math.isfinite(r.peak_mem_gib)]
+    if len(pairs) < 3:
+        return hw, {name: [getattr(hw, name), None, "kept"] for name, *_ in MEMORY_PARAMETERS}, \
+            math.nan
+    measured, live = np.log([m for m, _ in pairs]), np.array([p for _, p in pairs])
+
+    def residuals_of(h):
+        return np.log(h.runtime_bytes + live / (1 - h.fragmentation)) - measured
+
+    hw, report, s = _fit(MEMORY_PARAMETERS, hw, 2, residuals_of)
+    r = residuals_of(hw)
+    return replace(hw, memory_sigma=float(1.4826 * np.median(np.abs(r - np.median(r))))), \
+        report, s
+
+
+# --------------------------------------------------------------------------------------
+# Judging a profile on runs
+# --------------------------------------------------------------------------------------
+def spearman(a, b) -> float:
+    """Rank correlation (average ranks for ties); NaN for fewer than 3 pairs or no spread."""
+    if len(a) < 3:
+        return math.nan
+    from scipy.stats import spearmanr
+    rho = spearmanr(a, b).statistic
+    return float(rho) if np.isfinite(rho) else math.nan
+
+
+def score(runs: list[Run], hw: Hardware) -> dict:
+    """How ``hw`` predicts ``runs`` (module docstring): mfu_ratio_median (predicted /
+    measured), mfu_error_median and _worst (|ratio - 1|), rank_median (per cell), pick_median
+    and pick_worst (measured share of the cell's best), crash_precision and crash_recall,
+    false_crash (predicted to crash among the runs that ran), cells, runs, priced."""
+    est = predictions(runs, hw)
+    ratios, cells = [], {}
+    crash = {"tp": 0, "fp": 0, "fn": 0, "tn": 0}
+    for r, e in zip(runs, est):
+        cells.setdefault(r.cell, []).append((r, e))
+        predicted_crash = e is None or not e.fits
+        key = ("tp" if predicted_crash else "fn") if not r.ran else ("fp" if predicted_crash
+                                                                     else "tn")
+        crash[key] += 1
+        if r.ran and e is not None:
+            ratios.append(e.tokens_per_s / (r.tokens_per_s_gpu * r.layout.gpus))
+    ranks, picks = [], []
+    for members in cells.values():
+        ok = [(r, e) for r, e in members if r.ran and e is not None]
+        rho = spearman([e.tokens_per_s for _, e in ok], [r.tokens_per_s_gpu for r, _ in ok])
+        if math.isfinite(rho):
+            ranks.append(rho)
+        best = max((r.tokens_per_s_gpu for r, _ in members if r.ran), default=0.0)
+        chosen = [(r, e) for r, e in members if e is not None and e.fits]
+        if best and chosen:
+            pick = max(chosen, key=lambda x: x[1].tokens_per_s)[0]
+            picks.append(pick.tokens_per_s_gpu / best if pick.ran else 0.0)
+    errors = [abs(x - 1) for x in ratios]
+    nan = math.nan
+    return {
+        "runs": len(runs), "priced": len(ratios), "cells": len(cells),
+        "mfu_ratio_median": float(np.median(ratios)) if ratios else nan,
+        "mfu_error_median": float(np.median(errors)) if errors else nan,
+        "mfu_error_worst": float(max(errors)) if errors else nan,
+        "rank_median": float(np.median(ranks)) if ranks else nan,
+        "pick_median": float(np.median(picks)) if picks else nan,
+        "pick_worst": float(min(picks)) if picks else nan,
+        "crash_precision": crash["tp"] / max(1, crash["tp"] + crash["fp"]),
+        "crash_recall": crash["tp"] / max(1, crash["tp"] + crash["fn"]),
+        "false_crash": crash["fp"] / max(1, crash["fp"] + crash["tn"]),
+    }
+
+
+def residuals_by(runs: list[Run], hw: Hardware, key) -> dict:
+    """Median predicted / measured tokens/s of the runs that ran, grouped by ``key(run)``."""
+    groups: dict = {}
+    for r, e in zip(runs, predictions(runs, hw)):
+        if r.ran and e is not None:
+            groups.setdefault(key(r), []).append(e.tokens_per_s / (r.tokens_per_s_gpu
+                                                                     * r.layout.gpus))
+    return {k: (len(v), float(np.median(v))) for k, v in sorted(groups.items())}
+
+
+def fit(runs: list[Run], base: Hardware) -> tuple[Hardware, dict]:
+    """Time, then memory; the fitted profile (its ``fitted`` holds the report, so that its
+    own reserve and memory margin apply: ``peak.capacity``) and the report,
+    {"parameters", "log_sigma_time", "log_sigma_memory"}."""
+    hw, time_report, s_time = fit_time(runs, base)
+    hw, memory_report, s_mem = fit_memory(runs, hw)
+    report = {"parameters": {**time_report, **memory_report}, "log_sigma_time": s_time,
+              "log_sigma_memory": s_mem}
+    return replace(hw, fitted=dict(report)), report
+
+
+# --------------------------------------------------------------------------------------
+# python -m minipar.plan fit
+# --------------------------------------------------------------------------------------
+def cross_validate(runs: list[Run], base: Hardware, holdout: str | None = None,
+                   kfold: str | None = None) -> list[dict]:
+    """Fit without each held-out part and score on it: one fold for ``holdout``
+    (``runs.select``'s spec), one per model or node count for ``kfold``."""
+    from .runs import select
+    if holdout:
+        folds = [(holdout, select(runs, holdout))]
+    else:
+        key = (lambda r: r.shape.name) if kfold == "model" else (lambda r: r.nodes)
+        folds = [(f"{kfold}={v}", [r for r in runs if key(r) == v])
+                 for v in sorted({key(r) for r in runs})]
+    out = []
+    for name, held in folds:
+        out_ids = {id(r) for r in held}
+        kept = [r for r in runs if id(r) not in out_ids]
+        if not any(r.ran for r in kept):
+            raise PlanError(f"holding out {name} leaves no run that ran to fit")
+        hw, report = fit(kept, base)
+        values = {k: v[0] for k, v in report["parameters"].items()}
+        out.append({"holdout": name, **score(held, hw), "parameters": values,
+                    "memory_sigma": hw.memory_sigma})
+    return out
+
+
+def fold_hardware(profile: Hardware, holdout: str) -> Hardware:
+    """The hardware a fold of ``profile``'s cross-validation fitted (without ``holdout``'s
+    runs), rebuilt from the values it recorded: the fit the holdout scores belong to."""
+    fold = next(f for f in profile.fitted["holdout"] if f["holdout"] == holdout)
+    base = replace(profile, memory_sigma=fold["memory_sigma"])
+    return _with(base, fold["parameters"], _widest_of(profile))
+
+
+def _widest_of(hw: Hardware) -> int:
+    rows = hw.inter_node_efficiency
+    return int(rows[-1][0]) if rows else 2
+
+
+def _value(name: str, v: float) -> str:
+    return f"{v:.3g}" if v is not None and math.isfinite(v) else "-"
+
+
+def cmd_fit(args) -> None:
+    import json
+    from pathlib import Path
+    from ..runtime.cli import emit, text_table
+    from .hardware import load_hardware
+    from .runs import digest, read_runs
+    runs, notes = read_runs(args.runs)
+    base = load_hardware(args.hardware)
+    hw, report = fit(runs, base)
+    folds = cross_validate(runs, base, args.holdout, args.kfold) if (args.holdout or
+                                                                      args.kfold) else []
+    fitted = {"data": Path(args.runs).name, "sha256": digest(args.runs), "rows": len(runs),
+              "base": base.name, **report, "training": score(runs, hw), "holdout": folds}
+    where = f"{fitted['data']} (sha256 {fitted['sha256'][:12]}..., {len(runs)} runs)"
+    sources, done = dict(base.sources), set()
+    for name, (value, error, status) in report["parameters"].items():
+        key = "inter_node_efficiency" if name.startswith("inter@") else name
+        said = {"fitted": f"{name} fitted to {where}: {value:.4g} +- {error or 0:.2g}",
+                "kept": f"{name} not moved by {where}: {base.name}'s value kept",
+                "undetermined": f"{name} fitted to {where}: {value:.4g}, its error "
+                                f"undetermined (no more runs than parameters)"}[status]
+        sources[key] = f"{sources[key]}; {said}" if key in done else said
+        done.add(key)
+    sources["memory_sigma"] = f"fitted to {where}: the memory residuals' robust sd"
+    profile = replace(hw, name=args.name or f"{base.name}-fitted", fitted=fitted,
+                      sources=sources, description=f"{base.description}; efficiencies "
+                      f"fitted to measured runs ({fitted['data']})")
+    out = profile.to_dict()
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+    lines = list(notes)
+    notes_of = {"kept": "not moved: base value kept", "undetermined": "undetermined: no more "
+                "runs than parameters", "fitted": ""}
+    rows = [[name, _value(name, v), _value(name, e), notes_of[status] or
+             ("poorly determined" if e > abs(v) else "")]
+            for name, (v, e, status) in report["parameters"].items()]
+    lines += [text_table(rows, ["parameter", "value", "std. error", ""]),
+              f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "
+              f"{report['log_sigma_memory']:.3f}"]
+    for title, key in (("nodes", lambda r: r.nodes), ("tp", lambda r: r.layout.tp),
+                       ("pp", lambda r: r.layout.pp), ("dp", lambda r: r.layout.dp)):
+        groups = residuals_by(runs, profile, key)
+        lines.append(f"predicted / measured tokens/s by {title}: " + ", ".join(
+            f"{k}: {v:.2f} ({n})" for k, (n, v) in groups.items()))
+    table = [["fitted rows"] + [_value(c, fitted["training"][c]) for c in SCORE_COLUMNS]]
+    table += [[f["holdout"]] + [_value(c, f[c]) for c in SCORE_COLUMNS] for f in folds]
+    lines.append(text_table(table, ["scored on"] + list(SCORE_COLUMNS)))
+    if args.output:
+        lines.append(f"wrote {args.output}")
+    emit(args, out, "\n".join(lines))
+
+
+SCORE_COLUMNS = ("runs", "mfu_ratio_median", "mfu_error_median", "mfu_error_worst",
+                 "rank_median", "pick_median", "pick_worst", "crash_precision", "crash_recall",
+                 "false_crash")
+
+
+def add_fit_parser(sub) -> None:
+    p = sub.add_parser("fit", help="fit a hardware profile to measured runs (plan.fit)")
+    p.add_argument("runs", help="a runs CSV (python -m minipar.scaling --runs writes one) or "
+                                "the Ultra-Scale Playbook grid")
+    p.add_argument("--hardware", required=True,
+                   help="the base profile: its datasheet peaks and bandwidths are kept")
+    p.add_argument("-o", "--output", help="write the fitted profile here (JSON)")
+    p.add_argument("--name", help="the fitted profile's name (default: BASE-fitted)")
+    p.add_argument("--holdout", help="score a fit without these runs on them: model=NAME or "
+                                     "nodes=N[,N...]")
+    p.add_argument("--kfold", choices=["model", "nodes"],
+                   help="cross-validate: hold out each model (or node count) in turn")
+    p.set_defaults(func=cmd_fit)
+
+
+def scores_table(hw: Hardware) -> str:
+    """The fitted profile's recorded scores as the markdown table docs/reference.md shows."""
+    def row(label, f):
+        pct = lambda x: f"{x:.0%}"
+        return (f"| {label} | {f['runs']:,} | {f['mfu_ratio_median']:.2f} | "
+                f"{pct(f['mfu_error_median'])} / {pct(f['mfu_error_worst'])} | "
+                f"{f['rank_median']:.2f} | {f['pick_median']:.2f} / {f['pick_worst']:.2f} | "
+                f"{f['crash_precision']:.2f} / {f['crash_recall']:.2f} | "
+                f"{f['false_crash']:.1%} |")
+    lines = ["| scored on | runs | MFU ratio (median) | MFU error median / worst | rank "
+             "(median) | pick median / worst | crash precision / recall | ran, predicted to "
+             "crash |", "| --- | --- | --- | --- | --- | --- | --- | --- |",
+             row(f"the fitted rows ({hw.fitted['data']})", hw.fitted["training"])]
+    lines += [row(f"held out: {f['holdout']}", f) for f in hw.fitted["holdout"]]
+    return "\n".join(lines)

@@ -1,0 +1,223 @@
+"""Measured runs: the planner's input. One CSV schema for every sweep, one row per run.
+
+A row says what ran and what it measured:
+
+    model shape   model, arch, layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len, tied
+    placement     nodes, gpus_per_node, dp, tp, pp, cp
+    engine        shard (AMSP's P-G-OS group sizes, "1-1-8" is ZeRO-1 over 8), mbs,
+                  grad_acc (micro-batches per step), gbs (sequences per step), recompute,
+                  schedule, chunks, sp, flash (a fused attention kernel), dtype (mixed: 16-bit
+                  with fp32 Adam states; fp32), framework
+    measured      status (ok | oom | crashed), tokens_per_s_gpu, peak_mem_gib, mfu
+
+``python -m minipar.scaling ... --runs FILE.csv`` writes it from its own sweeps (a laptop, a
+node, an ``srun`` allocation); ``read_runs`` also reads the Ultra-Scale Playbook's grid
+(``../shared/data/playbook-grid-*.csv``: its ``zero`` column, the shapes its README gives)
+into the same rows. ``plan fit`` fits a hardware profile to them (``plan.fit``).
+
+A run's MFU is recomputed from its tokens/s with the planner's own FLOPs per token
+(``shapes.training_flops``) and the hardware's datasheet peak, so every source counts alike.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import PlanError
+from .layout import Layout
+from .shapes import ModelShape, training_flops
+
+COLUMNS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+           "seq_len", "tied", "nodes", "gpus_per_node", "dp", "tp", "pp", "cp", "shard", "mbs",
+           "grad_acc", "gbs", "recompute", "schedule", "chunks", "sp", "flash", "dtype", "framework",
+           "status",
+           "tokens_per_s_gpu", "peak_mem_gib", "mfu")
+STATUSES = ("ok", "oom", "crashed")
+
+# The Ultra-Scale Playbook's grid (../shared/data/README.md): Llama-style shapes by name,
+# (layers, hidden, heads, ffn), vocabulary 131,072, sequence 4,096, MHA, tied below ffn 10,000;
+# nanotron, 8 H100 per node, sequence parallelism with TP, no recomputation. Another model of
+# that grid needs the columns layers, hidden, heads and ffn_hidden.
+PLAYBOOK_SHAPES = {"1B": (16, 2048, 32, 8192), "8B": (32, 4096, 32, 14336)}
+PLAYBOOK_COLUMNS = ("model", "nodes", "gpus", "dp", "tp", "pp", "zero", "mbs", "grad_acc",
+                    "gbs", "mfu", "tok_s_gpu", "mem_gb")
+
+
+@dataclass(frozen=True)
+class Run:
+    shape: ModelShape
+    layout: Layout
+    nodes: int
+    gpus_per_node: int
+    framework: str
+    flash: bool                  # a fused attention kernel (FlashAttention, SDPA's)
+    dtype: str                   # mixed | fp32
+    status: str                  # ok | oom | crashed
+    tokens_per_s_gpu: float      # NaN unless ok
+    peak_mem_gib: float          # NaN where not measured
+
+    @property
+    def ran(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def cell(self) -> tuple[str, int]:
+        """What a team chooses among: one model on one number of nodes."""
+        return self.shape.name, self.nodes
+
+    def mfu(self, peak_flops: float) -> float:
+        per_token = training_flops(self.shape, 1, "none") / self.shape.seq_len
+        return self.tokens_per_s_gpu * per_token / peak_flops
+
+
+def _int(row: dict, key: str, where: str, default: int | None = None) -> int:
+    value = row.get(key, "")
+    if value in ("", None) and default is not None:
+        return default
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise PlanError(f"{where}: {key} must be a whole number, got {value!r}") from None
+    if out < 0:
+        raise PlanError(f"{where}: {key} must be >= 0, got {out}")
+    return out
+
+
+def _float(row: dict, key: str) -> float:
+    value = row.get(key, "")
+    try:
+        return float(value) if value not in ("", None) else math.nan
+    except ValueError:
+        return math.nan
+
+
+def _run(row: dict, where: str, playbook: bool) -> Run:
+    if playbook:
+        name = row["model"]
+        if row.get("layers"):
+            layers, hidden, heads, ffn = (_int(row, k, where) for k in
+                                          ("layers", "hidden", "heads", "ffn_hidden"))
+        elif name in PLAYBOOK_SHAPES:
+            layers, hidden, heads, ffn = PLAYBOOK_SHAPES[name]
+        else:
+            raise PlanError(f"{where}: the shape of playbook model {name!r} is not known; "
+                            f"add the columns layers, hidden, heads and ffn_hidden")
+        shape = ModelShape(name, "llama", layers, hidden, heads, 131072, 4096, ffn,
+                           tied_head=ffn < 10_000, bias=False)
+        gpus_per_node, framework, recompute, sp, flash = 8, "nanotron", "none", None, True
+        dtype = "mixed"
+        dp = _int(row, "dp", where)
+        shard = (1, 1, dp) if _int(row, "zero", where) else (1, 1, 1)
+        cp, schedule, chunks = 1, "1f1b", 1
+        tok, mem = _float(row, "tok_s_gpu"), _float(row, "mem_gb")
+        status = "ok" if math.isfinite(tok) else "crashed"
+    else:
+        shape = ModelShape(row["model"], row["arch"], _int(row, "layers", where),
+                           _int(row, "hidden", where), _int(row, "heads", where),
+                           _int(row, "vocab", where), _int(row, "seq_len", where),
+                           _int(row, "ffn_hidden", where, 0), tied_head=row["tied"] == "1",
+                           bias=row["arch"] == "gpt", kv_heads=_int(row, "kv_heads", where, 0))
+        gpus_per_node, framework = _int(row, "gpus_per_node", where), row["framework"]
+        recompute, schedule = row["recompute"] or "none", row["schedule"] or "1f1b"
+        dp, cp, chunks = _int(row, "dp", where), _int(row, "cp", where, 1), _int(row, "chunks", where, 1)
+        sp, flash, dtype = row["sp"] == "1", row["flash"] == "1", row["dtype"]
+        if dtype not in ("mixed", "fp32"):
+            raise PlanError(f"{where}: dtype must be mixed or fp32, got {dtype!r}")
+        try:
+            shard = tuple(int(x) for x in row["shard"].split("-"))
+        except ValueError:
+            shard = ()
+        if len(shard) != 3:
+            raise PlanError(f"{where}: shard is P-G-OS group sizes like 1-1-8, got "
+                            f"{row['shard']!r}")
+        tok, mem, status = _float(row, "tokens_per_s_gpu"), _float(row, "peak_mem_gib"), row["status"]
+        if status not in STATUSES:
+            raise PlanError(f"{where}: status must be one of {', '.join(STATUSES)}, got {status!r}")
+        if status == "ok" and not math.isfinite(tok):
+            raise PlanError(f"{where}: a run with status ok needs tokens_per_s_gpu")
+    tp, pp, mbs, acc = (_int(row, k, where) for k in ("tp", "pp", "mbs", "grad_acc"))
+    gbs, nodes = _int(row, "gbs", where), _int(row, "nodes", where)
+    if min(tp, pp, dp, cp, mbs, acc, gbs, nodes, gpus_per_node) < 1:
+        raise PlanError(f"{where}: degrees, batch sizes and counts must be >= 1")
+    if dp * mbs * acc != gbs:
+        raise PlanError(f"{where}: dp x mbs x grad_acc = {dp} x {mbs} x {acc} = "
+                        f"{dp * mbs * acc}, but gbs says {gbs}; fix the row or leave it out")
+    if tp * pp * dp * cp != nodes * gpus_per_node:
+        raise PlanError(f"{where}: tp x pp x dp x cp = {tp * pp * dp * cp} devices, but "
+                        f"{nodes} nodes x {gpus_per_node} hold {nodes * gpus_per_node}")
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=mbs, microbatches=acc, shard=shard,
+                    recompute=recompute, v=chunks, schedule=schedule,
+                    sp=tp > 1 if sp is None else sp)
+    return Run(shape, layout, nodes, gpus_per_node, framework, flash, dtype, status, tok, mem)
+
+
+def read_runs(path: str | Path) -> tuple[list[Run], list[str]]:
+    """The rows of a runs CSV (this schema, or the Playbook grid's) and notes on what was left
+    out. A missing column, a row that contradicts itself (dp x mbs x grad_acc against gbs) or
+    an unreadable value is a PlanError naming the file, the line and the fix; only the grid's
+    own contradicting rows are left out, as its README says, and counted in a note."""
+    path = Path(path)
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            playbook = "tok_s_gpu" in header
+            need = PLAYBOOK_COLUMNS if playbook else COLUMNS
+            missing = [c for c in need if c not in header]
+            if missing:
+                raise PlanError(f"{path}: missing column(s) {', '.join(missing)}; a runs CSV "
+                                f"has {', '.join(COLUMNS)}")
+            runs, left = [], 0
+            for i, row in enumerate(reader, 2):
+                if playbook and _int(row, "dp", path) * _int(row, "mbs", path) * _int(
+                        row, "grad_acc", path) != _int(row, "gbs", path):
+                    left += 1
+                    continue
+                runs.append(_run(row, f"{path} line {i}", playbook))
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(f"cannot read runs file {path}: {e}") from None
+    if not runs:
+        raise PlanError(f"{path} holds no runs")
+    notes = [f"{path.name}: left out {left} rows whose dp x mbs x grad_acc is not their gbs "
+             f"(the grid's README says to)"] if left else []
+    return runs, notes
+
+
+def write_runs(path: str | Path, runs: list[Run]) -> None:
+    """The runs as a CSV of ``COLUMNS`` (appending when the file exists)."""
+    path = Path(path)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(COLUMNS)
+        for r in runs:
+            s, lay = r.shape, r.layout
+            w.writerow([s.name, s.arch, s.layers, s.hidden, s.heads, s.kv_heads, s.ffn_hidden,
+                        s.vocab, s.seq_len, int(s.tied_head), r.nodes, r.gpus_per_node, lay.dp,
+                        lay.tp, lay.pp, lay.cp, "-".join(map(str, lay.shard)), lay.micro_batch,
+                        lay.microbatches, lay.global_batch, lay.recompute, lay.schedule, lay.v,
+                        int(lay.sp), int(r.flash), r.dtype, r.framework, r.status, f"{r.tokens_per_s_gpu:.6g}",
+                        f"{r.peak_mem_gib:.6g}", ""])
+
+
+def digest(path: str | Path) -> str:
+    """The sha256 of a runs file: a fitted profile names the data it was fitted to."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def select(runs: list[Run], spec: str) -> list[Run]:
+    """The runs a ``key=value[,value]`` spec names (``model=8B``, ``nodes=32,64``); a spec
+    naming no run is a PlanError."""
+    key, _, values = spec.partition("=")
+    if key not in ("model", "nodes") or not values:
+        raise PlanError(f"holdout {spec!r}: say model=NAME or nodes=N (comma-separated values)")
+    wanted = set(values.split(","))
+    chosen = [r for r in runs if str(r.shape.name if key == "model" else r.nodes) in wanted]
+    if not chosen:
+        have = sorted({str(r.shape.name if key == "model" else r.nodes) for r in runs})
+        raise PlanError(f"holdout {spec!r} names no run; the file has {key} {', '.join(have)}")
+    return chosen
