@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from . import moe as moe_plan
 from ..runtime.cli import emit, text_table
-from .sharding import resolve_shard
+from .sharding import amsp_reasons, resolve_shard
 from .errors import PlanError
 from .estimate import estimate
 from .frameworks import FRAMEWORKS, check_framework
@@ -187,8 +187,14 @@ def cmd_search(args) -> None:
     data = [e.to_json() for e in results]
     data[0]["explain"] = why
     first = results[0].layout
-    ranked = ("data-parallel communication time, nothing hidden (AMSP's objective)"
-              if args.objective == "amsp" else "predicted step time")
+    ranked = "predicted step time"
+    if args.objective == "amsp":
+        ranked = ("AMSP's data-parallel communication time, nothing hidden, each group on the "
+                  "fastest links its size allows")
+        hw, fw = load_hardware(args.hardware), FRAMEWORKS[args.framework]
+        why += "".join(f"\n  AMSP's partitioner, {line}" for line in amsp_reasons(
+            shape, hw, results[0], fw, args.order or fw.order, args.dtype or hw.dtype,
+            args.flash_attention, args.reserve))
     header = (f"{shape.name} on {args.gpus} x {args.hardware} with {args.framework}, global "
               f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
     if cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):

@@ -23,8 +23,8 @@ For a model, a number of devices, a global batch (in tokens) and a framework pro
 with sequence parallelism on whenever tp > 1 and the framework has it (same traffic, less
 memory; ``sp`` forces it on or off), drop what does not fit, and rank. With tp and pp
 fixed to 1 this is AMSP's scale-aware partitioner; ``objective="amsp"`` ranks as AMSP's
-planner does, by data-parallel communication time with nothing hidden, under the memory
-limit.
+planner does (``sharding.amsp_seconds``): data-parallel communication time with nothing
+hidden, each group on the fastest links its size allows, under the memory limit.
 
 Context parallelism is searched where memory forces it, as Megatron-LM's guide uses it, for
 sequences whose activations do not fit otherwise: the search first tries cp = 1, and if
@@ -65,8 +65,8 @@ from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_viola
 from .peak import activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes
 from .stages import distinct, split_violation
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
-from .sharding import (Shard, divisors, parse_shard, shard_violation, spec_flags_violation,
-                       zero_shard)
+from .sharding import (Shard, amsp_cost, amsp_key, divisors, parse_shard, shard_violation,
+                       spec_flags_violation, zero_shard)
 
 OBJECTIVES = ("step", "amsp")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -218,7 +218,8 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                         f"micro-batch or batch")
     if objective == "amsp":
         def seconds(e):
-            return e.times["dp_comm"], e.step_time
+            return (*amsp_key(amsp_cost(shape, hw, e.layout, fw, order, dtype),
+                              e.layout.shard), e.step_time)
     else:
         def seconds(e):
             return e.step_time
@@ -298,7 +299,8 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                     dp = dp_exposure(profiles[key], m, parts, overlap, hw.overlap_slowdown)
                     seconds = fixed + dp["dp_exposed"] + dp["interference"]
                     if objective == "amsp":
-                        seconds = (dp["dp_comm"], seconds)
+                        seconds = (*amsp_key(amsp_cost(shape, hw, layout, fw, order, dtype),
+                                             spec), seconds)
                     keys.append((rank_key(seconds, total, layout), layout))
                 candidates += heapq.nsmallest(specs_per_layout, keys, key=lambda x: x[0])
     return candidates, leanest
