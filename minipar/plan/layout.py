@@ -123,8 +123,10 @@ def layout_violation(shape: ModelShape, layout: Layout, stage_rule: str = "even"
     order (``minipar.train.config``: cp, tp, interleaving, the stage split under
     ``stage_rule``), or None. ``hint``: a pp that even stages refuse
     names the frameworks that build uneven ones (off where no framework can be chosen)."""
+    from .stages import split_violation       # Megatron-LM's uneven interleaving
     t, p, v = layout.tp, layout.pp, layout.v
-    stages = pp_violation(shape.layers, p, v, uneven=stage_rule != "even")
+    stages = (split_violation(shape, p, stage_rule, v) if stage_rule == "megatron" and v > 1
+              else pp_violation(shape.layers, p, v, uneven=stage_rule != "even"))
     if stages and hint and stage_rule == "even" and v == 1 and shape.layers >= p:
         stages += " (or a framework that builds uneven stages: megatron-lm, nanotron)"
     return (cp_violation(shape.seq_len, layout.cp, t, layout.sp)   # the trainer's order

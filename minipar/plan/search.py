@@ -61,7 +61,7 @@ from .estimate import Estimate, dp_exposure, dp_profile, estimate, time_parts
 from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_violation,
-                     pp_violation, schedule_violation, shape_tp_violation)
+                     schedule_violation, shape_tp_violation)
 from .peak import activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes
 from .stages import distinct, split_violation
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
@@ -277,7 +277,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
         states = _state_table(shape, grid, specs, dtype, fw)
         profiles: dict = {}                # (spec, full recomputation) -> dp_profile
         for b, m, chunks in _schedules(shape, p, batch // d, mbs, vs, max_v, max_micro_batch,
-                                       schedule == "interleaved", refuser(2)):
+                                       schedule == "interleaved", refuser(2), fw.stage_rule):
             for mode in modes:
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
                               recompute=mode, v=chunks, sp=use_sp(t, c),
@@ -420,20 +420,18 @@ def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
 
 
 def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int,
-               max_micro_batch: int, interleaved: bool = False, refuse=lambda why: None):
+               max_micro_batch: int, interleaved: bool = False, refuse=lambda why: None,
+               stage_rule: str = "even"):
     """(b, m, v): micro-batch size (those in ``mbs``, else 1 to ``max_micro_batch``) dividing
     the ``per_replica`` sequences, micro-batch count, chunks per stage (those in ``vs``, else
-    the divisors of the layers per stage up to ``max_v``; only v >= 2 when ``interleaved``)
-    that the trainer's rules allow (``pp_violation``: pp v divides the layers;
-    ``interleave_violation``: interleaving needs pp > 1 and m divisible by pp). ``refuse`` is
-    told why a size or a chunk count was skipped."""
+    those up to ``max_v`` that the framework's stages split into; only v >= 2 when
+    ``interleaved``) that the rules allow (``split_violation``: even chunks, pp v dividing
+    the layers, or Megatron-LM's uneven ones; ``interleave_violation``: interleaving needs
+    pp > 1 and m divisible by pp). ``refuse`` is told why a size or a given chunk count was
+    skipped."""
     sizes = mbs if mbs is not None else range(1, min(max_micro_batch, per_replica) + 1)
-    if vs is not None:
-        chunk_counts = vs
-    elif shape.layers % pp == 0:
-        chunk_counts = [v for v in divisors(shape.layers // pp) if v <= max_v]
-    else:                      # uneven stages (plan.stages) are never interleaved
-        chunk_counts = [1]
+    chunk_counts = vs if vs is not None else [
+        v for v in range(1, max_v + 1) if not split_violation(shape, pp, stage_rule, v)]
     for b in sizes:
         if per_replica % b:
             refuse(f"micro-batch {b} does not divide the {per_replica} sequences per replica")
@@ -442,7 +440,7 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int
         for chunks in chunk_counts:
             why = ("--schedule interleaved needs 2 or more chunks per stage"
                    if interleaved and chunks < 2 else
-                   (chunks > 1 and pp_violation(shape.layers, pp, chunks))
+                   (chunks > 1 and split_violation(shape, pp, stage_rule, chunks))
                    or interleave_violation(pp, m, chunks))
             if why:
                 refuse(why)
