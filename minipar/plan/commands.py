@@ -200,7 +200,8 @@ def cmd_search(args) -> None:
     if cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
         seq_len = shape.seq_len
         header += (f"context parallelism weighed: without it, sequences of {seq_len:,} tokens "
-                   f"fit only with full recomputation or not at all\n")
+                   f"fit only with full recomputation or not at all, or no layout divides "
+                   f"the batch\n")
     emit(args, data, header + _results_table(results) + "\n\n" + why)
 
 

@@ -28,7 +28,8 @@ hidden, each group on the fastest links its size allows, under the memory limit.
 
 Context parallelism is searched where memory forces it, as Megatron-LM's guide uses it, for
 sequences whose activations do not fit otherwise: the search first tries cp = 1, and if
-nothing fits, or the best layout has to recompute everything (full recomputation being the
+nothing fits or divides the batch (128 sequences of 128k tokens on 8,192 GPUs need
+tp x pp x cp >= 64), or the best layout has to recompute everything (full recomputation being the
 other way to pay for long sequences' activations, when the search was free to recompute
 less), it searches every cp (cp = 1 included) and ranks them all. The cost model alone would
 sometimes trade tensor for context parallelism at short sequences too (gpt-175b at 2048
@@ -201,8 +202,8 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         found = [e for e in found if e.fits]
         if found:          # the wider scan's ranking includes cp = 1's
             results = found
-        if leanest[1] is None or (found and not _memory_forced(found, modes, objective)):
-            break              # no layout divides the batch, or cp = 1 fits at ease
+        if found and not _memory_forced(found, modes, objective):
+            break              # cp = 1 fits at ease (else cp may fit, or divide the batch)
     if not results and not pool:
         need, lean = leanest
         if lean is None:         # every candidate was refused: say why (``_scan``)
