@@ -1,4 +1,4 @@
-"""AMSP's scale-aware partitioner (``search(objective="amsp")``, ``sharding.amsp_*``): at
+"""AMSP's scale-aware partitioner (``search(objective="amsp")``, ``search.amsp_*``): at
 1,024 A800s for LLaMA 7B-30B (TP = PP = 1) the least AMSP communication time among the specs
 that fit, each group on the fastest links its size allows: the groups stay inside a node
 while memory allows, and each pick says in one line per group why not the next size."""
@@ -11,9 +11,9 @@ import pytest
 from minipar.plan.estimate import estimate
 from minipar.plan.frameworks import load_framework
 from minipar.plan.hardware import load_hardware
-from minipar.plan.search import search
+from minipar.plan.search import amsp_cost, amsp_key, amsp_reasons, search
 from minipar.plan.shapes import model_preset
-from minipar.plan.sharding import amsp_cost, amsp_key, amsp_reasons, shard_specs
+from minipar.plan.sharding import shard_specs
 from minipar.plan.timing import placement
 
 HW = load_hardware("a800-ib")

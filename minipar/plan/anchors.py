@@ -8,27 +8,10 @@ carries only what its authors published: no per-row setting tunes the planner to
 device memory of torchtitan's 96 GB H100s is what they published), and nothing in the
 planner is fitted to these rows.
 
-Sources (each row repeats its own):
-* Megatron-LM's README (NVIDIA/Megatron-LM, images/model_table.png and the strong-scaling
-  text, commit 937571cf, Megatron-Core r0.8.0): GPT models of 1.7B to 462B on 48 to 6,144
-  H100s, vocabulary 131,072, sequence 4,096, untied embeddings (the parameter counts need
-  the untied head), DP/TP/PP overlap on, MFU per row; GPT-3 177B strong-scaled from 96 to
-  4,608 H100s at 1,152 sequences, 47% to 42% MFU.
-* Megatron-LM's README of 2021 (commit 50a4b5fa, images/cases_april2021.png; Narayanan et
-  al. 2021, SC'21, Table 1 for the TP x PP split and the heads): GPT of 1.7B to 1T on 32 to
-  3,072 A100s, vocabulary 51,200, sequence 2,048, percent of peak with full recomputation
-  (Megatron's 96 B s l h^2 (...) count: HFU).
-* Korthikanti et al. 2022 (arXiv 2205.05198), Table 5 with the configurations of its Table 3:
-  22B, 175B, 530B and 1T at DP = 1 on A100s, iteration time with full recomputation and
-  with selective recomputation plus sequence parallelism; the abstract's 530B on 2,240 A100s
-  (MFU 54.2% against 42.1%).
-* MosaicML llm-foundry's benchmark tables (scripts/train/benchmarking/README.md, commit
-  061f2c7c): MPT on 16 to 64 H100s and 32 to 64 A100-80GB, FSDP FULL_SHARD, MFU per row.
-* torchtitan's Llama 3.1 benchmarks (pytorch/torchtitan benchmarks/
-  llama3_h100_202412_torchtitan.md): FSDP on 8 and 128 H100s (96 GB HBM2e at 500 W, whose
-  peak the authors could not state: tokens/s per GPU and memory, not MFU).
-* BLOOM-176B (bigscience-workshop/bigscience train/tr11-176B-ml: the slurm script's
-  layout, chronicles.md's "~149 TFLOPs" per GPU with full recomputation): 384 A100-80GB.
+Sources, each row naming its own: Megatron-LM's README tables (H100, 2024; A100, 2021 with
+Narayanan et al. 2021's splits), Korthikanti et al. 2022's Table 5 and abstract, llm-foundry's
+benchmark tables, torchtitan's Llama 3.1 benchmarks (tokens/s and memory: their 500 W H100s
+have no stated peak) and BLOOM-176B's slurm script and chronicles.
 """
 from __future__ import annotations
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from . import moe as moe_plan
 from ..runtime.cli import emit, text_table
-from .sharding import amsp_reasons, resolve_shard
+from .sharding import resolve_shard
 from .errors import PlanError
 from .estimate import estimate
 from .frameworks import FRAMEWORKS, check_framework
 from .hardware import load_hardware
 from .layout import Layout, check_layout, dp_per_node, layout_violation, schedule_violation
 from .memory import model_state_bytes
-from .search import explain, human_bytes, search
+from .search import amsp_reasons, explain, human_bytes, search
 from .arguments import SHAPE_FLAGS, shape_from_args
 from .shapes import megatron_flops, megatron_params, training_flops
 

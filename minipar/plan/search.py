@@ -9,8 +9,8 @@ For a model, a number of devices, a global batch (in tokens) and a framework pro
          equal chunks (and s/cp over tp with sequence parallelism); by default only where
          memory forces it (below), else up to ``max_cp``, or fixed by ``cp``
     dp   = devices / (tp pp cp) must divide the batch
-    v    model chunks per stage (interleaved 1F1B), dividing layers/pp, at most ``max_v``
-         unless given, only where the framework interleaves
+    v    model chunks per stage (interleaved 1F1B), that the framework's stages split
+         into (``stages``), at most ``max_v`` unless given, where the framework interleaves
     b    micro-batch size, dividing the batch per replica, at most ``max_micro_batch``
          unless given (so a batch of a billion sequences tries 16 sizes, not its divisors)
     m    = batch / (dp b) micro-batches
@@ -23,25 +23,20 @@ For a model, a number of devices, a global batch (in tokens) and a framework pro
 with sequence parallelism on whenever tp > 1 and the framework has it (same traffic, less
 memory; ``sp`` forces it on or off), drop what does not fit, and rank. With tp and pp
 fixed to 1 this is AMSP's scale-aware partitioner; ``objective="amsp"`` ranks as AMSP's
-planner does (``sharding.amsp_seconds``): data-parallel communication time with nothing
-hidden, each group on the fastest links its size allows, under the memory limit.
+planner does (``amsp_cost``): data-parallel communication time with nothing hidden, each
+group on the fastest links its size allows, under the memory limit.
 
-Context parallelism is searched where memory forces it, as Megatron-LM's guide uses it, for
-sequences whose activations do not fit otherwise: the search first tries cp = 1, and if
-nothing fits or divides the batch (128 sequences of 128k tokens on 8,192 GPUs need
-tp x pp x cp >= 64), or the best layout has to recompute everything (full recomputation being the
-other way to pay for long sequences' activations, when the search was free to recompute
-less), it searches every cp (cp = 1 included) and ranks them all. The cost model alone would
-sometimes trade tensor for context parallelism at short sequences too (gpt-175b at 2048
-tokens on 1024 A100s: tp=2 cp=4 ranks 5% ahead of tp=8, because the ring's K/V sends hide
-behind attention where TP's all-reduces block), but it leaves out what makes small ring
-blocks slow (kernel launches and the efficiency of (s/cp)^2 blocks, TP and CP traffic
-sharing the node's links), so it is not trusted there; ``max_cp`` opens every cp up to it to
-that ranking, ``cp`` fixes it.
+Context parallelism is searched where memory forces it, as Megatron-LM's guide uses it: the
+search first tries cp = 1, and if nothing fits or divides the batch (128 sequences on 8,192
+GPUs), or the best layout must recompute everything where it was free to recompute less, it
+searches every cp (cp = 1 included) and ranks them all. The cost model alone would trade TP
+for cp at short sequences too (gpt-175b at 2048 tokens on 1024 A100s: tp=2 cp=4 5% ahead of
+tp=8), but it leaves out what makes small ring blocks slow (kernel launches, (s/cp)^2 blocks'
+efficiency, TP and CP sharing the links), so ``max_cp`` opens that ranking, ``cp`` fixes cp.
 
 Ranking and ties: one key for every comparison, before and after the candidate pool is
 cut: (step time to 9 significant digits, bytes per device, the layout's degrees in a fixed
-order); under AMSP's objective (DP communication time, step time, ...). So equal
+order); under AMSP's objective (``amsp_key``, then step time, ...). So equal
 predictions go to the leaner layout, then to the smaller degrees, the same way whichever
 pass compares them.
 
@@ -58,7 +53,8 @@ import math
 from dataclasses import replace
 
 from .errors import PlanError
-from .estimate import Estimate, dp_exposure, dp_profile, estimate, time_parts
+from .estimate import (Estimate, dp_collectives, dp_exposure, dp_profile, estimate,
+                       time_parts)
 from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_violation,
@@ -66,8 +62,9 @@ from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_viola
 from .peak import activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes
 from .stages import distinct, split_violation
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
-from .sharding import (Shard, amsp_cost, amsp_key, divisors, parse_shard, shard_violation,
-                       spec_flags_violation, zero_shard)
+from .sharding import (Shard, divisors, parse_shard, shard_violation, spec_flags_violation,
+                       zero_shard)
+from .timing import placement, ring_bytes
 
 OBJECTIVES = ("step", "amsp")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -447,6 +444,75 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int
                 refuse(why)
                 continue
             yield b, m, chunks
+
+
+# --------------------------------------------------------------------------------------
+# AMSP's scale-aware partitioner (Chen et al. 2023, arXiv 2311.00257; objective="amsp"):
+# among the specs that fit memory, the least data-parallel communication time, nothing
+# hidden, each of P, G and OS on the fastest links its group allows: a group of at most a
+# node's devices (contiguous) inside one node on its links, a wider one on each device's
+# share of the NICs, at datasheet rates. That is AMSP's cost model,
+# not the planner's (which lets a ring carry a node's shares over its boundary at once and
+# slows as a group widens): it is what AMSP's partitioner picks by (``amsp_key``), and the
+# step time ranks the rest.
+# --------------------------------------------------------------------------------------
+def amsp_seconds(collectives, microbatches: int, stride: int, hw) -> float:
+    """AMSP's objective for one step: ``collectives`` (``estimate.dp_collectives`` of one
+    micro-batch), each group ``stride`` devices between neighbouring dp ranks, every call's
+    latency and bytes at its links' rate, nothing hidden."""
+    total = 0.0
+    for c in collectives:
+        inside = placement(c.size, c.stride * stride, hw.gpus_per_node)[1] == 1
+        beta = hw.intra_node_bandwidth if inside else hw.inter_node_bandwidth / hw.gpus_per_node
+        count = c.count * (microbatches if c.kind in ("gather", "grad") else 1)
+        total += count * (c.calls * hw.collective_latency
+                          + ring_bytes(c.op, c.nbytes, c.size) / beta)
+    return total
+
+
+def amsp_cost(shape, hw, layout, fw, order: str, dtype: str) -> float:
+    """``amsp_seconds`` of ``layout``."""
+    return amsp_seconds(dp_collectives(shape, replace(layout, microbatches=1), fw, dtype),
+                        layout.microbatches, layout.replica_stride(order, hw.gpus_per_node), hw)
+
+
+def amsp_key(seconds: float, shard: Shard) -> tuple:
+    """AMSP's ranking: its time to three significant digits (closer is a tie that latency
+    alone decides), then the smaller groups, on the faster links."""
+    return float(f"{seconds:.3g}"), sum(shard)
+
+
+def amsp_reasons(shape, hw, best, fw, order: str, dtype: str, flash: bool,
+                 reserve=None) -> list[str]:
+    """One line per group of ``best``'s spec (P, G, OS): where it runs, and what the next
+    smaller and larger valid sizes would do instead (not fit, or cost more AMSP time)."""
+    lay = best.layout
+    stride = lay.replica_stride(order, hw.gpus_per_node)
+    per_node = max(1, hw.gpus_per_node // stride)
+    base = amsp_cost(shape, hw, lay, fw, order, dtype)
+
+    def where(s):
+        nodes = placement(s, stride, hw.gpus_per_node)[1]
+        return "inside a node" if nodes == 1 else f"across {nodes} nodes"
+
+    lines = []
+    for i, name in enumerate(("P", "G", "OS")):
+        s, notes = lay.shard[i], []
+        sizes = divisors(lay.replicas)
+        for k in (max((d for d in sizes if d < s), default=None),
+                  min((d for d in sizes if d > s), default=None)):
+            spec = lay.shard[:i] + (k,) + lay.shard[i + 1:]
+            if k is None or shard_violation(spec, lay.replicas, per_node):
+                continue
+            other = replace(lay, shard=spec)
+            e = estimate(shape, hw, other, order=order, flash=flash, dtype=dtype,
+                         reserve=reserve, check=False, framework=fw)
+            notes.append(f"{k} ({where(k)}) does not fit: {e.memory['total'] / 2**30:.1f} of "
+                         f"{e.capacity / 2**30:.1f} GiB" if not e.fits else
+                         f"{k} ({where(k)}) costs "
+                         f"{amsp_cost(shape, hw, other, fw, order, dtype) - base:+.3g} s")
+        lines.append(f"{name}={s} ({where(s)}): " + ("; ".join(notes) or "the only size its neighbours allow"))
+    return lines
 
 
 # --------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .layout import pp_violation
+from ..rules import pp_violation
 
 RULES = ("even", "megatron", "uniform", "balanced")
 
