@@ -199,7 +199,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         found = [e for e in found if e.fits]
         if found:          # the wider scan's ranking includes cp = 1's
             results = found
-        if found and not _memory_forced(found, modes, objective):
+        if found and not _memory_forced(found, modes):
             break              # cp = 1 fits at ease (else cp may fit, or divide the batch)
     if not results and not pool:
         need, lean = leanest
@@ -225,12 +225,10 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     return results[:top]
 
 
-def _memory_forced(found: list[Estimate], modes: list[str], objective: str) -> bool:
-    """Whether the best layout without cp pays for its activations with full recomputation
+def _memory_forced(found: list[Estimate], modes: list[str]) -> bool:
+    """Whether the fastest layout without cp pays for its activations with full recomputation
     where the search allowed less (so cp, the other way to pay, is weighed against it)."""
-    best = min(found, key=lambda e: (e.times["dp_comm"], e.step_time) if objective == "amsp"
-               else e.step_time)
-    return best.layout.recompute == "full" and modes != ["full"]
+    return min(found, key=lambda e: e.step_time).layout.recompute == "full" and modes != ["full"]
 
 
 def allowed(value, name: str) -> tuple | None:
@@ -484,34 +482,36 @@ def amsp_key(seconds: float, shard: Shard) -> tuple:
 
 def amsp_reasons(shape, hw, best, fw, order: str, dtype: str, flash: bool,
                  reserve=None) -> list[str]:
-    """One line per group of ``best``'s spec (P, G, OS): where it runs, and what the next
-    smaller and larger valid sizes would do instead (not fit, or cost more AMSP time)."""
+    """One line per group of ``best``'s spec (P, G, OS): where it runs, and what the nearest
+    smaller and larger sizes the framework runs with the other two groups kept would do
+    instead: not fit, cost more AMSP time, or tie on it (then the smaller groups win)."""
     lay = best.layout
     stride = lay.replica_stride(order, hw.gpus_per_node)
-    per_node = max(1, hw.gpus_per_node // stride)
-    base = amsp_cost(shape, hw, lay, fw, order, dtype)
+    runs = fw.specs(lay.replicas, lay.pp, dp_per_node(lay, hw.gpus_per_node, order))
+    base = amsp_key(amsp_cost(shape, hw, lay, fw, order, dtype), lay.shard)[0]
 
     def where(s):
         nodes = placement(s, stride, hw.gpus_per_node)[1]
-        return "inside a node" if nodes == 1 else f"across {nodes} nodes"
+        return f"{s} (inside a node)" if nodes == 1 else f"{s} (across {nodes} nodes)"
+
+    def note(spec, k):
+        other = replace(lay, shard=spec)
+        e = estimate(shape, hw, other, order=order, flash=flash, dtype=dtype, reserve=reserve,
+                     check=False, framework=fw)
+        if not e.fits:
+            return f"{where(k)} does not fit: {e.memory['total'] / 2**30:.1f} of " \
+                   f"{e.capacity / 2**30:.1f} GiB"
+        t = amsp_key(amsp_cost(shape, hw, other, fw, order, dtype), spec)[0]
+        return f"{where(k)} costs {t - base:+.3g} s" if t != base else f"{where(k)} ties"
 
     lines = []
     for i, name in enumerate(("P", "G", "OS")):
-        s, notes = lay.shard[i], []
-        sizes = divisors(lay.replicas)
-        for k in (max((d for d in sizes if d < s), default=None),
-                  min((d for d in sizes if d > s), default=None)):
-            spec = lay.shard[:i] + (k,) + lay.shard[i + 1:]
-            if k is None or shard_violation(spec, lay.replicas, per_node):
-                continue
-            other = replace(lay, shard=spec)
-            e = estimate(shape, hw, other, order=order, flash=flash, dtype=dtype,
-                         reserve=reserve, check=False, framework=fw)
-            notes.append(f"{k} ({where(k)}) does not fit: {e.memory['total'] / 2**30:.1f} of "
-                         f"{e.capacity / 2**30:.1f} GiB" if not e.fits else
-                         f"{k} ({where(k)}) costs "
-                         f"{amsp_cost(shape, hw, other, fw, order, dtype) - base:+.3g} s")
-        lines.append(f"{name}={s} ({where(s)}): " + ("; ".join(notes) or "the only size its neighbours allow"))
+        same = [x for x in runs if x[:i] + x[i + 1:] == lay.shard[:i] + lay.shard[i + 1:]]
+        near = [max((x for x in same if x[i] < lay.shard[i]), default=None, key=lambda x: x[i]),
+                min((x for x in same if x[i] > lay.shard[i]), default=None, key=lambda x: x[i])]
+        notes = [note(x, x[i]) for x in near if x is not None]
+        lines.append(f"{name}={where(lay.shard[i])}: "
+                     + ("; ".join(notes) or "the only size the other two allow"))
     return lines
 
 
