@@ -583,7 +583,9 @@ def test_nothing_fits_is_a_plan_error():
         search("gpt-175b", 1024, "frontier-mi250x", shard=(1, 1, 1), tp=1, pp=1,
                global_batch_tokens=1024 * 2048)
     with pytest.raises(PlanError, match="dp=1024 .* does not divide the batch of 1536"):
-        search("gpt-175b", 1024, "frontier-mi250x", tp=1, pp=1)     # 1536 over 1024
+        search("gpt-175b", 1024, "frontier-mi250x", tp=1, pp=1, cp=1)     # 1536 over 1024
+    # free to take cp, the search finds the layouts it divides (issue 35: it stopped at cp 1)
+    assert search("gpt-175b", 1024, "frontier-mi250x", tp=1, pp=1, top=1)[0].layout.cp > 1
 
 
 def test_search_is_fast_at_scale():

@@ -208,3 +208,45 @@ def test_replica_placement_is_the_trainers_mesh():
         assert dp_per_node(lay, per_node) == max(nodes.count(n) for n in set(nodes))
         ring = lines["cp"][0].tolist()
         assert all(b - a == lay.strides()["cp"] for a, b in zip(ring, ring[1:]))
+
+
+@pytest.mark.parametrize("model, gpus", [("llama3-70b", 1024), ("llama3-405b", 16384)])
+def test_128k_tokens_on_thousands_of_h100s_price_the_lessons_ring(model, gpus):
+    """At 131,072 tokens Megatron-LM's search takes context parallelism, and its ring is
+    minipar.cp's: per layer and micro-batch (3N - 2) K/V blocks of 2 b (s/N) (h_kv/t) e bytes
+    (N - 1 more when the forward is recomputed; tests/test_cp.py measures these sends on
+    gloo), each message timed on its own, behind a block of the balanced 2N-chunk split,
+    which gives every rank the same half block at every step (``minipar.cp``)."""
+    import torch
+    from minipar import cp as lesson
+    from minipar.plan.frameworks import load_framework
+    from minipar.plan.peak import stage_list
+    shape = with_seq_len(model_preset(model), 131072)
+    best = search(shape, gpus, H100, framework="megatron-lm", flash=True,
+                  global_batch_tokens=16 * 2**20, top=1)[0]
+    lay, n, fw = best.layout, best.layout.cp, load_framework("megatron-lm")
+    assert 8 <= n <= 64 and best.fits, lay.describe()
+    layers = max(st.layers for st in stage_list(shape, lay, fw))
+    block = 2 * lay.micro_batch * (131072 // n) * (shape.kv_hidden // lay.tp) * 2    # bf16
+    messages = (1 if lay.recompute == "none" else 2) * (n - 1) + 2 * n - 1
+    assert best.cp_bytes == layers * lay.microbatches * messages * block
+    step = ring_step_times(shape, H100, n, lay.tp, lay.micro_batch, flash=True,
+                           stride=lay.strides(fw.order)["cp"], gpus=lay.gpus)
+    assert step["across_nodes"] and step["send"] == p2p_time(block, True, load_hardware(H100))
+    assert best.times["cp_comm"] == pytest.approx(layers * lay.microbatches * messages
+                                                  * step["send"])
+    # the lesson's balanced ring: every rank computes at every one of its N steps, the same
+    # work, half the causal square in all: what ring_step_times hides each message behind
+    q = torch.zeros(1, 1, 64, 2)
+    assert all(None not in row for row in lesson.simulate(q, q, q, 4)["trace"])
+    work = lesson.work_per_rank(64, 4)
+    assert len(set(work)) == 1 and sum(work) == 64 * 65 // 2
+
+
+def test_cp_is_searched_where_only_it_divides_the_batch():
+    # 128 sequences of 128k tokens on 8,192 GPUs: even stages of 126 layers allow pp 1 or 2,
+    # so tp x pp reaches 16 and dp = 512 > 128 sequences; only cp divides the batch (the
+    # search used to stop at cp = 1: "no layout ... can run")
+    best = search("llama3-405b", 8192, H100, seq_len=131072, flash=True,
+                  global_batch_tokens=16 * 2**20, top=1)[0]
+    assert best.layout.cp > 1 and best.fits and best.layout.global_batch == 128

@@ -241,42 +241,6 @@ def test_frontier_all_reduce_between_measured_node_counts_is_interpolated():
     assert "all_reduce of 8 KiB over 8 ranks (1 node): measured only from 1 MiB" in e.unvalidated
 
 
-def test_gpu_efficiencies_are_derived_from_independent_single_node_runs():
-    from minipar.plan.published import (EFFICIENCY_RUN, H100_EFFICIENCY_RUN,
-                                        derive_efficiency, points)
-    eff = derive_efficiency()
-    for name in ("a800-ib", "dgx-a100"):          # the same silicon
-        assert load_hardware(name).compute_efficiency == pytest.approx(eff, abs=1e-3)
-        assert "derived" in load_hardware(name).sources["compute_efficiency"]
-    # the run it comes from is none of the published points it is validated against
-    assert EFFICIENCY_RUN["name"] not in {p["case"] for p in points()}
-    # H100: the same table's row of the same model and layout on dgx-h100
-    h100 = derive_efficiency(H100_EFFICIENCY_RUN)
-    assert load_hardware("dgx-h100").compute_efficiency == pytest.approx(h100, abs=1e-3)
-    assert "derived" in load_hardware("dgx-h100").sources["compute_efficiency"]
-    assert H100_EFFICIENCY_RUN["name"] not in {p["case"] for p in points()}
-    # frontier: derived from MosaicML's MI250 ratio on top of it; HPL-MxP only as upper bound
-    fr = load_hardware("frontier-mi250x")
-    assert fr.compute_efficiency == pytest.approx(0.73 * eff * 312 / 362.1, abs=1e-3)
-    assert "UPPER BOUND" in fr.sources["compute_efficiency"] and fr.compute_efficiency < 0.69
-
-
-def test_single_node_sanity_points_are_within_the_band_and_in_the_docs():
-    from pathlib import Path
-    from minipar.plan.published import BAND, sanity_points, sanity_table
-    rows = sanity_points()
-    for r in rows:                    # held out from the derivation of their efficiency
-        if r["hardware"] in ("a800-ib", "dgx-a100"):
-            assert abs(r["error"]) <= BAND, r
-    for r in rows:
-        hw = load_hardware(r["hardware"])
-        assert hw.sources["sanity_point"]
-        assert (r["predicted"] is None) == hw.sources["sanity_point"].startswith(
-            "single-node step: not found")
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
-    assert sanity_table(rows) in doc
-
-
 def test_docs_show_each_shipped_row_against_the_model_it_replaces():
     from pathlib import Path
     from minipar.plan.published import table_vs_model, table_vs_model_table

@@ -320,22 +320,30 @@ def test_malformed_hardware_tables_are_refused_in_one_line(tmp_path, capsys, fie
 def test_megatron_first_and_last_stages_are_the_exhaustive_best():
     """``stages._megatron`` tries a few last-stage counts per first-stage count; every pair,
     tried here by brute force with the same objective (the slowest stage, the head counted
-    in layers, ties to a lighter first stage, then a lighter last), picks the same split."""
+    in layers, ties to a lighter first stage, then a lighter last), picks the same split, and
+    interleaved by v, the same split of multiples of v (Megatron-LM's rule), or none."""
     from minipar.plan.stages import _megatron, head_cost, layer_cost
 
-    def exhaustive(shape, pp):
+    def exhaustive(shape, pp, v=1):
         l, head = shape.layers, head_cost(shape) / layer_cost(shape)
         best = None
-        for first in range(1, l):
-            for last in range(1, l - first + 1):
+        for first in range(v, l, v):
+            for last in range(v, l - first + 1, v):
                 rest = l - first - last
-                if (pp == 2 and rest) or (pp > 2 and (rest < pp - 2 or rest % (pp - 2))):
+                if (pp == 2 and rest) or (pp > 2 and (rest < v * (pp - 2) or rest % (pp - 2)
+                                                      or rest // (pp - 2) % v)):
                     continue
                 mid = [rest // (pp - 2)] * (pp - 2) if pp > 2 else []
                 key = (max([first, *mid, last + head]), first, last)
                 if best is None or key < best[0]:
                     best = (key, (first, *mid, last))
-        return best[1]
+        return None if best is None else best[1]
+
+    for v in (2, 3, 4):
+        for layers in range(4, 50):
+            shape = replace(model_preset("llama-7b"), layers=layers)
+            for pp in range(2, min(layers // v, 9) + 1):
+                assert _megatron(shape, pp, v) == exhaustive(shape, pp, v), (layers, pp, v)
 
     for name, vocab in (("llama-7b", None), ("gpt-175b", None), ("llama-7b", 256_000),
                         ("llama3-8b", 1_000_000)):
@@ -348,6 +356,37 @@ def test_megatron_first_and_last_stages_are_the_exhaustive_best():
     t0 = time.perf_counter()
     split = _megatron(replace(model_preset("gpt-175b"), layers=20001), 7)
     assert sum(split) == 20001 and time.perf_counter() - t0 < 5
+
+
+def test_megatron_interleaves_uneven_stages_as_megatron_lm_runs_them():
+    """Megatron-LM interleaves v chunks on uneven stages where the first, the last and each
+    middle stage hold a multiple of v layers (its TransformerConfig checks); each stage's v
+    chunks are equal, so the bubble and the activations come from that stage's chunk size."""
+    from minipar.plan.estimate import stage_time
+    from minipar.plan.frameworks import load_framework
+    from minipar.plan.peak import in_flight, stage_memory
+    from minipar.plan.stages import split_violation, stages
+    from minipar.plan.anchors import _megatron_h100
+    shape = _megatron_h100("gpt-119b", 80, 10240, 92)      # 92 layers: pp 4 gives 23 each
+    assert [x.layers for x in stages(shape, 4, "megatron", 4)] == [24, 24, 24, 20]
+    assert [x.layers for x in stages(shape, 4, "megatron", 2)] == [22, 24, 24, 22]
+    assert "multiple of chunks=3" in split_violation(shape, 4, "megatron", 3)
+    assert "equal stages" in split_violation(shape, 4, "even", 2)   # minipar's trainer refuses
+    hw, fw = load_hardware("dgx-h100"), load_framework("megatron-lm")
+    lay = Layout(tp=8, pp=4, dp=48, micro_batch=1, microbatches=16, v=4, sp=True,
+                 shard=(1, 1, 48))
+    e = estimate(shape, hw, lay, framework=fw, flash=True)
+    st = stages(shape, 4, "megatron", 4)
+    per_mb = [stage_time(shape, hw, lay, x, fw.order, "mixed", True, fw)["per_mb"] for x in st]
+    assert e.times["bubble"] == pytest.approx((sum(per_mb) - max(per_mb)) / 4)
+    peaks = [stage_memory(shape, lay, x, True, "mixed", fw) for x in st]
+    assert e.memory["total"] == pytest.approx(max(p["total"] for p in peaks))
+    # the last stage's chunks are 5 layers, the others' 6: in flight as its own chunk size
+    assert in_flight(st[3], 4, 16, 4) == 5 * min(16 * 4, 2 * 0 + 3 * 4 + 1)
+    # the search interleaves it (before: v = 1 only, since 4 x v does not divide 92)
+    best = search(shape, 1536, hw, tp=8, pp=4, framework=fw, flash=True,
+                  global_batch_tokens=768 * 4096, top=1)[0]
+    assert best.layout.v > 1, best.layout.describe()
 
 
 def test_chunks_without_the_interleaved_schedule_are_refused():

@@ -144,8 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fix the pipeline schedule (default: 1f1b, interleaved where the "
                         "framework has it)")
     p.add_argument("--objective", choices=OBJECTIVES, default="step",
-                   help="rank by step time, or as AMSP does: data-parallel communication "
-                        "time with nothing hidden, under the memory limit")
+                   help="rank by step time, or as AMSP's partitioner does: data-parallel "
+                        "communication time with nothing hidden, each group on the fastest "
+                        "links its size allows, under the memory limit (one line per group "
+                        "says why not the next size)")
     _add_spec(p, searching=True)
     _add_costs(p)
     moe_plan.add_arguments(p)

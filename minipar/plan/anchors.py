@@ -3,33 +3,15 @@
 Every row is a run its authors published with its layout, so the planner can be held to it
 like for like (``scorecard``): the same model shape, hardware, framework, degrees, batch and
 sequence; where the authors did not say (the micro-batch, interleaving, recomputation), the
-row says so and ``scorecard`` lets the planner choose within what was published. Nothing in
-the planner is fitted to these rows (the presets' constants come from other measurements,
-their ``sources`` say which); rows marked ``sibling`` share their machine and recipe with
-the single-node run a preset's compute efficiency was derived from, so they test the
-multi-node costs only.
+row says so and ``scorecard`` lets the planner choose within what was published. A row
+carries only what its authors published: no per-row setting tunes the planner to it (the
+device memory of torchtitan's 96 GB H100s is what they published), and nothing in the
+planner is fitted to these rows.
 
-Sources (each row repeats its own):
-* Megatron-LM's README (NVIDIA/Megatron-LM, images/model_table.png and the strong-scaling
-  text, commit 937571cf, Megatron-Core r0.8.0): GPT models of 1.7B to 462B on 48 to 6,144
-  H100s, vocabulary 131,072, sequence 4,096, untied embeddings (the parameter counts need
-  the untied head), DP/TP/PP overlap on, MFU per row; GPT-3 177B strong-scaled from 96 to
-  4,608 H100s at 1,152 sequences, 47% to 42% MFU.
-* Megatron-LM's README of 2021 (commit 50a4b5fa, images/cases_april2021.png; Narayanan et
-  al. 2021, SC'21, Table 1 for the TP x PP split and the heads): GPT of 1.7B to 1T on 32 to
-  3,072 A100s, vocabulary 51,200, sequence 2,048, percent of peak with full recomputation
-  (Megatron's 96 B s l h^2 (...) count: HFU).
-* Korthikanti et al. 2022 (arXiv 2205.05198), Table 5 with the configurations of its Table 3:
-  22B, 175B, 530B and 1T at DP = 1 on A100s, iteration time with full recomputation and
-  with selective recomputation plus sequence parallelism; the abstract's 530B on 2,240 A100s
-  (MFU 54.2% against 42.1%).
-* MosaicML llm-foundry's benchmark tables (scripts/train/benchmarking/README.md, commit
-  061f2c7c): MPT on 16 to 64 H100s and 32 to 64 A100-80GB, FSDP FULL_SHARD, MFU per row.
-* torchtitan's Llama 3.1 benchmarks (pytorch/torchtitan benchmarks/
-  llama3_h100_202412_torchtitan.md): FSDP on 8 and 128 H100s (96 GB HBM2e at 500 W, whose
-  peak the authors could not state: tokens/s per GPU and memory, not MFU).
-* BLOOM-176B (bigscience-workshop/bigscience train/tr11-176B-ml: the slurm script's
-  layout, chronicles.md's "~149 TFLOPs" per GPU with full recomputation): 384 A100-80GB.
+Sources, each row naming its own: Megatron-LM's README tables (H100, 2024; A100, 2021 with
+Narayanan et al. 2021's splits), Korthikanti et al. 2022's Table 5 and abstract, llm-foundry's
+benchmark tables, torchtitan's Llama 3.1 benchmarks (tokens/s and memory: their 500 W H100s
+have no stated peak) and BLOOM-176B's slurm script and chronicles.
 """
 from __future__ import annotations
 
@@ -72,22 +54,20 @@ BLOOM_176B = ModelShape("bloom-176b", "gpt", 70, 14336, 112, 250880, 2048)
 
 def _row(group, case, shape, hardware, framework, gpus, tp, pp, batch, metric, published, *,
          micro_batch=None, recompute=None, v=None, shard=None, flash=False, sp=None,
-         chosen="micro-batch, interleaving and recomputation", sibling=False, source="",
-         memory_gib=None, device_gib=None, tp_overlap=None, note=""):
-    """One published run (module docstring); ``device_gib``: the authors' device memory
-    where it differs from the preset's; ``tp_overlap``: whether the framework's version then
-    overlapped TP's collectives (None: as its profile says)."""
+         chosen="micro-batch, interleaving and recomputation", source="",
+         memory_gib=None, device_gib=None):
+    """One published run (module docstring); ``device_gib``: the device memory the authors
+    published where it differs from the preset's."""
     return dict(group=group, case=case, shape=shape, hardware=hardware, framework=framework,
                 gpus=gpus, tp=tp, pp=pp, batch=batch, metric=metric, published=published,
                 micro_batch=micro_batch, recompute=recompute, v=v, shard=shard, flash=flash,
-                sp=sp, chosen=chosen, sibling=sibling, source=source,
-                memory_gib=memory_gib, device_gib=device_gib, tp_overlap=tp_overlap,
-                note=note)
+                sp=sp, chosen=chosen, source=source, memory_gib=memory_gib,
+                device_gib=device_gib)
 
 
-# Megatron-LM of 2021-2022 blocked on TP's collectives (--tp-comm-overlap came with
-# TransformerEngine's userbuffers in 2023) and had no distributed optimizer (plain DDP)
-BEFORE_TE = dict(tp_overlap=False, shard=(1, 1, 1))
+# Narayanan et al. 2021 and Korthikanti et al. 2022 ran plain data parallelism (Megatron-LM's
+# distributed optimizer is later), so their optimizer states are not sharded
+PLAIN_DP = dict(shard=(1, 1, 1))
 
 
 def megatron_h100() -> list[dict]:
@@ -131,7 +111,7 @@ def megatron_a100() -> list[dict]:
     return [_row("Megatron-LM A100 2021", f"GPT {name} on {gpus} A100 (Megatron-LM, 2021)",
                  _megatron_a100(f"gpt-{name.lower()}", a, h, l), "dgx-a100", "megatron-lm",
                  gpus, t, p, batch, "HFU", float(pct), recompute="full",
-                 chosen="micro-batch and interleaving", source=MEGATRON_2021, **BEFORE_TE)
+                 chosen="micro-batch and interleaving", source=MEGATRON_2021, **PLAIN_DP)
             for name, a, h, l, t, p, gpus, batch, pct in table]
 
 
@@ -150,13 +130,13 @@ def korthikanti() -> list[dict]:
                              "dgx-a100", "megatron-lm", 8 * p, 8, p, batch, "seconds",
                              seconds, micro_batch=1, recompute=mode, v=1,
                              sp=mode == "selective", chosen="nothing",
-                             source=KORTHIKANTI, **BEFORE_TE))
+                             source=KORTHIKANTI, **PLAIN_DP))
     shape = _megatron_a100("gpt-530b", 128, 20480, 105)
     for mode, mfu in (("full", 42.1), ("selective", 54.2)):
         rows.append(_row("Korthikanti 530B at 2240", f"GPT 530B on 2240 A100, TP 8 x PP 35 x "
                          f"DP 8, {mode} recomputation", shape, "dgx-a100", "megatron-lm", 2240,
                          8, 35, 2240, "MFU", mfu, micro_batch=1, recompute=mode,
-                         sp=mode == "selective", chosen="interleaving", **BEFORE_TE,
+                         sp=mode == "selective", chosen="interleaving", **PLAIN_DP,
                          source="Korthikanti et al. 2022, abstract: 530B on 2,240 A100s, MFU "
                                 "54.2% (selective + SP) against 42.1% (full); batch 2,240 "
                                 "sequences our reading (280 per pipeline, as Table 3)"))
@@ -185,7 +165,6 @@ def foundry() -> list[dict]:
                          shapes[model], hw, "llm-foundry", gpus, 1, 1, gpus * b * accum,
                          "MFU", mfu, micro_batch=b, recompute="full" if ckpt else "none",
                          shard=(gpus, gpus, gpus), flash=True, chosen="nothing",
-                         sibling=model == "13b" and hw == "dgx-h100",
                          source=f"{FOUNDRY}, '{gpu}' table, row {model} / 2048 / {gpus} GPUs"))
     return rows
 
@@ -203,9 +182,7 @@ def torchtitan() -> list[dict]:
                  f"2, selective AC (torchtitan)", shape, "dgx-h100", "fsdp", gpus, 1, 1,
                  2 * gpus, "tokens/s per GPU", float(tps), micro_batch=2,
                  recompute="selective", shard=(gpus, gpus, gpus), flash=True,
-                 chosen="nothing", source=f"{TITAN}: TPS/GPU {tps}", device_gib=96,
-                 note="H100 96 GB HBM2e at 500 W: peak unknown, so the throughput is held "
-                      "as the ratio of its two widths, not as MFU")
+                 chosen="nothing", source=f"{TITAN}: TPS/GPU {tps}", device_gib=96)
             for gpus, tps in ((8, 5762), (128, 5605))]
     rows.append(_row("torchtitan Llama 3.1 8B memory", "Llama 3.1 8B on 8 H100 (96 GB), FSDP, "
                      "sequence 32768, local batch 1, full AC (torchtitan)",

@@ -16,7 +16,7 @@ from .frameworks import FRAMEWORKS, check_framework
 from .hardware import load_hardware
 from .layout import Layout, check_layout, dp_per_node, layout_violation, schedule_violation
 from .memory import model_state_bytes
-from .search import explain, human_bytes, search
+from .search import amsp_reasons, explain, human_bytes, search
 from .arguments import SHAPE_FLAGS, shape_from_args
 from .shapes import megatron_flops, megatron_params, training_flops
 
@@ -187,14 +187,21 @@ def cmd_search(args) -> None:
     data = [e.to_json() for e in results]
     data[0]["explain"] = why
     first = results[0].layout
-    ranked = ("data-parallel communication time, nothing hidden (AMSP's objective)"
-              if args.objective == "amsp" else "predicted step time")
+    ranked = "predicted step time"
+    if args.objective == "amsp":
+        ranked = ("AMSP's data-parallel communication time, nothing hidden, each group on the "
+                  "fastest links its size allows")
+        hw, fw = load_hardware(args.hardware), FRAMEWORKS[args.framework]
+        why += "".join(f"\n  AMSP's partitioner, {line}" for line in amsp_reasons(
+            shape, hw, results[0], fw, args.order or fw.order, args.dtype or hw.dtype,
+            args.flash_attention, args.reserve))
     header = (f"{shape.name} on {args.gpus} x {args.hardware} with {args.framework}, global "
               f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
     if cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
         seq_len = shape.seq_len
         header += (f"context parallelism weighed: without it, sequences of {seq_len:,} tokens "
-                   f"fit only with full recomputation or not at all\n")
+                   f"fit only with full recomputation or not at all, or no layout divides "
+                   f"the batch\n")
     emit(args, data, header + _results_table(results) + "\n\n" + why)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from .errors import PlanError
 from .shapes import RECOMPUTE_MODES, ModelShape
 from .sharding import Shard, check_shard
+from .stages import split_violation       # Megatron-LM's uneven interleaving
 from ..rules import (cp_violation, interleave_violation, pp_violation,  # noqa: F401
                      tp_violation)   # one copy of each rule, shared with the trainer
 
@@ -124,7 +125,8 @@ def layout_violation(shape: ModelShape, layout: Layout, stage_rule: str = "even"
     ``stage_rule``), or None. ``hint``: a pp that even stages refuse
     names the frameworks that build uneven ones (off where no framework can be chosen)."""
     t, p, v = layout.tp, layout.pp, layout.v
-    stages = pp_violation(shape.layers, p, v, uneven=stage_rule != "even")
+    stages = (split_violation(shape, p, stage_rule, v) if stage_rule == "megatron" and v > 1
+              else pp_violation(shape.layers, p, v, uneven=stage_rule != "even"))
     if stages and hint and stage_rule == "even" and v == 1 and shape.layers >= p:
         stages += " (or a framework that builds uneven stages: megatron-lm, nanotron)"
     return (cp_violation(shape.seq_len, layout.cp, t, layout.sp)   # the trainer's order

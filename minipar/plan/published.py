@@ -147,86 +147,12 @@ def executed_runs() -> list[dict]:
     ]
 
 
-# --------------------------------------------------------------------------------------
-# Compute efficiency from an independent single-node step; sanity points held out from it
-# --------------------------------------------------------------------------------------
-MPT_13B = ModelShape("mpt-13b", "gpt", 40, 5120, 40, 50368, 2048, tied_head=True, bias=False,
-                     dropout=False)
-EFFICIENCY_RUN = dict(
-    name="MPT-13B on 8 x A100-80GB, no activation checkpointing", shape=MPT_13B,
-    hardware="dgx-a100", framework="llm-foundry", flash=True, mfu=59.57,
-    layout=Layout(tp=1, pp=1, dp=8, micro_batch=2, microbatches=3, shard=(8, 8, 8),
-                  recompute="none"),
-    source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), "
-           "'A100 80GB' table, row 13b / 2048 / 8 GPUs: micro-batch 2, grad accum 3, "
-           "FULL_SHARD, activation checkpointing False, MFU 59.57")
-# The same table's H100 row for dgx-h100 (same model, framework, layout and sequence)
-H100_EFFICIENCY_RUN = dict(
-    EFFICIENCY_RUN, name="MPT-13B on 8 x H100-80GB, no activation checkpointing",
-    hardware="dgx-h100", mfu=39.79,
-    layout=Layout(tp=1, pp=1, dp=8, micro_batch=2, microbatches=1, shard=(8, 8, 8),
-                  recompute="none"),
-    source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), "
-           "'H100 80GB BF16' table, row 13b / 2048 / 8 GPUs: micro-batch 2, grad accum 1, "
-           "FULL_SHARD, activation checkpointing False, MFU 39.79")
-BAND = 0.15          # a sanity point's prediction must lie within 15% of the published figure
-
-
-def derive_efficiency(run: dict | None = None) -> float:
-    """The large-GEMM ``compute_efficiency`` at which the planner predicts ``run``'s published
-    MFU on ``run``'s own layout and hardware (bisection; MFU rises with the efficiency). The
-    dgx-a100 and a800-ib presets' 0.625 (A100 silicon) is this for ``EFFICIENCY_RUN``, and
-    dgx-h100's 0.430 for ``H100_EFFICIENCY_RUN``: rows no published point below is;
-    frontier-mi250x's is derived from the A100's (its ``sources``)."""
-    run = run or EFFICIENCY_RUN
-    hw = load_hardware(run["hardware"])
-
-    def mfu(eff):
-        return estimate(run["shape"], replace(hw, compute_efficiency=eff), run["layout"],
-                        framework=run["framework"], flash=run["flash"]).mfu
-    lo, hi = 0.01, 1.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if mfu(mid) < run["mfu"] / 100 else (lo, mid)
-    return (lo + hi) / 2
-
-
-def sanity_points() -> list[dict]:
-    """Each preset's single-node sanity point: a published single-node step held out from
-    the preset's compute efficiency, and what the planner predicts for it on that preset.
-    {"hardware", "case", "published" (% MFU), "predicted" (% or None), "error", "source"}."""
-    runs = {r["name"]: r for r in executed_runs()}
-    a100_7b = runs["MPT-7B on 8 x A100-80GB, no activation checkpointing"]
-    h100_7b = runs["MPT-7B on 8 x H100, no activation checkpointing"]
-    out = []
-    for hw, r in (("dgx-a100", a100_7b), ("a800-ib", a100_7b), ("dgx-h100", h100_7b)):
-        e = estimate(r["shape"], hw, r["layout"], framework=r["framework"], flash=r["flash"])
-        out.append(dict(hardware=hw, case=r["name"], published=r["mfu"], predicted=100 * e.mfu,
-                        error=100 * e.mfu / r["mfu"] - 1, source=r["source"]))
-    out.append(dict(hardware="frontier-mi250x", case="not found", published=None,
-                    predicted=None, error=None,
-                    source="the only independent single-node MI250 measurement found sets "
-                           "the preset's compute_efficiency (its sources say which)"))
-    return out
-
-
 def _cells(row: dict) -> tuple[str, str, str]:
     """A row's published and predicted percentages and its signed error, "-" where absent."""
     pub = "-" if row["published"] is None else f"{row['published']:.2f}%"
     pred = "-" if row["predicted"] is None else f"{row['predicted']:.1f}%"
     err = "-" if row["error"] is None else f"{row['error']:+.0%}"
     return pub, pred, err
-
-
-def sanity_table(rows: list[dict] | None = None) -> str:
-    """``sanity_points()`` as the Markdown table docs/reference.md carries."""
-    rows = sanity_points() if rows is None else rows
-    lines = ["| preset | single-node run | published MFU | predicted MFU | error |",
-             "| --- | --- | --- | --- | --- |"]
-    for r in rows:
-        pub, pred, err = _cells(r)
-        lines.append(f"| {r['hardware']} | {r['case']} | {pub} | {pred} | {err} |")
-    return "\n".join(lines)
 
 
 def table_vs_model(presets=("frontier-mi250x", "a800-ib")) -> list[dict]:

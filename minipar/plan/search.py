@@ -9,8 +9,8 @@ For a model, a number of devices, a global batch (in tokens) and a framework pro
          equal chunks (and s/cp over tp with sequence parallelism); by default only where
          memory forces it (below), else up to ``max_cp``, or fixed by ``cp``
     dp   = devices / (tp pp cp) must divide the batch
-    v    model chunks per stage (interleaved 1F1B), dividing layers/pp, at most ``max_v``
-         unless given, only where the framework interleaves
+    v    model chunks per stage (interleaved 1F1B), that the framework's stages split
+         into (``stages``), at most ``max_v`` unless given, where the framework interleaves
     b    micro-batch size, dividing the batch per replica, at most ``max_micro_batch``
          unless given (so a batch of a billion sequences tries 16 sizes, not its divisors)
     m    = batch / (dp b) micro-batches
@@ -23,24 +23,20 @@ For a model, a number of devices, a global batch (in tokens) and a framework pro
 with sequence parallelism on whenever tp > 1 and the framework has it (same traffic, less
 memory; ``sp`` forces it on or off), drop what does not fit, and rank. With tp and pp
 fixed to 1 this is AMSP's scale-aware partitioner; ``objective="amsp"`` ranks as AMSP's
-planner does, by data-parallel communication time with nothing hidden, under the memory
-limit.
+planner does (``amsp_cost``): data-parallel communication time with nothing hidden, each
+group on the fastest links its size allows, under the memory limit.
 
-Context parallelism is searched where memory forces it, as Megatron-LM's guide uses it, for
-sequences whose activations do not fit otherwise: the search first tries cp = 1, and if
-nothing fits, or the best layout has to recompute everything (full recomputation being the
-other way to pay for long sequences' activations, when the search was free to recompute
-less), it searches every cp (cp = 1 included) and ranks them all. The cost model alone would
-sometimes trade tensor for context parallelism at short sequences too (gpt-175b at 2048
-tokens on 1024 A100s: tp=2 cp=4 ranks 5% ahead of tp=8, because the ring's K/V sends hide
-behind attention where TP's all-reduces block), but it leaves out what makes small ring
-blocks slow (kernel launches and the efficiency of (s/cp)^2 blocks, TP and CP traffic
-sharing the node's links), so it is not trusted there; ``max_cp`` opens every cp up to it to
-that ranking, ``cp`` fixes it.
+Context parallelism is searched where memory forces it, as Megatron-LM's guide uses it: the
+search first tries cp = 1, and if nothing fits or divides the batch (128 sequences on 8,192
+GPUs), or the best layout must recompute everything where it was free to recompute less, it
+searches every cp (cp = 1 included) and ranks them all. The cost model alone would trade TP
+for cp at short sequences too (gpt-175b at 2048 tokens on 1024 A100s: tp=2 cp=4 5% ahead of
+tp=8), but it leaves out what makes small ring blocks slow (kernel launches, (s/cp)^2 blocks'
+efficiency, TP and CP sharing the links), so ``max_cp`` opens that ranking, ``cp`` fixes cp.
 
 Ranking and ties: one key for every comparison, before and after the candidate pool is
 cut: (step time to 9 significant digits, bytes per device, the layout's degrees in a fixed
-order); under AMSP's objective (DP communication time, step time, ...). So equal
+order); under AMSP's objective (``amsp_key``, then step time, ...). So equal
 predictions go to the leaner layout, then to the smaller degrees, the same way whichever
 pass compares them.
 
@@ -57,17 +53,19 @@ import math
 from dataclasses import replace
 
 from .errors import PlanError
-from .estimate import Estimate, dp_exposure, dp_profile, estimate, time_parts
+from .estimate import (Estimate, dp_collectives, dp_exposure, dp_profile, estimate,
+                       time_parts)
 from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_violation,
-                     pp_violation, schedule_violation, shape_tp_violation)
+                     schedule_violation, shape_tp_violation)
 from .peak import (activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes,
                    capacity as device_capacity)
 from .stages import distinct, split_violation
 from .shapes import RECOMPUTE_MODES, ModelShape, model_preset, with_seq_len
 from .sharding import (Shard, divisors, parse_shard, shard_violation, spec_flags_violation,
                        zero_shard)
+from .timing import placement, ring_bytes
 
 OBJECTIVES = ("step", "amsp")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -202,8 +200,8 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         found = [e for e in found if e.fits]
         if found:          # the wider scan's ranking includes cp = 1's
             results = found
-        if leanest[1] is None or (found and not _memory_forced(found, modes, objective)):
-            break              # no layout divides the batch, or cp = 1 fits at ease
+        if found and not _memory_forced(found, modes):
+            break              # cp = 1 fits at ease (else cp may fit, or divide the batch)
     if not results and not pool:
         need, lean = leanest
         if lean is None:         # every candidate was refused: say why (``_scan``)
@@ -219,7 +217,8 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                         f"micro-batch or batch")
     if objective == "amsp":
         def seconds(e):
-            return e.times["dp_comm"], e.step_time
+            return (*amsp_key(amsp_cost(shape, hw, e.layout, fw, order, dtype),
+                              e.layout.shard), e.step_time)
     else:
         def seconds(e):
             return e.step_time
@@ -227,12 +226,10 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     return results[:top]
 
 
-def _memory_forced(found: list[Estimate], modes: list[str], objective: str) -> bool:
-    """Whether the best layout without cp pays for its activations with full recomputation
+def _memory_forced(found: list[Estimate], modes: list[str]) -> bool:
+    """Whether the fastest layout without cp pays for its activations with full recomputation
     where the search allowed less (so cp, the other way to pay, is weighed against it)."""
-    best = min(found, key=lambda e: (e.times["dp_comm"], e.step_time) if objective == "amsp"
-               else e.step_time)
-    return best.layout.recompute == "full" and modes != ["full"]
+    return min(found, key=lambda e: e.step_time).layout.recompute == "full" and modes != ["full"]
 
 
 def allowed(value, name: str) -> tuple | None:
@@ -277,7 +274,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
         states = _state_table(shape, grid, specs, dtype, fw)
         profiles: dict = {}                # (spec, full recomputation) -> dp_profile
         for b, m, chunks in _schedules(shape, p, batch // d, mbs, vs, max_v, max_micro_batch,
-                                       schedule == "interleaved", refuser(2)):
+                                       schedule == "interleaved", refuser(2), fw.stage_rule):
             for mode in modes:
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
                               recompute=mode, v=chunks, sp=use_sp(t, c),
@@ -300,7 +297,8 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                                      hw.overlap_exposed)
                     seconds = fixed + dp["dp_exposed"] + dp["interference"]
                     if objective == "amsp":
-                        seconds = (dp["dp_comm"], seconds)
+                        seconds = (*amsp_key(amsp_cost(shape, hw, layout, fw, order, dtype),
+                                             spec), seconds)
                     keys.append((rank_key(seconds, total, layout), layout))
                 candidates += heapq.nsmallest(specs_per_layout, keys, key=lambda x: x[0])
     return candidates, leanest
@@ -420,20 +418,18 @@ def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
 
 
 def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int,
-               max_micro_batch: int, interleaved: bool = False, refuse=lambda why: None):
+               max_micro_batch: int, interleaved: bool = False, refuse=lambda why: None,
+               stage_rule: str = "even"):
     """(b, m, v): micro-batch size (those in ``mbs``, else 1 to ``max_micro_batch``) dividing
     the ``per_replica`` sequences, micro-batch count, chunks per stage (those in ``vs``, else
-    the divisors of the layers per stage up to ``max_v``; only v >= 2 when ``interleaved``)
-    that the trainer's rules allow (``pp_violation``: pp v divides the layers;
-    ``interleave_violation``: interleaving needs pp > 1 and m divisible by pp). ``refuse`` is
-    told why a size or a chunk count was skipped."""
+    those up to ``max_v`` that the framework's stages split into; only v >= 2 when
+    ``interleaved``) that the rules allow (``split_violation``: even chunks, pp v dividing
+    the layers, or Megatron-LM's uneven ones; ``interleave_violation``: interleaving needs
+    pp > 1 and m divisible by pp). ``refuse`` is told why a size or a given chunk count was
+    skipped."""
     sizes = mbs if mbs is not None else range(1, min(max_micro_batch, per_replica) + 1)
-    if vs is not None:
-        chunk_counts = vs
-    elif shape.layers % pp == 0:
-        chunk_counts = [v for v in divisors(shape.layers // pp) if v <= max_v]
-    else:                      # uneven stages (plan.stages) are never interleaved
-        chunk_counts = [1]
+    chunk_counts = vs if vs is not None else [
+        v for v in range(1, max_v + 1) if not split_violation(shape, pp, stage_rule, v)]
     for b in sizes:
         if per_replica % b:
             refuse(f"micro-batch {b} does not divide the {per_replica} sequences per replica")
@@ -442,12 +438,83 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int
         for chunks in chunk_counts:
             why = ("--schedule interleaved needs 2 or more chunks per stage"
                    if interleaved and chunks < 2 else
-                   (chunks > 1 and pp_violation(shape.layers, pp, chunks))
+                   (chunks > 1 and split_violation(shape, pp, stage_rule, chunks))
                    or interleave_violation(pp, m, chunks))
             if why:
                 refuse(why)
                 continue
             yield b, m, chunks
+
+
+# --------------------------------------------------------------------------------------
+# AMSP's scale-aware partitioner (Chen et al. 2023, arXiv 2311.00257; objective="amsp"):
+# among the specs that fit memory, the least data-parallel communication time, nothing
+# hidden, each of P, G and OS on the fastest links its group allows: a group of at most a
+# node's devices (contiguous) inside one node on its links, a wider one on each device's
+# share of the NICs, at datasheet rates. That is AMSP's cost model,
+# not the planner's (which lets a ring carry a node's shares over its boundary at once and
+# slows as a group widens): it is what AMSP's partitioner picks by (``amsp_key``), and the
+# step time ranks the rest.
+# --------------------------------------------------------------------------------------
+def amsp_seconds(collectives, microbatches: int, stride: int, hw) -> float:
+    """AMSP's objective for one step: ``collectives`` (``estimate.dp_collectives`` of one
+    micro-batch), each group ``stride`` devices between neighbouring dp ranks, every call's
+    latency and bytes at its links' rate, nothing hidden."""
+    total = 0.0
+    for c in collectives:
+        inside = placement(c.size, c.stride * stride, hw.gpus_per_node)[1] == 1
+        beta = hw.intra_node_bandwidth if inside else hw.inter_node_bandwidth / hw.gpus_per_node
+        count = c.count * (microbatches if c.kind in ("gather", "grad") else 1)
+        total += count * (c.calls * hw.collective_latency
+                          + ring_bytes(c.op, c.nbytes, c.size) / beta)
+    return total
+
+
+def amsp_cost(shape, hw, layout, fw, order: str, dtype: str) -> float:
+    """``amsp_seconds`` of ``layout``."""
+    return amsp_seconds(dp_collectives(shape, replace(layout, microbatches=1), fw, dtype),
+                        layout.microbatches, layout.replica_stride(order, hw.gpus_per_node), hw)
+
+
+def amsp_key(seconds: float, shard: Shard) -> tuple:
+    """AMSP's ranking: its time to three significant digits (closer is a tie that latency
+    alone decides), then the smaller groups, on the faster links."""
+    return float(f"{seconds:.3g}"), sum(shard)
+
+
+def amsp_reasons(shape, hw, best, fw, order: str, dtype: str, flash: bool,
+                 reserve=None) -> list[str]:
+    """One line per group of ``best``'s spec (P, G, OS): where it runs, and what the nearest
+    smaller and larger sizes the framework runs with the other two groups kept would do
+    instead: not fit, cost more AMSP time, or tie on it (then the smaller groups win)."""
+    lay = best.layout
+    stride = lay.replica_stride(order, hw.gpus_per_node)
+    runs = fw.specs(lay.replicas, lay.pp, dp_per_node(lay, hw.gpus_per_node, order))
+    base = amsp_key(amsp_cost(shape, hw, lay, fw, order, dtype), lay.shard)[0]
+
+    def where(s):
+        nodes = placement(s, stride, hw.gpus_per_node)[1]
+        return f"{s} (inside a node)" if nodes == 1 else f"{s} (across {nodes} nodes)"
+
+    def note(spec, k):
+        other = replace(lay, shard=spec)
+        e = estimate(shape, hw, other, order=order, flash=flash, dtype=dtype, reserve=reserve,
+                     check=False, framework=fw)
+        if not e.fits:
+            return f"{where(k)} does not fit: {e.memory['total'] / 2**30:.1f} of " \
+                   f"{e.capacity / 2**30:.1f} GiB"
+        t = amsp_key(amsp_cost(shape, hw, other, fw, order, dtype), spec)[0]
+        return f"{where(k)} costs {t - base:+.3g} s" if t != base else f"{where(k)} ties"
+
+    lines = []
+    for i, name in enumerate(("P", "G", "OS")):
+        same = [x for x in runs if x[:i] + x[i + 1:] == lay.shard[:i] + lay.shard[i + 1:]]
+        near = [max((x for x in same if x[i] < lay.shard[i]), default=None, key=lambda x: x[i]),
+                min((x for x in same if x[i] > lay.shard[i]), default=None, key=lambda x: x[i])]
+        notes = [note(x, x[i]) for x in near if x is not None]
+        lines.append(f"{name}={where(lay.shard[i])}: "
+                     + ("; ".join(notes) or "the only size the other two allow"))
+    return lines
 
 
 # --------------------------------------------------------------------------------------

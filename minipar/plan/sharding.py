@@ -29,3 +29,4 @@ def shard_specs(dp: int, per_node: int | None = None) -> list[Shard]:
             for s_g in sorted({s_p, s_os}):
                 specs.append((s_p, s_g, s_os))
     return specs
+

@@ -13,7 +13,10 @@ l/p each. Four rules, each a framework's:
   (``megatron/core/transformer/transformer_block.py``, ``get_num_layers_to_build``). The
   planner picks the two counts that make the slowest stage fastest, the head's logits
   counted as the work they are (what a user tunes those flags for); where p divides l it
-  keeps Megatron-LM's even default.
+  keeps Megatron-LM's even default. Interleaved (v chunks a stage), every stage's count is a
+  multiple of v and its v chunks are equal (``TransformerConfig``'s checks), so the first and
+  last stages may hold fewer layers than the middle ones; the bubble and each stage's
+  activations follow from its own chunk size.
 * ``uniform`` (DeepSpeed's ``PipelineModule(partition_method="type:transformer")``, which
   Megatron-DeepSpeed uses): the layers as evenly as whole layers allow, the first
   l mod p stages one more (``deepspeed/runtime/utils.py``, ``partition_uniform``).
@@ -35,7 +38,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .layout import pp_violation
+from ..rules import pp_violation
 
 RULES = ("even", "megatron", "uniform", "balanced")
 
@@ -79,50 +82,57 @@ def _balanced(shape, pp: int) -> tuple[tuple[int, ...], int] | None:
     return None if min(held) == 0 else (tuple(counts), head_stage)
 
 
-def _megatron(shape, pp: int) -> tuple[int, ...]:
-    """First and last stages' layer counts (one or more each) that make the slowest stage
-    fastest, the p - 2 middle stages equal (module docstring); the head counted on the last
-    stage in layers' worth of work (``head_cost`` / ``layer_cost``). Ties go to a lighter
-    first stage, then to a lighter last one.
+def _megatron(shape, pp: int, v: int = 1) -> tuple[int, ...] | None:
+    """First and last stages' layer counts that make the slowest stage fastest, the p - 2
+    middle stages equal, every count a multiple of the ``v`` chunks per stage (Megatron-LM's
+    rule for uneven interleaving, ``TransformerConfig.__post_init__``: the first, the last
+    and each middle stage's layers divisible by the virtual pipeline size), or None where no
+    counts do (the layers are no multiple of v); the head counted on the last stage in
+    layers' worth of work (``head_cost`` / ``layer_cost``). Ties go to a lighter first stage,
+    then to a lighter last one.
 
     For each first count f the middle stages take k layers each and the last the rest,
     l - f - (p - 2) k, so the slowest stage is max(f, k, l - f - (p - 2) k + head): the
     middle grows with k and the last shrinks, and the best k is where they cross, the
-    integers either side of (l - f + head) / (p - 1), or an end of k's range, or, where the
-    first stage is the slowest anyway, the largest k it still leaves slowest. Those few k
-    per f are tried, not every one: O(l), not O(l^2)."""
+    multiples of v either side of (l - f + head) / (p - 1), or an end of k's range, or, where
+    the first stage is the slowest anyway, the largest k it still leaves slowest. Those few
+    k per f are tried, not every one: O(l), not O(l^2)."""
     l, head = shape.layers, head_cost(shape) / layer_cost(shape)
     best = None
-    for first in range(1, l):
+    for first in range(v, l, v):
         if pp == 2:
             options = [l - first]                               # the last stage: the rest
         else:
-            top = (l - first - 1) // (pp - 2)                   # the last keeps a layer
-            cross = (l - first + head) / (pp - 1)
-            ks = {1, top, math.floor(cross), math.ceil(cross), min(first, top)}
+            top = (l - first - v) // (pp - 2) // v * v          # the last keeps v layers
+            cross = (l - first + head) / (pp - 1) / v
+            ks = {v, top, math.floor(cross) * v, math.ceil(cross) * v, min(first, top)}
             options = [l - first - (pp - 2) * k for k in sorted(ks, reverse=True)
-                       if 1 <= k <= top]
+                       if v <= k <= top]
         for last in options:                                    # lighter last stage first
+            if last < v or last % v:
+                continue
             rest = l - first - last
             mid = (rest // (pp - 2),) * (pp - 2) if pp > 2 else ()
             key = (max(first, *mid, last + head), first)
             if best is None or key < best[0]:
                 best = (key, (first, *mid, last))
-    return best[1]
+    return None if best is None else best[1]
 
 
 @lru_cache(maxsize=4096)
 def stages(shape, pp: int, rule: str = "even", chunks: int = 1) -> tuple[Stage, ...]:
     """The ``pp`` stages (``Stage``) ``rule`` builds for ``shape`` (module docstring). Assumes
-    ``split_violation`` found nothing; interleaving (chunks > 1) is always even."""
+    ``split_violation`` found nothing; interleaving (chunks > 1) is even but for Megatron-LM's,
+    whose stages each hold ``chunks`` equal chunks of their own size."""
     l, head = shape.layers, pp - 1
-    if pp == 1 or rule == "even" or chunks > 1 or l % pp == 0 and rule != "balanced":
+    if (pp == 1 or rule == "even" or chunks > 1 and rule != "megatron"
+            or l % (pp * chunks) == 0 and rule != "balanced"):
         counts = (l // pp,) * pp
     elif rule == "uniform":
         base, extra = divmod(l, pp)
         counts = tuple(base + (r < extra) for r in range(pp))
     elif rule == "megatron":
-        counts = _megatron(shape, pp)
+        counts = _megatron(shape, pp, chunks)
     elif rule == "balanced":
         counts, head = _balanced(shape, pp)
     else:
@@ -130,15 +140,15 @@ def stages(shape, pp: int, rule: str = "even", chunks: int = 1) -> tuple[Stage, 
     return tuple(Stage(r, n, embedding=r == 0, head=r == head) for r, n in enumerate(counts))
 
 
-def split_layers(shape, pp: int, rule: str = "even", chunks: int = 1) -> tuple[int, ...]:
-    """Layers of each of the ``pp`` stages ``rule`` builds."""
-    return tuple(st.layers for st in stages(shape, pp, rule, chunks))
-
-
 def split_violation(shape, pp: int, rule: str = "even", chunks: int = 1) -> str | None:
     """Why ``rule`` cannot build ``pp`` stages of ``shape`` (None if it can)."""
     if rule not in RULES:
         return f"unknown stage rule {rule!r}; use one of {', '.join(RULES)}"
+    if rule == "megatron" and chunks > 1 and pp > 1 and shape.layers % (pp * chunks):
+        return None if _megatron(shape, pp, chunks) else (
+            f"Megatron-LM interleaves uneven stages only where the first, the last and each "
+            f"middle stage hold a multiple of chunks={chunks} layers; {shape.layers} layers "
+            f"over pp={pp} do not split so; use --chunks that divides {shape.layers}")
     if rule != "balanced" or pp == 1 or chunks > 1:
         return pp_violation(shape.layers, pp, chunks, uneven=rule != "even")
     why = pp_violation(shape.layers, pp, chunks, uneven=True)   # before any list of pp stages
