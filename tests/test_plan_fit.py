@@ -166,3 +166,9 @@ def test_predicted_peaks_follow_the_grid_at_every_tp_and_micro_batch():
     for key, xs in groups.items():
         if len(xs) >= 10:
             assert abs(float(np.median(xs))) < 0.2, (key, float(np.median(xs)))
+
+
+def test_the_reference_shows_the_profile_s_recorded_scores():
+    from minipar.plan.fit import scores_table
+    text = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
+    assert scores_table(load_hardware("playbook-h100")) in text
