@@ -23,7 +23,7 @@ sending, and nothing moves. gloo buffers sends, so that order would still pass o
 checker replays the order your ranks used under NCCL's rule (`minipar.p2p_order`) and fails it
 if it could hang: let even ranks send first and odd ranks receive first.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
     comm.isend(t: Tensor, dst: int, label: str = 'p2p') -> Handle
         Asynchronous send to global rank ``dst``; ``label`` files its bytes (e.g. ``"cp"``).

@@ -17,7 +17,7 @@ into t: reduce a copy (`x.clone()`), never the tensor autograd handed you. The c
 and g alone on t = 2 and 4 ranks, then a whole Megatron MLP, `g(gelu(f(X) A_r) B_r)`, against
 one process.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
     comm.all_reduce(t: Tensor, group=None, op: str = 'sum', async_op: bool = False)
         In place: every rank ends with the reduction of all ranks' ``t``. Sends 2(n-1)/n N.

@@ -21,7 +21,7 @@ forward returns (N,) losses; backward gets `grad_loss` (N,) and returns the grad
 `logits`, (N, V'/t), then None for targets, group and vocab_size. `ctx.save_for_backward(...)`
 keeps tensors, `ctx.saved_tensors` gives them back.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
     comm.all_reduce(t: Tensor, group=None, op: str = 'sum', async_op: bool = False)
         In place: every rank ends with the reduction of all ranks' ``t``. Sends 2(n-1)/n N.

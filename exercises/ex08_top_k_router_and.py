@@ -16,13 +16,16 @@ same expert. The checker compares both with plain loops and trains a step throug
 Shapes in `load_balancing_loss`: `probs` (b s, E), `experts` (b s, k) for b sequences of
 s = `seq_len` tokens; `rearrange(x, "(b s) e -> b s e", s=seq_len)` gives each sequence its row.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
-    topk
-        topk(input, k, dim=None, largest=True, sorted=True, *, out=None) -> (Tensor,
-        LongTensor)
-    torch.nn.functional.one_hot
-        one_hot(tensor, num_classes=-1) -> LongTensor
+    torch.topk(input, k, dim=None, largest=True, sorted=True, *, out=None) -> (Tensor, LongTensor)
+        Returns the :attr:`k` largest elements of the given :attr:`input` tensor along a
+        given dimension.
+    F.one_hot(tensor, num_classes=-1) -> LongTensor
+        Takes LongTensor with index values of shape ``(*)`` and returns a tensor of shape
+        ``(*, num_classes)`` that have zeros everywhere except where the index of last
+        dimension matches the corresponding value of the input tensor, in which case it will
+        be 1.
     rearrange(tensor: Union[~Tensor, List[~Tensor]], pattern: str, **axes_lengths: Any) -> ~Tensor
         einops.rearrange is a reader-friendly smart element reordering for multidimensional
         tensors. This operation includes functionality of transpose (axes permutation),

@@ -12,12 +12,12 @@ blocks (lse = -inf there): it must take the other block's values unchanged.
 Notebook 09 derives the merge by hand for one query (section 2). `out_x[..., None]`-style
 broadcasting: lse (b h i) needs a trailing axis, `lse[..., None]`, to scale out (b h i d).
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
-    logaddexp
-        logaddexp(input, other, *, out=None) -> Tensor
-    maximum
-        maximum(input, other, *, out=None) -> Tensor
+    torch.logaddexp(input, other, *, out=None) -> Tensor
+        Logarithm of the sum of exponentiations of the inputs.
+    torch.maximum(input, other, *, out=None) -> Tensor
+        Computes the element-wise maximum of :attr:`input` and :attr:`other`.
 
 Fill in every block marked `# TODO ex09`, then run:
 

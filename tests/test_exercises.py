@@ -93,6 +93,8 @@ NAMED = {
     "off-by-one warm-up": "off-by-one warm-up",
 }
 
+TARGET_BUG = "targets are global ids: subtract start, and only the owner contributes"
+
 MUTANTS = [
     # ex01: each phase's ring index (the chunk sent, the chunk written), copy vs add, a rebound
     # name, every rank sending first (gloo buffers it; NCCL would hang), a collective
@@ -138,6 +140,15 @@ MUTANTS = [
     ("ex04", 'logits = logits.masked_fill(columns >= vocab_size, float("-inf"))\n', "\n",
      "mask them to -inf"),
     ("ex04", "grad[rows, local_target] -= mine.to(grad.dtype)", "pass", "without the -1 at the target"),
+    ("ex04", 'comm.all_reduce(top, group, op="max")', "pass", "All-reduce the max with op='max'"),
+    ("ex04", "local_target = targets - start", "local_target = targets", TARGET_BUG),
+    ("ex04", "mine = (local_target >= 0) & (local_target < n_local)",
+     "mine = torch.ones_like(local_target, dtype=torch.bool)", TARGET_BUG),
+    ("ex04", "local_target = targets - start\n        mine = (local_target >= 0) & (local_target < n_local)",
+     "local_target = targets\n        mine = torch.ones_like(local_target, dtype=torch.bool)",
+     TARGET_BUG),
+    ("ex04", 'target_logit = torch.where(mine, rearrange(target_logit, "n 1 -> n"), 0.0)',
+     'target_logit = rearrange(target_logit, "n 1 -> n")', TARGET_BUG),
     # ex05
     ("ex05", "warmup = min(p - r - 1, m)", "warmup = min(p - r, m)", NAMED["off-by-one warm-up"]),
     ("ex05", "warmup = min(p - r - 1, m)", "warmup = max(p - r - 2, 0)", NAMED["off-by-one warm-up"]),
@@ -343,3 +354,27 @@ def test_make_never_destroys_a_students_work(tmp_path):
     exercises.make(["ex01"], tmp_path, force=True)
     assert path.read_text() == exercises.student_source("ex01")
     assert path.with_name(path.name + ".bak").read_text().endswith("# my work\n")
+
+
+def _listed_api(text):
+    """The names the 'What you may call' block of a student file lists, as it writes them."""
+    import re
+    block = text.split("What you may call", 1)[1].split("\n\n", 2)[1]
+    return [re.match(r"    ([\w.]+)", line).group(1) for line in block.splitlines()
+            if re.match(r"    \w", line)]
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_each_listed_helper_is_callable_as_shown_in_its_blank_file(ex_id, blanks):
+    """What the file says is available is available under the name it shows: each listed name
+    evaluates, in the blank file's own namespace, to the package's object."""
+    student = exercises.load(blanks[ex_id])
+    shown = _listed_api(blanks[ex_id].read_text())
+    ex = exercises.get(ex_id)
+    assert len(shown) == len(ex.API), (shown, ex.API)
+    for expr, dotted in zip(shown, ex.API):
+        try:
+            found = eval(expr, dict(vars(student)))
+        except (NameError, AttributeError) as e:
+            raise AssertionError(f"{blanks[ex_id].name} lists {expr!r}, which raises {e!r} there")
+        assert exercises._same(found, exercises._resolve_dotted(dotted)), (ex_id, expr, dotted)

@@ -12,8 +12,11 @@ An exercise ``exNN`` is one small module here (``minipar/exercises/exNN.py``) de
   terms (which rank, chunk, step, micro-batch or shard; expected against actual), with the
   common bug it points to named when its symptom is recognised; each thing verified goes to
   ``report.ok``, and an optional part not done yet to ``report.todo``;
-* ``API``: the helpers the student may call, whose signatures and first docstring lines the
-  student file lists; ``NOTES`` (optional, a function) more generated text for it;
+* ``API``: the helpers the student may call, as dotted paths; the student file lists each one
+  as it can call it there (the shortest name that evaluates in the file to that object, such as
+  ``f``, ``comm.isend`` or ``torch.maximum``), with its signature and first docstring lines;
+  ``EXTRA_IMPORTS`` (optional) lines that make one reachable; ``NOTES`` (optional, a function)
+  more generated text for it;
 * ``DIFFICULTY``, ``MINUTES``, ``NOTEBOOK``: for ``exercises/README.md``'s table.
 
 A warm-up has the id of its exercise and a letter (``ex03a`` before ``ex03``).
@@ -130,21 +133,64 @@ def blank(source: str, ex_id: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _resolve_dotted(dotted: str):
+    """The object a dotted path names (``torch.nn.functional.linear``, ``minipar.zero.Unit.x``)."""
+    parts = dotted.split(".")
+    for k in range(len(parts) - 1, 0, -1):        # the longest prefix that is a module
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+            break
+        except ImportError:
+            continue
+    for attr in parts[k:]:
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _same(a, b) -> bool:
+    try:
+        return a is b or a == b
+    except Exception:  # noqa: BLE001 - a comparison that raises is no match
+        return False
+
+
+def student_namespace(ex) -> dict:
+    """The names a blank student file has before its own definitions: ``from MODULE import *``
+    and the exercise's ``EXTRA_IMPORTS``."""
+    ns: dict = {}
+    exec(f"from {ex.MODULE} import *\n" + getattr(ex, "EXTRA_IMPORTS", ""), ns)  # noqa: S102
+    return ns
+
+
+def callable_name(dotted: str, ns: dict) -> str:
+    """How the student file calls ``dotted``: the shortest expression that evaluates, in the
+    file's namespace ``ns``, to that very object: a bare name (``f``), or a module the file
+    has and the rest of the path (``torch.maximum``, ``comm.isend``, ``F.one_hot``).
+    ValueError if the file cannot reach it (give the exercise an ``EXTRA_IMPORTS`` line)."""
+    obj, parts = _resolve_dotted(dotted), dotted.split(".")
+    candidates = [".".join(parts[k:]) for k in range(len(parts))]
+    for alias, value in ns.items():                # a module imported under another name
+        for k in range(1, len(parts)):
+            if getattr(value, "__name__", None) == ".".join(parts[:k]):
+                candidates.append(".".join([alias, *parts[k:]]))
+    for expr in sorted(candidates, key=lambda c: (len(c), c)):
+        try:
+            if _same(eval(expr, dict(ns)), obj):    # noqa: S307 - our own dotted names
+                return expr
+        except (NameError, AttributeError):
+            continue
+    raise ValueError(f"{dotted} is not reachable in the student file as written; add an "
+                     f"EXTRA_IMPORTS line for it")
+
+
 def api_text(ex) -> str:
-    """The helpers an exercise may call: each one's signature and the first paragraph of its
-    docstring, read from the package (so the list never drifts from the code)."""
-    lines = []
+    """The helpers an exercise may call, each written as the student file calls it (one rule:
+    ``callable_name``), with its signature and the first paragraph of its docstring, read
+    from the package (so the list never drifts from the code)."""
+    import textwrap
+    lines, ns = [], student_namespace(ex)
     for dotted in getattr(ex, "API", ()):
-        parts = dotted.split(".")
-        for k in range(len(parts) - 1, 0, -1):        # the longest prefix that is a module
-            try:
-                obj = importlib.import_module(".".join(parts[:k]))
-                break
-            except ImportError:
-                continue
-        for attr in parts[k:]:
-            obj = getattr(obj, attr)
-        shown = dotted.replace("minipar.", "", 1) if dotted.count(".") > 1 else attr
+        obj, shown = _resolve_dotted(dotted), callable_name(dotted, ns)
         try:
             try:
                 sig = str(inspect.signature(obj, eval_str=True))
@@ -154,13 +200,15 @@ def api_text(ex) -> str:
             sig = sig.replace("torch.nn.parameter.Parameter", "nn.Parameter")
         except (TypeError, ValueError):
             sig = ""
-        doc = inspect.cleandoc(obj.__doc__ or "").split("\n\n")[0].replace("\n", " ")
+        paragraphs = [p.replace("\n", " ") for p in inspect.cleandoc(obj.__doc__ or "").split("\n\n")]
+        doc, name = paragraphs[0], dotted.rsplit(".", 1)[1]
+        if not sig and doc.startswith(name + "("):  # a builtin: its doc opens with the signature
+            sig, doc = doc[len(name):], (paragraphs[1:] or [""])[0]
         if not doc and inspect.isfunction(obj):     # a one-line helper: the comment on its def
             first = inspect.getsource(obj).splitlines()[0]
             doc = first.split("#", 1)[1].strip() if "#" in first else ""
         lines.append(f"    {shown}{sig}")
         if doc:
-            import textwrap
             lines += textwrap.wrap(doc, 92, initial_indent="        ", subsequent_indent="        ")
     return "\n".join(lines)
 
@@ -178,7 +226,8 @@ def student_source(ex_id: str) -> str:
     api = api_text(ex)
     notes = inspect.cleandoc(ex.NOTES()) if hasattr(ex, "NOTES") else ""
     header = (f'"""Exercise {ex_id}: {ex.TITLE}\n\n{intro}\n\n'
-              + (f"What you may call (already imported; signatures from the package):\n\n{api}\n\n"
+              + (f"What you may call, each written as this file calls it (signatures from the "
+                 f"package):\n\n{api}\n\n"
                  if api else "")
               + (f"{notes}\n\n" if notes else "")
               + f"Fill in every block marked `# TODO {ex_id}`, then run:\n\n"
