@@ -9,9 +9,12 @@ with shapes (t, E), (t, k), (t, k). `load_balancing_loss(probs, experts, seq_len
 Transformer's auxiliary loss E * sum_e f_e P_e, computed for each sequence of `seq_len`
 tokens and averaged over the sequences, where f_e is the share of the sequence's s*k choices
 that went to expert e (a count: no gradient flows through it) and P_e the sum of the
-probabilities of e over the sequence's tokens divided by `seq_len` (their mean; under tensor
-parallelism `probs` holds a rank's share of the tokens and this gives its share of the loss). It is 1 when the routing is balanced and E when every token picks the
-same expert. The checker compares both with plain loops and trains a step through them.
+probabilities of e over the sequence's tokens divided by `seq_len` (their mean). Under tensor
+parallelism `probs` holds only a rank's share of each sequence's tokens, (b s/t, E), while
+`experts` covers the whole sequences: divide by `seq_len` still, and the t ranks' results sum
+to the loss. It is 1 when the routing is balanced and E when every token picks the same
+expert. The checker compares both with plain loops, splits the tokens over t = 3 ranks, and
+trains a step through them.
 
 Shapes in `load_balancing_loss`: `probs` (b s, E), `experts` (b s, k) for b sequences of
 s = `seq_len` tokens; `rearrange(x, "(b s) e -> b s e", s=seq_len)` gives each sequence its row.

@@ -113,12 +113,18 @@ MUTANTS = [
     ("ex01", "chunks[(r - k) % n].copy_(incoming)", "chunks[(r - k) % n].add_(incoming)",
      "copy it (`copy_`)"),
     ("ex01", "if r % 2 == 0:", "if True:", "would hang on NCCL"),
+    ("ex01", "if r % 2 == 0:\n            handle = comm.isend(outgoing, right)\n",
+     "if True:\n            handle = comm.isend(outgoing, right)\n            handle.wait()\n",
+     "every rank waited in a send (the wait of an isend) before posting its receive: this hangs "
+     "on gloo and on NCCL"),
     ("ex01", "    for k in range(n - 1):\n        exchange(chunks[(r - k) % n])",
      "    comm.all_reduce(t, comm.WORLD); return t\n    for k in range(n - 1):\n        exchange(chunks[(r - k) % n])",
      "isend/recv only"),
     # ex02
     ("ex02", "b.buffer.div_(n)", "pass", NAMED["missing division"]),
     ("ex02", "b.buffer.div_(n)", "b.buffer.div_(2)", "not by the group size 3"),
+    ("ex02", 'comm.all_reduce(b.buffer, group, op="sum")\n        b.buffer.div_(n)',
+     'comm.all_reduce(b.buffer, group, op="avg")', "gloo has no AVG"),
     ("ex02", "size + p.numel() * p.element_size() > bucket_bytes", "False", "more than bucket_bytes"),
     ("ex02", "for p in reversed(params):", "for p in params:", "last to first"),
     # ex03a, ex03 (and its extension)
@@ -164,10 +170,18 @@ MUTANTS = [
      "    shard_grad = out / d", NAMED["rebound buffer"]),
     ("ex06a", "    comm.all_gather(flat, flat.chunk(d)[comm.rank(group)].clone(), group)", "    pass",
      "all-gather the updated slices"),
+    ("ex06a", "    optimizer.step()                    # updates slice r of flat, in place\n"
+     "    comm.all_gather(flat, flat.chunk(d)[comm.rank(group)].clone(), group)",
+     "    comm.all_gather(flat, flat.chunk(d)[comm.rank(group)].clone(), group)\n"
+     "    optimizer.step()", "the all-gather ran before optimizer.step()"),
     ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.copy_(summed)", NAMED["missing division"]),
     ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad = summed / mesh.d",
      NAMED["rebound buffer"]),
     ("ex06", "all_gather_in_place(u.g_slice, mesh.os_group)", "pass", "each updated only its own slice"),
+    ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.add_(summed).div_(mesh.d)",
+     "write it with `copy_`, do not accumulate"),
+    ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.add_(summed / mesh.d)",
+     "write it with `copy_`, do not accumulate"),
     ("ex06", "comm.all_reduce(summed, mesh.rep_group)", "pass", "all-reduce it over mesh.rep_group"),
     ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.copy_(shard)", NAMED["not accumulated"]),
     ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard = u.grad_shard + shard", NAMED["rebound buffer"]),
@@ -184,6 +198,9 @@ MUTANTS = [
      "softmax over the tokens"),
     ("ex08", "return n_experts * (f * P).sum(dim=-1).mean()", "return (f * P).sum(dim=-1).mean()",
      "multiply by E"),
+    ("ex08", 'P = rearrange(probs, "(b s) e -> b s e", b=f.shape[0]).sum(dim=1) / seq_len',
+     'P = rearrange(probs, "(b s) e -> b s e", b=f.shape[0]).mean(dim=1)',
+     "not by the 2 tokens this rank holds"),
     # ex09
     ("ex09", "lse = torch.logaddexp(lse_a, lse_b)", "lse = torch.maximum(lse_a, lse_b)",
      "that is max(lse_a, lse_b)"),
@@ -194,6 +211,9 @@ MUTANTS = [
      "its own block"),
     ("ex09", "torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b",
      "(out_a + out_b) / 2", "not softmax attention"),
+    ("ex09", "torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b",
+     "torch.exp(lse_a)[..., None] * out_a + torch.exp(lse_b)[..., None] * out_b",
+     "unnormalised weights"),
 ]
 
 
