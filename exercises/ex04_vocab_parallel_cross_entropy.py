@@ -19,7 +19,8 @@ Shapes: `logits` (N, V'/t), this rank's columns, which are vocabulary entries
 [r V'/t, (r+1) V'/t) (`start` is prepared for you); `targets` (N,) global vocabulary ids;
 forward returns (N,) losses; backward gets `grad_loss` (N,) and returns the gradient of
 `logits`, (N, V'/t), then None for targets, group and vocab_size. `ctx.save_for_backward(...)`
-keeps tensors, `ctx.saved_tensors` gives them back.
+keeps tensors, `ctx.saved_tensors` gives them back. Notebook 02, section 6, works the three
+all-reduces out by hand on two shards of one logits matrix.
 
 What you may call, each written as this file calls it (signatures from the package):
 

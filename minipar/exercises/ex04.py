@@ -6,7 +6,7 @@ TITLE = "Vocab parallel cross entropy"
 SUMMARY = "cross-entropy over a vocabulary split across ranks"
 DIFFICULTY = "medium"
 MINUTES = 40
-NOTEBOOK = "02, section 2 (Where f and g sit in a block; slides: Vocab-parallel embedding and loss)"
+NOTEBOOK = "02, section 6 (Vocab-parallel cross-entropy, by hand)"
 MODULE = "minipar.tp"
 NAMES = ["VocabParallelCE", "vocab_parallel_cross_entropy"]
 API = ["minipar.comm.all_reduce", "minipar.comm.rank"]
@@ -30,7 +30,8 @@ Shapes: `logits` (N, V'/t), this rank's columns, which are vocabulary entries
 [r V'/t, (r+1) V'/t) (`start` is prepared for you); `targets` (N,) global vocabulary ids;
 forward returns (N,) losses; backward gets `grad_loss` (N,) and returns the gradient of
 `logits`, (N, V'/t), then None for targets, group and vocab_size. `ctx.save_for_backward(...)`
-keeps tensors, `ctx.saved_tensors` gives them back.
+keeps tensors, `ctx.saved_tensors` gives them back. Notebook 02, section 6, works the three
+all-reduces out by hand on two shards of one logits matrix.
 """
 
 
