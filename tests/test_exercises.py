@@ -38,7 +38,8 @@ def test_committed_student_file_is_generated_from_the_package(ex_id):
 def blanks(tmp_path_factory):
     """Freshly generated blank student files (never the student's own copies)."""
     folder = tmp_path_factory.mktemp("blanks")
-    return {p.name.split("_")[0]: p for p in exercises.make(None, folder)}
+    return {p.name.split("_")[0]: p for p in exercises.make(None, folder)
+            if p.parent.name != exercises.HARDER}
 
 
 @pytest.mark.parametrize("ex_id", IDS)
@@ -362,8 +363,10 @@ def test_check_cli_lists_what_passed():
 
 
 def test_make_never_destroys_a_students_work(tmp_path):
-    (path,) = exercises.make(["ex01"], tmp_path)
-    assert exercises.make(["ex01"], tmp_path) == [path]        # unchanged blank: rewritten
+    written = exercises.make(["ex01"], tmp_path)                # with its harder track
+    path = written[0]
+    assert written[1:] == [exercises.harder_path("ex01", tmp_path)]
+    assert exercises.make(["ex01"], tmp_path) == written        # unchanged blanks: rewritten
     path.write_text(path.read_text() + "\n# my work\n")
     with pytest.raises(exercises.dist.UsageError, match="not overwritten.*--force"):
         exercises.make(["ex01"], tmp_path)
@@ -413,3 +416,41 @@ def _resolve(dotted):
     for attr in parts[k:]:
         obj = getattr(obj, attr)
     return obj
+
+
+HARDER = [ex_id for ex_id in IDS if hasattr(exercises.get(ex_id), "HARD_INTRO")]
+# what the harder track leaves out: the index table, the table of f and g, the formula
+GIVEN_AWAY = {"ex01": ["(r - k - 1)", "(r + 1 - k)", "even ranks send first"],
+              "ex03a": ["backward: all-reduce", "identity forward", "forward: identity"],
+              "ex09": ["logaddexp", "exp(lse_x - lse)", "lse_a - lse", "maximum"]}
+
+
+def test_the_harder_track_is_generated_and_leaves_the_derivation_out():
+    assert set(HARDER) == {"ex01", "ex03a", "ex09"}
+    for ex_id in HARDER:
+        path = exercises.harder_path(ex_id)
+        text = exercises.student_source(ex_id, harder=True)
+        committed = _committed(path)
+        assert committed is None or committed == text, f"{path.name}: run `python -m minipar.exercises make`"
+        assert f"check {ex_id} --file exercises/harder/" in text
+        assert not [w for w in GIVEN_AWAY[ex_id] if w in text], ex_id
+        assert all(w in exercises.student_source(ex_id) for w in GIVEN_AWAY[ex_id][:1]), ex_id
+
+
+@pytest.mark.parametrize("ex_id", ["ex03a", "ex09"])
+def test_the_harder_track_has_the_same_checker(tmp_path, ex_id):
+    """Its blank fails as 'not written yet'; the solution in its file passes."""
+    import importlib
+    import inspect
+    blank = tmp_path / "blank.py"
+    blank.write_text(exercises.student_source(ex_id, harder=True))
+    failures = exercises._check_here(ex_id, str(blank), solution=False)
+    assert failures and "not written yet" in failures[0]
+    ex = exercises.get(ex_id)
+    module = importlib.import_module(ex.MODULE)
+    src = exercises.student_source(ex_id, harder=True)
+    solved = tmp_path / "solved.py"
+    solved.write_text(src[:src.index("\n\n\n") + 3] +
+                      "\n\n".join(inspect.getsource(getattr(module, n)) for n in ex.NAMES))
+    result = exercises._check_here(ex_id, str(solved), solution=False)
+    assert result == [] and result.verified, list(result)

@@ -17,7 +17,10 @@ An exercise ``exNN`` is one small module here (``minipar/exercises/exNN.py``) de
   ``f``, ``comm.isend`` or ``torch.maximum``), with its signature and first docstring lines;
   ``EXTRA_IMPORTS`` (optional) lines that make one reachable; ``NOTES`` (optional, a function)
   more generated text for it;
-* ``DIFFICULTY``, ``MINUTES``, ``NOTEBOOK``: for ``exercises/README.md``'s table.
+* ``DIFFICULTY``, ``MINUTES``, ``NOTEBOOK``: for ``exercises/README.md``'s table;
+* ``HARD_INTRO`` (optional; ``HARD_API`` beside it): the text of a harder track, written to
+  ``exercises/harder/`` with the same checker: the index table or formula left out, and no
+  hint comment or docstring in the blank.
 
 A warm-up has the id of its exercise and a letter (``ex03a`` before ``ex03``).
 
@@ -100,10 +103,10 @@ def student_path(ex_id: str, folder: Path | None = None) -> Path:
 # --------------------------------------------------------------------------------------
 # Making the student file
 # --------------------------------------------------------------------------------------
-def blank(source: str, ex_id: str) -> str:
-    """Replace each ``# EXERCISE ex_id begin ... end`` region by its hint and a raise.
-
-    Markers of other exercises are dropped and their code kept.
+def blank(source: str, ex_id: str, hints: bool = True) -> str:
+    """Replace each ``# EXERCISE ex_id begin ... end`` region by its hint (unless ``hints`` is
+    False: the harder track) and a raise. Markers of other exercises are dropped and their
+    code kept.
     """
     out, inside = [], False
     begin = re.compile(r"^(\s*)# EXERCISE (ex\d\d[a-z]?) begin")
@@ -123,7 +126,8 @@ def blank(source: str, ex_id: str) -> str:
             continue
         if inside:
             if hint_pending and line.strip().startswith("#"):
-                out.append(line)
+                if hints:
+                    out.append(line)
             else:
                 hint_pending = False
             continue
@@ -183,13 +187,13 @@ def callable_name(dotted: str, ns: dict) -> str:
                      f"EXTRA_IMPORTS line for it")
 
 
-def api_text(ex) -> str:
+def api_text(ex, names=None) -> str:
     """The helpers an exercise may call, each written as the student file calls it (one rule:
     ``callable_name``), with its signature and the first paragraph of its docstring, read
     from the package (so the list never drifts from the code)."""
     import textwrap
     lines, ns = [], student_namespace(ex)
-    for dotted in getattr(ex, "API", ()):
+    for dotted in getattr(ex, "API", ()) if names is None else names:
         obj, shown = _resolve_dotted(dotted), callable_name(dotted, ns)
         try:
             try:
@@ -213,7 +217,23 @@ def api_text(ex) -> str:
     return "\n".join(lines)
 
 
-def student_source(ex_id: str) -> str:
+def _without_docstrings(source: str) -> str:
+    """``source`` with the docstring of every def and class in it removed (the harder track:
+    a docstring that states the algorithm would state the answer)."""
+    import ast
+    drop = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                ast.get_docstring(node, clean=False) is not None:
+            doc = node.body[0]
+            drop.update(range(doc.lineno, doc.end_lineno + 1))
+    return "\n".join(ln for k, ln in enumerate(source.splitlines(), 1) if k not in drop) + "\n"
+
+
+def student_source(ex_id: str, harder: bool = False) -> str:
+    """The blank student file; ``harder``: the optional harder track of an exercise with a
+    ``HARD_INTRO`` (the index table or formula left out, no hints, no docstrings, the same
+    checker)."""
     ex = get(ex_id)
     module = importlib.import_module(ex.MODULE)
     parts = []
@@ -221,17 +241,19 @@ def student_source(ex_id: str) -> str:
         src = inspect.getsource(getattr(module, name))
         if f"# EXERCISE {ex_id} begin" not in src and not parts and name == ex.NAMES[-1]:
             raise ValueError(f"{ex_id}: no '# EXERCISE {ex_id} begin' marker in {ex.MODULE}.{name}")
-        parts.append(blank(src, ex_id))
-    intro = inspect.cleandoc(ex.INTRO)
-    api = api_text(ex)
+        parts.append(_without_docstrings(blank(src, ex_id, hints=False)).rstrip("\n") + "\n"
+                     if harder else blank(src, ex_id))
+    intro = inspect.cleandoc(ex.HARD_INTRO if harder else ex.INTRO)
+    api = api_text(ex, getattr(ex, "HARD_API", ex.API) if harder else ex.API)
     notes = inspect.cleandoc(ex.NOTES()) if hasattr(ex, "NOTES") else ""
-    header = (f'"""Exercise {ex_id}: {ex.TITLE}\n\n{intro}\n\n'
+    title = f"{ex.TITLE} (harder track)" if harder else ex.TITLE
+    where = f" --file {harder_path(ex_id).relative_to(exercises_dir().parent)}" if harder else ""
+    header = (f'"""Exercise {ex_id}: {title}\n\n{intro}\n\n'
               + (f"What you may call, each written as this file calls it (signatures from the "
-                 f"package):\n\n{api}\n\n"
-                 if api else "")
+                 f"package):\n\n{api}\n\n" if api else "")
               + (f"{notes}\n\n" if notes else "")
               + f"Fill in every block marked `# TODO {ex_id}`, then run:\n\n"
-              f"    python -m minipar.exercises check {ex_id}\n\n"
+              f"    python -m minipar.exercises check {ex_id}{where}\n\n"
               f"Generated from {ex.MODULE} by `python -m minipar.exercises make {ex_id}`; the\n"
               f"solution is the package's own code, so peek only when stuck.\n"
               f'"""\n')
@@ -239,6 +261,13 @@ def student_source(ex_id: str) -> str:
     imports = f"from {ex.MODULE} import *  # noqa: F401,F403  everything else, as the package has it\n"
     extra = getattr(ex, "EXTRA_IMPORTS", "")
     return header + imports + (extra.strip() + "\n" if extra else "") + "\n\n" + "\n\n".join(parts)
+
+
+HARDER = "harder"       # the folder of the harder track, inside exercises/
+
+
+def harder_path(ex_id: str, folder: Path | None = None) -> Path:
+    return (folder or exercises_dir()) / HARDER / student_path(ex_id).name
 
 
 def solution_regions(ex_id: str) -> list[tuple[str, str]]:
@@ -303,6 +332,8 @@ def make(ex_ids=None, folder: Path | None = None, force: bool = False) -> list[P
     for ex_id in ex_ids or registry():
         path = student_path(ex_id, folder)
         plan.append((path, student_source(ex_id)))
+        if hasattr(get(ex_id), "HARD_INTRO"):
+            plan.append((harder_path(ex_id, folder), student_source(ex_id, harder=True)))
     edited = [path for path, text in plan if path.exists() and _read(path) != text]
     if edited and not force:
         names = ", ".join(str(p) for p in edited)
@@ -313,6 +344,7 @@ def make(ex_ids=None, folder: Path | None = None, force: bool = False) -> list[P
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for path, text in plan:
+            path.parent.mkdir(exist_ok=True)
             if path in edited:
                 path.replace(path.with_name(path.name + ".bak"))
             path.write_text(text)

@@ -38,6 +38,22 @@ every rank sends first. The checker replays the order your ranks used under NCCL
 receive first.
 """
 
+HARD_INTRO = """
+The harder track of ex01: the same checker, without the index table. Write
+`ring_all_reduce(t, group)`: sum `t` over the n ranks of `group` in place, with point-to-point
+messages to your ring neighbours only (`comm.isend` to `right`, `comm.recv` from `left`), in
+2(n-1) steps of one chunk of N/n elements each: n-1 steps after which every rank holds one
+chunk summed over every rank, then n-1 steps that pass the finished chunks around until every
+rank has all of them. Which chunk rank r sends, and which one it writes, at step k of each
+phase is yours to derive (notebook 00, section 2, works it out by hand on four tensors).
+
+`chunks = t.view(n, -1)`: its rows are views of t, so write into them in place. The order of
+each step's send and receive is yours too: a send waited for before the receive is posted
+hangs once every rank does it, on gloo as on NCCL, and NCCL runs a rank's sends and receives
+in the order it posted them. The checker runs 2, 3 and 4 ranks and replays your order under
+NCCL's rule. Return t.
+"""
+
 CHUNK = 3   # elements per chunk in the checks
 
 

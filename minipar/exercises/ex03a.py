@@ -30,6 +30,21 @@ and g alone on t = 2 and 4 ranks, then a whole Megatron MLP, `g(gelu(f(X) A_r) B
 one process.
 """
 
+HARD_INTRO = """
+The harder track of ex03a: the same checker, without the table of what f and g do. Tensor
+parallelism runs one layer on t ranks at once, and autograd must know where the ranks'
+results meet. Megatron-LM glues it with two conjugate operators, each an autograd Function:
+f (`CopyToTP`) stands in front of a column-parallel layer, whose t branches each read all of
+X; g (`ReduceFromTP`) stands behind a row-parallel layer, whose t branches each give a partial
+product, and Y is their sum. Derive what each must do in its forward and in its backward, and
+write the four static methods (`f(x, group)` and `g(x, group)` below apply them).
+
+`forward(ctx, x, group)` returns the output; `backward(ctx, grad)` returns one gradient per
+forward input, `(grad_x, None)`. `comm.all_reduce(t, group)` sums in place, into t: reduce a
+copy, never the tensor autograd handed you. The checker tests f and g alone on t = 2 and 4
+ranks, then a whole Megatron MLP, `g(gelu(f(X) A_r) B_r)`, against one process.
+"""
+
 
 def _rand(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))

@@ -21,6 +21,18 @@ Notebook 09 derives the merge by hand for one query (section 2). `out_x[..., Non
 broadcasting: lse (b h i) needs a trailing axis, `lse[..., None]`, to scale out (b h i d).
 """
 
+HARD_INTRO = """
+The harder track of ex09: the same checker, without the formula. Ring attention (and flash
+attention inside one GPU) never computes one softmax over all the keys: each block of keys
+gives a partial output `out_x = softmax(q k_x^T) v_x`, normalised by that block's own sum, and
+its log-sum-exp `lse_x = log sum_j exp(q k_j)` over the block, for each query. Write
+`merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the output and log-sum-exp of one softmax
+over both blocks' keys, from these four alone (derive it for one query first, on paper).
+Shapes: out (b h i d), lse (b h i). The checker's scores reach the thousands, and a row may
+have seen no key in one of the blocks (lse = -inf there).
+"""
+HARD_API = ["torch.exp", "torch.log"]
+
 
 def _blocks(g, b=2, h=3, i=5, j=7, d=4, scale=1.0, dtype=None):
     import torch
