@@ -400,22 +400,7 @@ def test_each_listed_helper_is_callable_as_shown_in_its_blank_file(ex_id, blanks
             found = eval(expr, dict(vars(student)))
         except (NameError, AttributeError) as e:
             raise AssertionError(f"{blanks[ex_id].name} lists {expr!r}, which raises {e!r} there")
-        assert found is _resolve(dotted) or found == _resolve(dotted), (ex_id, expr, dotted)
-
-
-def _resolve(dotted):
-    """The object a dotted path names, the longest importable prefix first."""
-    import importlib
-    parts = dotted.split(".")
-    for k in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:k]))
-            break
-        except ImportError:
-            continue
-    for attr in parts[k:]:
-        obj = getattr(obj, attr)
-    return obj
+        assert exercises._same(found, exercises._resolve_dotted(dotted)), (ex_id, expr, dotted)
 
 
 HARDER = [ex_id for ex_id in IDS if hasattr(exercises.get(ex_id), "HARD_INTRO")]

@@ -8,10 +8,11 @@ X; g (`ReduceFromTP`) stands behind a row-parallel layer, whose t branches each 
 product, and Y is their sum. Derive what each must do in its forward and in its backward, and
 write the four static methods (`f(x, group)` and `g(x, group)` below apply them).
 
-`forward(ctx, x, group)` returns the output; `backward(ctx, grad)` returns one gradient per
-forward input, `(grad_x, None)`. `comm.all_reduce(t, group)` sums in place, into t: reduce a
-copy, never the tensor autograd handed you. The checker tests f and g alone on t = 2 and 4
-ranks, then a whole Megatron MLP, `g(gelu(f(X) A_r) B_r)`, against one process.
+`forward(ctx, x, group)` returns the output; `backward(ctx, grad)` returns one
+gradient per forward input: `(grad_x, None)` (the group gets none). Keep what backward needs
+on `ctx` (`ctx.group = group`). `comm.all_reduce(t, group)` sums in place, into t: reduce a
+copy (`x.clone()`), never the tensor autograd handed you. The checker tests f and g alone on
+t = 2 and 4 ranks, then a whole Megatron MLP, `g(gelu(f(X) A_r) B_r)`, against one process.
 
 What you may call, each written as this file calls it (signatures from the package):
 

@@ -1,13 +1,15 @@
 """Exercise ex09: Merge attention blocks by log-sum-exp (harder track)
 
-The harder track of ex09: the same checker, without the formula. Ring attention (and flash
-attention inside one GPU) never computes one softmax over all the keys: each block of keys
-gives a partial output `out_x = softmax(q k_x^T) v_x`, normalised by that block's own sum, and
-its log-sum-exp `lse_x = log sum_j exp(q k_j)` over the block, for each query. Write
-`merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the output and log-sum-exp of one softmax
-over both blocks' keys, from these four alone (derive it for one query first, on paper).
-Shapes: out (b h i d), lse (b h i). The checker's scores reach the thousands, and a row may
-have seen no key in one of the blocks (lse = -inf there).
+The harder track of ex09: the same checker, without the formula.
+
+Ring attention (and flash attention inside one GPU) never computes one softmax over
+all the keys: each block of keys gives a partial output `out_x = softmax(q k_x^T) v_x`,
+normalised by that block's own sum, and its log-sum-exp `lse_x = log sum_j exp(q k_j)` for each
+query. Write `merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the output and log-sum-exp of
+one softmax over both blocks' keys,
+from these four alone (derive it for one query first, on paper). Shapes: out (b h i d), lse
+(b h i). The checker's scores reach the thousands, and a row may have seen no key in one of
+the blocks (lse = -inf there).
 
 What you may call, each written as this file calls it (signatures from the package):
 

@@ -7,12 +7,12 @@ NOTEBOOK = "09, section 2 (A ring-attention step, block by block)"
 MODULE = "minipar.cp"
 NAMES = ["merge"]
 API = ["torch.logaddexp", "torch.maximum"]
-INTRO = """
-Ring attention (and flash attention inside one GPU) never computes one softmax over all the
-keys: each block of keys gives a partial output `out_x = softmax(q k_x^T) v_x`, normalised by
-that block's own sum, and its log-sum-exp `lse_x = log sum_j exp(q k_j)` for each query. Write
-`merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the output and log-sum-exp of one softmax
-over both blocks' keys. Shapes: out (b h i d), lse (b h i). Hint: the merged lse is the log of
+_BLOCKS = """Ring attention (and flash attention inside one GPU) never computes one softmax over
+all the keys: each block of keys gives a partial output `out_x = softmax(q k_x^T) v_x`,
+normalised by that block's own sum, and its log-sum-exp `lse_x = log sum_j exp(q k_j)` for each
+query. Write `merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the output and log-sum-exp of
+one softmax over both blocks' keys"""
+INTRO = _BLOCKS + """. Shapes: out (b h i d), lse (b h i). Hint: the merged lse is the log of
 the sum of the two exponentials (compute it without overflow: scores can be large), and each
 partial output is reweighted by exp(lse_x - lse). A row may have seen no key in one of the
 blocks (lse = -inf there): it must take the other block's values unchanged.
@@ -21,15 +21,10 @@ Notebook 09 derives the merge by hand for one query (section 2). `out_x[..., Non
 broadcasting: lse (b h i) needs a trailing axis, `lse[..., None]`, to scale out (b h i d).
 """
 
-HARD_INTRO = """
-The harder track of ex09: the same checker, without the formula. Ring attention (and flash
-attention inside one GPU) never computes one softmax over all the keys: each block of keys
-gives a partial output `out_x = softmax(q k_x^T) v_x`, normalised by that block's own sum, and
-its log-sum-exp `lse_x = log sum_j exp(q k_j)` over the block, for each query. Write
-`merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the output and log-sum-exp of one softmax
-over both blocks' keys, from these four alone (derive it for one query first, on paper).
-Shapes: out (b h i d), lse (b h i). The checker's scores reach the thousands, and a row may
-have seen no key in one of the blocks (lse = -inf there).
+HARD_INTRO = "The harder track of ex09: the same checker, without the formula.\n\n" + _BLOCKS + """,
+from these four alone (derive it for one query first, on paper). Shapes: out (b h i d), lse
+(b h i). The checker's scores reach the thousands, and a row may have seen no key in one of
+the blocks (lse = -inf there).
 """
 HARD_API = ["torch.exp", "torch.log"]
 
