@@ -98,7 +98,8 @@ TARGET_BUG = "targets are global ids: subtract start, and only the owner contrib
 
 MUTANTS = [
     # ex01: each phase's ring index (the chunk sent, the chunk written), copy vs add, a rebound
-    # name, every rank sending first (gloo buffers it; NCCL would hang), a collective
+    # name, every rank sending first (posted both: gloo passes, NCCL would hang), a blocking
+    # send first (hangs on gloo too), a collective
     ("ex01", "exchange(chunks[(r - k) % n])", "exchange(chunks[(r + k) % n])",
      NAMED["wrong ring index, reduce-scatter"]),
     ("ex01", "chunks[(r - k - 1) % n] += incoming", "chunks[(r - k) % n] += incoming",
