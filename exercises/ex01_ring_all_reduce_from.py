@@ -16,14 +16,18 @@ Which chunk, at step k (0-based), on rank r (notebook 00, section 2, derives it 
 `chunks[c].copy_(incoming)` write into t itself. `c = chunks[i]; c = c + incoming` does not:
 it only gives the name `c` a new tensor (a rebound name, not an in-place write).
 
-The order of each step's send and receive matters. On GPUs (NCCL, RCCL) a send completes only
-together with the matching receive, and a rank's sends and receives run in the order it posted
-them: if every rank sends first, every rank waits in its send for a neighbour that is also
-sending, and nothing moves. gloo buffers sends, so that order would still pass on this CPU. The
-checker replays the order your ranks used under NCCL's rule (`minipar.p2p_order`) and fails it
-if it could hang: let even ranks send first and odd ranks receive first.
+The order of each step's send and receive matters. A send waited for before the receive is
+posted (`comm.isend(...).wait()`, then `comm.recv`) returns only once the neighbour receives,
+on gloo as on NCCL: if every rank does that, every rank waits in its send for a neighbour that
+is also sending, and nothing moves (the checker stops it and says so). gloo finishes either
+order only when each rank posts both ops before it waits on either (isend, recv, then the
+send's wait). GPUs (NCCL, RCCL) ask more: a send completes only together with the matching receive,
+and a rank's sends and receives run in the order it posted them, so even that order hangs if
+every rank sends first. The checker replays the order your ranks used under NCCL's rule
+(`minipar.p2p_order`) and fails it if it could hang: let even ranks send first and odd ranks
+receive first.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
     comm.isend(t: Tensor, dst: int, label: str = 'p2p') -> Handle
         Asynchronous send to global rank ``dst``; ``label`` files its bytes (e.g. ``"cp"``).
@@ -56,7 +60,8 @@ def ring_all_reduce(t: torch.Tensor, group=comm.WORLD) -> torch.Tensor:
     The order of each exchange matters. NCCL completes a send only together with the matching
     receive, and runs a rank's sends and receives in the order it posted them. If every rank
     sent first, every rank would wait in its send for a neighbour that also waits in its send:
-    a cycle, and a hang (gloo buffers sends, so it would pass on CPU). So even ranks send
+    a cycle, and a hang (on gloo too if each send is waited for before the receive is posted; the
+    isend posted here first passes on gloo, not on NCCL). So even ranks send
     first and odd ranks receive first: every send meets a posted receive, and with n odd the
     two even neighbours (n-1 and 0) are served once the others have moved on
     (``replay`` below checks this order under NCCL's rule). The chunk in flight is never

@@ -12,9 +12,9 @@ and `b.attach()` makes every `p.grad` a view into it: an in-place change of `b.b
 change of every `p.grad` of the bucket. A parameter's size in bytes is
 `p.numel() * p.element_size()`.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
-    dp.Bucket(params: list[nn.Parameter])
+    Bucket(params: list[nn.Parameter])
         A flat gradient buffer; each parameter's ``.grad`` is a view into it.
     comm.all_reduce(t: Tensor, group=None, op: str = 'sum', async_op: bool = False)
         In place: every rank ends with the reduction of all ranks' ``t``. Sends 2(n-1)/n N.

@@ -28,19 +28,19 @@ then passes through f, because each rank adds it to its own s/t tokens only. The
 grades the core first; an extension not written yet (`if self.sequence_parallel: raise
 NotImplementedError`) or not right yet is listed, but does not fail the exercise.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
-    tp.f(x: Tensor, group) -> Tensor
+    f(x: Tensor, group) -> Tensor
         Enter a tensor-parallel region: identity forward, all-reduce backward.
-    tp.g(x: Tensor, group) -> Tensor
+    g(x: Tensor, group) -> Tensor
         Leave a tensor-parallel region: all-reduce forward, identity backward.
-    tp.gather_from_tp(x, group)
+    gather_from_tp(x, group)
         all-gather along the last dim; bwd: keep the slice
-    torch.nn.functional.linear
-        linear(input, weight, bias=None) -> Tensor
-    tp.all_gather_seq(x, group)
+    F.linear(input, weight, bias=None) -> Tensor
+        Applies a linear transformation to the incoming data: :math:`y = xA^T + b`.
+    all_gather_seq(x, group)
         SP's f: all-gather along the sequence; bwd: r-scatter
-    tp.reduce_scatter_seq(x, group)
+    reduce_scatter_seq(x, group)
         SP's g: reduce-scatter along the sequence; bwd: gather
 
 Fill in every block marked `# TODO ex03`, then run:

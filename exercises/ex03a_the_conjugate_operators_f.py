@@ -10,14 +10,13 @@ f stands in front of a column-parallel layer: every rank's branch used all of X,
 gradient of X is the sum of the t branches' gradients. g stands behind a row-parallel layer:
 the t partial products are summed, and the gradient of a sum reaches every summand unchanged.
 
-Write the four static methods. `forward(ctx, x, group)` returns the output; `backward(ctx,
-grad)` returns one gradient per forward input: `(grad_x, None)` (the group gets none). Keep
-what backward needs on `ctx` (`ctx.group = group`). `comm.all_reduce(t, group)` sums in place,
-into t: reduce a copy (`x.clone()`), never the tensor autograd handed you. The checker tests f
-and g alone on t = 2 and 4 ranks, then a whole Megatron MLP, `g(gelu(f(X) A_r) B_r)`, against
-one process.
+Write the four static methods. `forward(ctx, x, group)` returns the output; `backward(ctx, grad)` returns one
+gradient per forward input: `(grad_x, None)` (the group gets none). Keep what backward needs
+on `ctx` (`ctx.group = group`). `comm.all_reduce(t, group)` sums in place, into t: reduce a
+copy (`x.clone()`), never the tensor autograd handed you. The checker tests f and g alone on
+t = 2 and 4 ranks, then a whole Megatron MLP, `g(gelu(f(X) A_r) B_r)`, against one process.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
     comm.all_reduce(t: Tensor, group=None, op: str = 'sum', async_op: bool = False)
         In place: every rank ends with the reduction of all ranks' ``t``. Sends 2(n-1)/n N.

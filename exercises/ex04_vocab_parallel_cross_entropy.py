@@ -19,9 +19,10 @@ Shapes: `logits` (N, V'/t), this rank's columns, which are vocabulary entries
 [r V'/t, (r+1) V'/t) (`start` is prepared for you); `targets` (N,) global vocabulary ids;
 forward returns (N,) losses; backward gets `grad_loss` (N,) and returns the gradient of
 `logits`, (N, V'/t), then None for targets, group and vocab_size. `ctx.save_for_backward(...)`
-keeps tensors, `ctx.saved_tensors` gives them back.
+keeps tensors, `ctx.saved_tensors` gives them back. Notebook 02, section 6, works the three
+all-reduces out by hand on two shards of one logits matrix.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
     comm.all_reduce(t: Tensor, group=None, op: str = 'sum', async_op: bool = False)
         In place: every rank ends with the reduction of all ranks' ``t``. Sends 2(n-1)/n N.

@@ -19,13 +19,13 @@ For p = 4, m = 6 the three phases of each stage (F3 = forward(3), B0 = backward(
 Notebook 03 shows the timeline (section 3, `schedules.one_f_one_b(2, 4, r)`, is the
 answer for p = 2, m = 4; section 7 counts what each stage holds).
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
-    schedules.forward(i: int, chunk: int = 0) -> Instr
-    schedules.backward(i: int, chunk: int = 0) -> Instr
-    schedules.with_p2p(orders: list[list[Instr]], t_fwd: float = 1.0, t_bwd: float = 2.0)
+    forward(i: int, chunk: int = 0) -> Instr
+    backward(i: int, chunk: int = 0) -> Instr
+    with_p2p(orders: list[list[Instr]], t_fwd: float = 1.0, t_bwd: float = 2.0)
         Add the sends and receives to every stage's compute order.
-    schedules.gpipe_order(p: int, m: int, r: int) -> list[Instr]
+    gpipe_order(p: int, m: int, r: int) -> list[Instr]
         GPipe: every forward, then every backward.
 
 Fill in every block marked `# TODO ex05`, then run:

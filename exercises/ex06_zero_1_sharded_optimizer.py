@@ -26,11 +26,11 @@ N elements (padded to a multiple of s_os). Its buffers, nested chunks of each ot
     u.os_param    (N/s_os)  the part of g_slice whose Adam state this rank keeps
     u.os_grad     (N/s_os)  the matching part of grad_shard: the gradient Adam reads
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
-    zero.reduce_scatter_down(x: Tensor, groups) -> Tensor
+    reduce_scatter_down(x: Tensor, groups) -> Tensor
         Reduce-scatter (sum) ``x`` over each group in turn: this rank's summed chunk.
-    zero.all_gather_in_place(out: Tensor, group) -> None
+    all_gather_in_place(out: Tensor, group) -> None
         Every rank's own chunk of ``out`` is in place: fetch the others'.
     comm.all_reduce(t: Tensor, group=None, op: str = 'sum', async_op: bool = False)
         In place: every rank ends with the reduction of all ranks' ``t``. Sends 2(n-1)/n N.

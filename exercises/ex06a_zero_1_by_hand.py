@@ -21,7 +21,7 @@ and rebinds your local name to it; the optimizer never sees it. Write in place (
 bytes: ZeRO-1 costs no extra traffic. The checker runs d = 2 and 4 ranks with SGD and
 compares every rank's buffer with one process's step on the averaged gradient.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
     comm.reduce_scatter(out: Tensor, inp: Tensor, group=None, op: str = 'sum', async_op: bool = False)
         Rank i gets shard i of the reduction of every rank's flat ``inp``. Sends (n-1)/n N.

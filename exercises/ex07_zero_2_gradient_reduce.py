@@ -16,11 +16,11 @@ per step, and the shard must end as the sum of all m. `u.grad_shard = shard` (or
 keeps only the last micro-batch; a rebound `u.grad_shard` also leaves `u.os_grad`, a view of
 the old buffer, behind. Sum only: the step (ex06) divides by d once, for all micro-batches.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
-    zero.reduce_scatter_down(x: Tensor, groups) -> Tensor
+    reduce_scatter_down(x: Tensor, groups) -> Tensor
         Reduce-scatter (sum) ``x`` over each group in turn: this rank's summed chunk.
-    zero.Unit.flat_grad(self) -> Tensor
+    Unit.flat_grad(self) -> Tensor
         The unit's gradients, one padded flat tensor in ``reduce_dtype`` (zeros if none).
 
 Fill in every block marked `# TODO ex07`, then run:

@@ -9,20 +9,26 @@ with shapes (t, E), (t, k), (t, k). `load_balancing_loss(probs, experts, seq_len
 Transformer's auxiliary loss E * sum_e f_e P_e, computed for each sequence of `seq_len`
 tokens and averaged over the sequences, where f_e is the share of the sequence's s*k choices
 that went to expert e (a count: no gradient flows through it) and P_e the sum of the
-probabilities of e over the sequence's tokens divided by `seq_len` (their mean; under tensor
-parallelism `probs` holds a rank's share of the tokens and this gives its share of the loss). It is 1 when the routing is balanced and E when every token picks the
-same expert. The checker compares both with plain loops and trains a step through them.
+probabilities of e over the sequence's tokens divided by `seq_len` (their mean). Under tensor
+parallelism `probs` holds only a rank's share of each sequence's tokens, (b s/t, E), while
+`experts` covers the whole sequences: divide by `seq_len` still, and the t ranks' results sum
+to the loss. It is 1 when the routing is balanced and E when every token picks the same
+expert. The checker compares both with plain loops, splits the tokens over t = 3 ranks, and
+trains a step through them.
 
 Shapes in `load_balancing_loss`: `probs` (b s, E), `experts` (b s, k) for b sequences of
 s = `seq_len` tokens; `rearrange(x, "(b s) e -> b s e", s=seq_len)` gives each sequence its row.
 
-What you may call (already imported; signatures from the package):
+What you may call, each written as this file calls it (signatures from the package):
 
-    topk
-        topk(input, k, dim=None, largest=True, sorted=True, *, out=None) -> (Tensor,
-        LongTensor)
-    torch.nn.functional.one_hot
-        one_hot(tensor, num_classes=-1) -> LongTensor
+    torch.topk(input, k, dim=None, largest=True, sorted=True, *, out=None) -> (Tensor, LongTensor)
+        Returns the :attr:`k` largest elements of the given :attr:`input` tensor along a
+        given dimension.
+    F.one_hot(tensor, num_classes=-1) -> LongTensor
+        Takes LongTensor with index values of shape ``(*)`` and returns a tensor of shape
+        ``(*, num_classes)`` that have zeros everywhere except where the index of last
+        dimension matches the corresponding value of the input tensor, in which case it will
+        be 1.
     rearrange(tensor: Union[~Tensor, List[~Tensor]], pattern: str, **axes_lengths: Any) -> ~Tensor
         einops.rearrange is a reader-friendly smart element reordering for multidimensional
         tensors. This operation includes functionality of transpose (axes permutation),

@@ -4,8 +4,9 @@
 ``comm.recv`` (exercise ex01, notebook 00). Whether such an order runs on NCCL is the rest of
 this module: record it on gloo, replay it under NCCL's rule.
 
-gloo runs a send in a background thread and buffers it, so almost any order of sends and
-receives finishes on a CPU. NCCL (and RCCL on ROCm) promise much less:
+On gloo a rank that waits in a send (a blocking ``send``, or ``isend(...).wait()``) before
+posting its receive hangs once every rank does it; gloo finishes either order only when each
+rank posts both ops before it waits on either. NCCL (and RCCL on ROCm) promise much less:
 
 * **rendezvous**: a send may complete only together with the peer's matching receive
   (NVIDIA/nccl#783: "send(x1) is allowed to block until the corresponding recv() is
@@ -66,7 +67,8 @@ def ring_all_reduce(t: torch.Tensor, group=comm.WORLD) -> torch.Tensor:
     The order of each exchange matters. NCCL completes a send only together with the matching
     receive, and runs a rank's sends and receives in the order it posted them. If every rank
     sent first, every rank would wait in its send for a neighbour that also waits in its send:
-    a cycle, and a hang (gloo buffers sends, so it would pass on CPU). So even ranks send
+    a cycle, and a hang (on gloo too if each send is waited for before the receive is posted; the
+    isend posted here first passes on gloo, not on NCCL). So even ranks send
     first and odd ranks receive first: every send meets a posted receive, and with n odd the
     two even neighbours (n-1 and 0) are served once the others have moved on
     (``replay`` below checks this order under NCCL's rule). The chunk in flight is never

@@ -215,7 +215,7 @@ def cp_numbers():
     L = best.layout
     return {"cp_scores": (f"at cp = {n}, $s$ = {s}: " + " / ".join(f"{w / 1e3:.0f}k" for w in plain) + " plain, "
                           f"{balanced[0] / 1e3:.0f}k each balanced"),
-            "cp_activations": f"{under:.0%} under the planner's count",
+            "cp_activations": f"{under:.1%} under the planner's count",
             "cp_without": f"{without.step_time:.1f} s",
             "cp_best": (f"tp {L.tp} x cp {L.cp} x dp {L.dp} keeps them all: "
                         f"{best.step_time:.1f} s, MFU {best.mfu:.1%}"),

@@ -38,7 +38,8 @@ def test_committed_student_file_is_generated_from_the_package(ex_id):
 def blanks(tmp_path_factory):
     """Freshly generated blank student files (never the student's own copies)."""
     folder = tmp_path_factory.mktemp("blanks")
-    return {p.name.split("_")[0]: p for p in exercises.make(None, folder)}
+    return {p.name.split("_")[0]: p for p in exercises.make(None, folder)
+            if p.parent.name != exercises.HARDER}
 
 
 @pytest.mark.parametrize("ex_id", IDS)
@@ -93,9 +94,12 @@ NAMED = {
     "off-by-one warm-up": "off-by-one warm-up",
 }
 
+TARGET_BUG = "targets are global ids: subtract start, and only the owner contributes"
+
 MUTANTS = [
     # ex01: each phase's ring index (the chunk sent, the chunk written), copy vs add, a rebound
-    # name, every rank sending first (gloo buffers it; NCCL would hang), a collective
+    # name, every rank sending first (posted both: gloo passes, NCCL would hang), a blocking
+    # send first (hangs on gloo too), a collective
     ("ex01", "exchange(chunks[(r - k) % n])", "exchange(chunks[(r + k) % n])",
      NAMED["wrong ring index, reduce-scatter"]),
     ("ex01", "chunks[(r - k - 1) % n] += incoming", "chunks[(r - k) % n] += incoming",
@@ -111,12 +115,18 @@ MUTANTS = [
     ("ex01", "chunks[(r - k) % n].copy_(incoming)", "chunks[(r - k) % n].add_(incoming)",
      "copy it (`copy_`)"),
     ("ex01", "if r % 2 == 0:", "if True:", "would hang on NCCL"),
+    ("ex01", "if r % 2 == 0:\n            handle = comm.isend(outgoing, right)\n",
+     "if True:\n            handle = comm.isend(outgoing, right)\n            handle.wait()\n",
+     "every rank waited in a send (the wait of an isend) before posting its receive: this hangs "
+     "on gloo and on NCCL"),
     ("ex01", "    for k in range(n - 1):\n        exchange(chunks[(r - k) % n])",
      "    comm.all_reduce(t, comm.WORLD); return t\n    for k in range(n - 1):\n        exchange(chunks[(r - k) % n])",
      "isend/recv only"),
     # ex02
     ("ex02", "b.buffer.div_(n)", "pass", NAMED["missing division"]),
     ("ex02", "b.buffer.div_(n)", "b.buffer.div_(2)", "not by the group size 3"),
+    ("ex02", 'comm.all_reduce(b.buffer, group, op="sum")\n        b.buffer.div_(n)',
+     'comm.all_reduce(b.buffer, group, op="avg")', "gloo has no AVG"),
     ("ex02", "size + p.numel() * p.element_size() > bucket_bytes", "False", "more than bucket_bytes"),
     ("ex02", "for p in reversed(params):", "for p in params:", "last to first"),
     # ex03a, ex03 (and its extension)
@@ -138,6 +148,15 @@ MUTANTS = [
     ("ex04", 'logits = logits.masked_fill(columns >= vocab_size, float("-inf"))\n', "\n",
      "mask them to -inf"),
     ("ex04", "grad[rows, local_target] -= mine.to(grad.dtype)", "pass", "without the -1 at the target"),
+    ("ex04", 'comm.all_reduce(top, group, op="max")', "pass", "All-reduce the max with op='max'"),
+    ("ex04", "local_target = targets - start", "local_target = targets", TARGET_BUG),
+    ("ex04", "mine = (local_target >= 0) & (local_target < n_local)",
+     "mine = torch.ones_like(local_target, dtype=torch.bool)", TARGET_BUG),
+    ("ex04", "local_target = targets - start\n        mine = (local_target >= 0) & (local_target < n_local)",
+     "local_target = targets\n        mine = torch.ones_like(local_target, dtype=torch.bool)",
+     TARGET_BUG),
+    ("ex04", 'target_logit = torch.where(mine, rearrange(target_logit, "n 1 -> n"), 0.0)',
+     'target_logit = rearrange(target_logit, "n 1 -> n")', TARGET_BUG),
     # ex05
     ("ex05", "warmup = min(p - r - 1, m)", "warmup = min(p - r, m)", NAMED["off-by-one warm-up"]),
     ("ex05", "warmup = min(p - r - 1, m)", "warmup = max(p - r - 2, 0)", NAMED["off-by-one warm-up"]),
@@ -153,10 +172,18 @@ MUTANTS = [
      "    shard_grad = out / d", NAMED["rebound buffer"]),
     ("ex06a", "    comm.all_gather(flat, flat.chunk(d)[comm.rank(group)].clone(), group)", "    pass",
      "all-gather the updated slices"),
+    ("ex06a", "    optimizer.step()                    # updates slice r of flat, in place\n"
+     "    comm.all_gather(flat, flat.chunk(d)[comm.rank(group)].clone(), group)",
+     "    comm.all_gather(flat, flat.chunk(d)[comm.rank(group)].clone(), group)\n"
+     "    optimizer.step()", "the all-gather ran before optimizer.step()"),
     ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.copy_(summed)", NAMED["missing division"]),
     ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad = summed / mesh.d",
      NAMED["rebound buffer"]),
     ("ex06", "all_gather_in_place(u.g_slice, mesh.os_group)", "pass", "each updated only its own slice"),
+    ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.add_(summed).div_(mesh.d)",
+     "write it with `copy_`, do not accumulate"),
+    ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.add_(summed / mesh.d)",
+     "write it with `copy_`, do not accumulate"),
     ("ex06", "comm.all_reduce(summed, mesh.rep_group)", "pass", "all-reduce it over mesh.rep_group"),
     ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.copy_(shard)", NAMED["not accumulated"]),
     ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard = u.grad_shard + shard", NAMED["rebound buffer"]),
@@ -173,6 +200,9 @@ MUTANTS = [
      "softmax over the tokens"),
     ("ex08", "return n_experts * (f * P).sum(dim=-1).mean()", "return (f * P).sum(dim=-1).mean()",
      "multiply by E"),
+    ("ex08", 'P = rearrange(probs, "(b s) e -> b s e", b=f.shape[0]).sum(dim=1) / seq_len',
+     'P = rearrange(probs, "(b s) e -> b s e", b=f.shape[0]).mean(dim=1)',
+     "not by the 2 tokens this rank holds"),
     # ex09
     ("ex09", "lse = torch.logaddexp(lse_a, lse_b)", "lse = torch.maximum(lse_a, lse_b)",
      "that is max(lse_a, lse_b)"),
@@ -183,6 +213,9 @@ MUTANTS = [
      "its own block"),
     ("ex09", "torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b",
      "(out_a + out_b) / 2", "not softmax attention"),
+    ("ex09", "torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b",
+     "torch.exp(lse_a)[..., None] * out_a + torch.exp(lse_b)[..., None] * out_b",
+     "unnormalised weights"),
 ]
 
 
@@ -331,8 +364,10 @@ def test_check_cli_lists_what_passed():
 
 
 def test_make_never_destroys_a_students_work(tmp_path):
-    (path,) = exercises.make(["ex01"], tmp_path)
-    assert exercises.make(["ex01"], tmp_path) == [path]        # unchanged blank: rewritten
+    written = exercises.make(["ex01"], tmp_path)                # with its harder track
+    path = written[0]
+    assert written[1:] == [exercises.harder_path("ex01", tmp_path)]
+    assert exercises.make(["ex01"], tmp_path) == written        # unchanged blanks: rewritten
     path.write_text(path.read_text() + "\n# my work\n")
     with pytest.raises(exercises.dist.UsageError, match="not overwritten.*--force"):
         exercises.make(["ex01"], tmp_path)
@@ -343,3 +378,65 @@ def test_make_never_destroys_a_students_work(tmp_path):
     exercises.make(["ex01"], tmp_path, force=True)
     assert path.read_text() == exercises.student_source("ex01")
     assert path.with_name(path.name + ".bak").read_text().endswith("# my work\n")
+
+
+def _listed_api(text):
+    """The names the 'What you may call' block of a student file lists, as it writes them."""
+    import re
+    block = text.split("What you may call", 1)[1].split("\n\n", 2)[1]
+    return [re.match(r"    ([\w.]+)", line).group(1) for line in block.splitlines()
+            if re.match(r"    \w", line)]
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_each_listed_helper_is_callable_as_shown_in_its_blank_file(ex_id, blanks):
+    """What the file says is available is available under the name it shows: each listed name
+    evaluates, in the blank file's own namespace, to the package's object."""
+    student = exercises.load(blanks[ex_id])
+    shown = _listed_api(blanks[ex_id].read_text())
+    ex = exercises.get(ex_id)
+    assert len(shown) == len(ex.API), (shown, ex.API)
+    for expr, dotted in zip(shown, ex.API):
+        try:
+            found = eval(expr, dict(vars(student)))
+        except (NameError, AttributeError) as e:
+            raise AssertionError(f"{blanks[ex_id].name} lists {expr!r}, which raises {e!r} there")
+        assert exercises._same(found, exercises._resolve_dotted(dotted)), (ex_id, expr, dotted)
+
+
+HARDER = [ex_id for ex_id in IDS if hasattr(exercises.get(ex_id), "HARD_INTRO")]
+# what the harder track leaves out: the index table, the table of f and g, the formula
+GIVEN_AWAY = {"ex01": ["(r - k - 1)", "(r + 1 - k)", "even ranks send first"],
+              "ex03a": ["backward: all-reduce", "identity forward", "forward: identity"],
+              "ex09": ["logaddexp", "exp(lse_x - lse)", "lse_a - lse", "maximum"]}
+
+
+def test_the_harder_track_is_generated_and_leaves_the_derivation_out():
+    assert set(HARDER) == {"ex01", "ex03a", "ex09"}
+    for ex_id in HARDER:
+        path = exercises.harder_path(ex_id)
+        text = exercises.student_source(ex_id, harder=True)
+        committed = _committed(path)
+        assert committed is None or committed == text, f"{path.name}: run `python -m minipar.exercises make`"
+        assert f"check {ex_id} --file exercises/harder/" in text
+        assert not [w for w in GIVEN_AWAY[ex_id] if w in text], ex_id
+        assert all(w in exercises.student_source(ex_id) for w in GIVEN_AWAY[ex_id][:1]), ex_id
+
+
+@pytest.mark.parametrize("ex_id", ["ex03a", "ex09"])
+def test_the_harder_track_has_the_same_checker(tmp_path, ex_id):
+    """Its blank fails as 'not written yet'; the solution in its file passes."""
+    import importlib
+    import inspect
+    blank = tmp_path / "blank.py"
+    blank.write_text(exercises.student_source(ex_id, harder=True))
+    failures = exercises._check_here(ex_id, str(blank), solution=False)
+    assert failures and "not written yet" in failures[0]
+    ex = exercises.get(ex_id)
+    module = importlib.import_module(ex.MODULE)
+    src = exercises.student_source(ex_id, harder=True)
+    solved = tmp_path / "solved.py"
+    solved.write_text(src[:src.index("\n\n\n") + 3] +
+                      "\n\n".join(inspect.getsource(getattr(module, n)) for n in ex.NAMES))
+    result = exercises._check_here(ex_id, str(solved), solution=False)
+    assert result == [] and result.verified, list(result)

@@ -80,6 +80,29 @@ def test_no_solution_line_reaches_an_attendee():
     assert not found, f"exercise solutions shown to attendees: {found}"
 
 
+def test_the_attendee_deck_names_no_instructor_file_and_states_no_merge():
+    """The attendee's copy does not point at the instructor's file, and the context-parallel
+    slide leaves ex09's merge (lse = log(e^lse_a + e^lse_b), the reweighting) to the exercise."""
+    deck = open(DECK).read()
+    assert "minipar_workshop_instructor" not in deck
+    assert not re.search(r"\\log\(e\^\{\\ell_a\}", deck) and "e^{\\ell_a-\\ell}" not in deck
+
+
+def test_one_true_statement_about_gloo_and_send_order():
+    """A send waited for before its receive hangs on gloo too: no text says gloo buffers sends
+    so that any order passes."""
+    from minipar.exercises import ex01
+    texts = {"README.md": open(os.path.join(ROOT, "README.md")).read(), "ex01": ex01.INTRO,
+             "slides": open(DECK).read(),
+             **{k: v for k, v in attendee_texts().items() if k.startswith("notebooks/00")}}
+    false = re.compile(r"gloo buffers sends|any order passes|gloo it hardly matters|"
+                       r"almost any order of sends", re.IGNORECASE)
+    assert not {k for k, v in texts.items() if false.search(v)}
+    texts["notebook 00"] = texts.pop("notebooks/00_collectives.ipynb cell 12")
+    for name in ("README.md", "ex01", "slides", "notebook 00"):
+        assert "posts both ops before it waits on either" in re.sub(r"\s+", " ", texts[name]), name
+
+
 def test_the_leak_check_finds_a_pasted_solution():
     """The check above can fail: a slide with two lines of ex01's ring, or one statement per
     line joined by semicolons, is caught; the same lines apart are not."""

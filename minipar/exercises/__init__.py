@@ -12,9 +12,15 @@ An exercise ``exNN`` is one small module here (``minipar/exercises/exNN.py``) de
   terms (which rank, chunk, step, micro-batch or shard; expected against actual), with the
   common bug it points to named when its symptom is recognised; each thing verified goes to
   ``report.ok``, and an optional part not done yet to ``report.todo``;
-* ``API``: the helpers the student may call, whose signatures and first docstring lines the
-  student file lists; ``NOTES`` (optional, a function) more generated text for it;
-* ``DIFFICULTY``, ``MINUTES``, ``NOTEBOOK``: for ``exercises/README.md``'s table.
+* ``API``: the helpers the student may call, as dotted paths; the student file lists each one
+  as it can call it there (the shortest name that evaluates in the file to that object, such as
+  ``f``, ``comm.isend`` or ``torch.maximum``), with its signature and first docstring lines;
+  ``EXTRA_IMPORTS`` (optional) lines that make one reachable; ``NOTES`` (optional, a function)
+  more generated text for it;
+* ``DIFFICULTY``, ``MINUTES``, ``NOTEBOOK``: for ``exercises/README.md``'s table;
+* ``HARD_INTRO`` (optional; ``HARD_API`` beside it): the text of a harder track, written to
+  ``exercises/harder/`` with the same checker: the index table or formula left out, and no
+  hint comment or docstring in the blank.
 
 A warm-up has the id of its exercise and a letter (``ex03a`` before ``ex03``).
 
@@ -97,10 +103,10 @@ def student_path(ex_id: str, folder: Path | None = None) -> Path:
 # --------------------------------------------------------------------------------------
 # Making the student file
 # --------------------------------------------------------------------------------------
-def blank(source: str, ex_id: str) -> str:
-    """Replace each ``# EXERCISE ex_id begin ... end`` region by its hint and a raise.
-
-    Markers of other exercises are dropped and their code kept.
+def blank(source: str, ex_id: str, hints: bool = True) -> str:
+    """Replace each ``# EXERCISE ex_id begin ... end`` region by its hint (unless ``hints`` is
+    False: the harder track) and a raise. Markers of other exercises are dropped and their
+    code kept.
     """
     out, inside = [], False
     begin = re.compile(r"^(\s*)# EXERCISE (ex\d\d[a-z]?) begin")
@@ -120,7 +126,8 @@ def blank(source: str, ex_id: str) -> str:
             continue
         if inside:
             if hint_pending and line.strip().startswith("#"):
-                out.append(line)
+                if hints:
+                    out.append(line)
             else:
                 hint_pending = False
             continue
@@ -130,21 +137,64 @@ def blank(source: str, ex_id: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def api_text(ex) -> str:
-    """The helpers an exercise may call: each one's signature and the first paragraph of its
-    docstring, read from the package (so the list never drifts from the code)."""
-    lines = []
-    for dotted in getattr(ex, "API", ()):
-        parts = dotted.split(".")
-        for k in range(len(parts) - 1, 0, -1):        # the longest prefix that is a module
-            try:
-                obj = importlib.import_module(".".join(parts[:k]))
-                break
-            except ImportError:
-                continue
-        for attr in parts[k:]:
-            obj = getattr(obj, attr)
-        shown = dotted.replace("minipar.", "", 1) if dotted.count(".") > 1 else attr
+def _resolve_dotted(dotted: str):
+    """The object a dotted path names (``torch.nn.functional.linear``, ``minipar.zero.Unit.x``)."""
+    parts = dotted.split(".")
+    for k in range(len(parts) - 1, 0, -1):        # the longest prefix that is a module
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+            break
+        except ImportError:
+            continue
+    for attr in parts[k:]:
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _same(a, b) -> bool:
+    try:
+        return a is b or a == b
+    except Exception:  # noqa: BLE001 - a comparison that raises is no match
+        return False
+
+
+def student_namespace(ex) -> dict:
+    """The names a blank student file has before its own definitions: ``from MODULE import *``
+    and the exercise's ``EXTRA_IMPORTS``."""
+    ns: dict = {}
+    exec(f"from {ex.MODULE} import *\n" + getattr(ex, "EXTRA_IMPORTS", ""), ns)  # noqa: S102
+    return ns
+
+
+def callable_name(dotted: str, ns: dict) -> str:
+    """How the student file calls ``dotted``: the shortest expression that evaluates, in the
+    file's namespace ``ns``, to that very object: a bare name (``f``), or a module the file
+    has and the rest of the path (``torch.maximum``, ``comm.isend``, ``F.one_hot``).
+    ValueError if the file cannot reach it (give the exercise an ``EXTRA_IMPORTS`` line)."""
+    obj, parts = _resolve_dotted(dotted), dotted.split(".")
+    candidates = [".".join(parts[k:]) for k in range(len(parts))]
+    for alias, value in ns.items():                # a module imported under another name
+        for k in range(1, len(parts)):
+            if getattr(value, "__name__", None) == ".".join(parts[:k]):
+                candidates.append(".".join([alias, *parts[k:]]))
+    for expr in sorted(candidates, key=lambda c: (len(c), c)):
+        try:
+            if _same(eval(expr, dict(ns)), obj):    # noqa: S307 - our own dotted names
+                return expr
+        except (NameError, AttributeError):
+            continue
+    raise ValueError(f"{dotted} is not reachable in the student file as written; add an "
+                     f"EXTRA_IMPORTS line for it")
+
+
+def api_text(ex, names=None) -> str:
+    """The helpers an exercise may call, each written as the student file calls it (one rule:
+    ``callable_name``), with its signature and the first paragraph of its docstring, read
+    from the package (so the list never drifts from the code)."""
+    import textwrap
+    lines, ns = [], student_namespace(ex)
+    for dotted in getattr(ex, "API", ()) if names is None else names:
+        obj, shown = _resolve_dotted(dotted), callable_name(dotted, ns)
         try:
             try:
                 sig = str(inspect.signature(obj, eval_str=True))
@@ -154,18 +204,36 @@ def api_text(ex) -> str:
             sig = sig.replace("torch.nn.parameter.Parameter", "nn.Parameter")
         except (TypeError, ValueError):
             sig = ""
-        doc = inspect.cleandoc(obj.__doc__ or "").split("\n\n")[0].replace("\n", " ")
+        paragraphs = [p.replace("\n", " ") for p in inspect.cleandoc(obj.__doc__ or "").split("\n\n")]
+        doc, name = paragraphs[0], dotted.rsplit(".", 1)[1]
+        if not sig and doc.startswith(name + "("):  # a builtin: its doc opens with the signature
+            sig, doc = doc[len(name):], (paragraphs[1:] or [""])[0]
         if not doc and inspect.isfunction(obj):     # a one-line helper: the comment on its def
             first = inspect.getsource(obj).splitlines()[0]
             doc = first.split("#", 1)[1].strip() if "#" in first else ""
         lines.append(f"    {shown}{sig}")
         if doc:
-            import textwrap
             lines += textwrap.wrap(doc, 92, initial_indent="        ", subsequent_indent="        ")
     return "\n".join(lines)
 
 
-def student_source(ex_id: str) -> str:
+def _without_docstrings(source: str) -> str:
+    """``source`` with the docstring of every def and class in it removed (the harder track:
+    a docstring that states the algorithm would state the answer)."""
+    import ast
+    drop = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                ast.get_docstring(node, clean=False) is not None:
+            doc = node.body[0]
+            drop.update(range(doc.lineno, doc.end_lineno + 1))
+    return "\n".join(ln for k, ln in enumerate(source.splitlines(), 1) if k not in drop) + "\n"
+
+
+def student_source(ex_id: str, harder: bool = False) -> str:
+    """The blank student file; ``harder``: the optional harder track of an exercise with a
+    ``HARD_INTRO`` (the index table or formula left out, no hints, no docstrings, the same
+    checker)."""
     ex = get(ex_id)
     module = importlib.import_module(ex.MODULE)
     parts = []
@@ -173,16 +241,19 @@ def student_source(ex_id: str) -> str:
         src = inspect.getsource(getattr(module, name))
         if f"# EXERCISE {ex_id} begin" not in src and not parts and name == ex.NAMES[-1]:
             raise ValueError(f"{ex_id}: no '# EXERCISE {ex_id} begin' marker in {ex.MODULE}.{name}")
-        parts.append(blank(src, ex_id))
-    intro = inspect.cleandoc(ex.INTRO)
-    api = api_text(ex)
+        parts.append(_without_docstrings(blank(src, ex_id, hints=False)).rstrip("\n") + "\n"
+                     if harder else blank(src, ex_id))
+    intro = inspect.cleandoc(ex.HARD_INTRO if harder else ex.INTRO)
+    api = api_text(ex, getattr(ex, "HARD_API", ex.API) if harder else ex.API)
     notes = inspect.cleandoc(ex.NOTES()) if hasattr(ex, "NOTES") else ""
-    header = (f'"""Exercise {ex_id}: {ex.TITLE}\n\n{intro}\n\n'
-              + (f"What you may call (already imported; signatures from the package):\n\n{api}\n\n"
-                 if api else "")
+    title = f"{ex.TITLE} (harder track)" if harder else ex.TITLE
+    where = f" --file {harder_path(ex_id).relative_to(exercises_dir().parent)}" if harder else ""
+    header = (f'"""Exercise {ex_id}: {title}\n\n{intro}\n\n'
+              + (f"What you may call, each written as this file calls it (signatures from the "
+                 f"package):\n\n{api}\n\n" if api else "")
               + (f"{notes}\n\n" if notes else "")
               + f"Fill in every block marked `# TODO {ex_id}`, then run:\n\n"
-              f"    python -m minipar.exercises check {ex_id}\n\n"
+              f"    python -m minipar.exercises check {ex_id}{where}\n\n"
               f"Generated from {ex.MODULE} by `python -m minipar.exercises make {ex_id}`; the\n"
               f"solution is the package's own code, so peek only when stuck.\n"
               f'"""\n')
@@ -190,6 +261,13 @@ def student_source(ex_id: str) -> str:
     imports = f"from {ex.MODULE} import *  # noqa: F401,F403  everything else, as the package has it\n"
     extra = getattr(ex, "EXTRA_IMPORTS", "")
     return header + imports + (extra.strip() + "\n" if extra else "") + "\n\n" + "\n\n".join(parts)
+
+
+HARDER = "harder"       # the folder of the harder track, inside exercises/
+
+
+def harder_path(ex_id: str, folder: Path | None = None) -> Path:
+    return (folder or exercises_dir()) / HARDER / student_path(ex_id).name
 
 
 def solution_regions(ex_id: str) -> list[tuple[str, str]]:
@@ -254,6 +332,8 @@ def make(ex_ids=None, folder: Path | None = None, force: bool = False) -> list[P
     for ex_id in ex_ids or registry():
         path = student_path(ex_id, folder)
         plan.append((path, student_source(ex_id)))
+        if hasattr(get(ex_id), "HARD_INTRO"):
+            plan.append((harder_path(ex_id, folder), student_source(ex_id, harder=True)))
     edited = [path for path, text in plan if path.exists() and _read(path) != text]
     if edited and not force:
         names = ", ".join(str(p) for p in edited)
@@ -264,6 +344,7 @@ def make(ex_ids=None, folder: Path | None = None, force: bool = False) -> list[P
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for path, text in plan:
+            path.parent.mkdir(exist_ok=True)
             if path in edited:
                 path.replace(path.with_name(path.name + ".bak"))
             path.write_text(text)

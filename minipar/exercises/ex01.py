@@ -26,12 +26,32 @@ Which chunk, at step k (0-based), on rank r (notebook 00, section 2, derives it 
 `chunks[c].copy_(incoming)` write into t itself. `c = chunks[i]; c = c + incoming` does not:
 it only gives the name `c` a new tensor (a rebound name, not an in-place write).
 
-The order of each step's send and receive matters. On GPUs (NCCL, RCCL) a send completes only
-together with the matching receive, and a rank's sends and receives run in the order it posted
-them: if every rank sends first, every rank waits in its send for a neighbour that is also
-sending, and nothing moves. gloo buffers sends, so that order would still pass on this CPU. The
-checker replays the order your ranks used under NCCL's rule (`minipar.p2p_order`) and fails it
-if it could hang: let even ranks send first and odd ranks receive first.
+The order of each step's send and receive matters. A send waited for before the receive is
+posted (`comm.isend(...).wait()`, then `comm.recv`) returns only once the neighbour receives,
+on gloo as on NCCL: if every rank does that, every rank waits in its send for a neighbour that
+is also sending, and nothing moves (the checker stops it and says so). gloo finishes either
+order only when each rank posts both ops before it waits on either (isend, recv, then the
+send's wait). GPUs (NCCL, RCCL) ask more: a send completes only together with the matching receive,
+and a rank's sends and receives run in the order it posted them, so even that order hangs if
+every rank sends first. The checker replays the order your ranks used under NCCL's rule
+(`minipar.p2p_order`) and fails it if it could hang: let even ranks send first and odd ranks
+receive first.
+"""
+
+HARD_INTRO = """
+The harder track of ex01: the same checker, without the index table. Write
+`ring_all_reduce(t, group)`: sum `t` over the n ranks of `group` in place, with point-to-point
+messages to your ring neighbours only (`comm.isend` to `right`, `comm.recv` from `left`), in
+2(n-1) steps of one chunk of N/n elements each: n-1 steps after which every rank holds one
+chunk summed over every rank, then n-1 steps that pass the finished chunks around until every
+rank has all of them. Which chunk rank r sends, and which one it writes, at step k of each
+phase is yours to derive (notebook 00, section 2, works it out by hand on four tensors).
+
+`chunks = t.view(n, -1)`: its rows are views of t, so write into them in place. The order of
+each step's send and receive is yours too: a send waited for before the receive is posted
+hangs once every rank does it, on gloo as on NCCL, and NCCL runs a rank's sends and receives
+in the order it posted them. The checker runs 2, 3 and 4 ranks and replays your order under
+NCCL's rule. Return t.
 """
 
 CHUNK = 3   # elements per chunk in the checks
@@ -63,31 +83,66 @@ def describe(values: torch.Tensor, n: int) -> str:
     return f"chunk {c} summed over {'every rank' if len(ranks) == n else f'ranks {set(ranks)}'}"
 
 
-def _run(student, n):
+HANG_S = 10.0    # a ring of a few elements takes milliseconds: a rank still inside it is stuck
+
+
+def _run(student, n, hang_dir):
     """One rank: the student's ring on the encoded tensor. Every send and receive is noted as
     it is posted, with the whole tensor at that moment (and a send's payload), and the order
-    of ops is recorded for the NCCL replay."""
+    of ops is recorded for the NCCL replay. A rank still inside the ring after ``HANG_S``
+    writes where it waits (a blocking send, a send's wait, a receive) to ``hang_dir`` and exits."""
+    import json
+    import os
+    import threading
     from minipar import comm, p2p_order
     from minipar.plan import ring_bytes
     r = comm.rank(comm.WORLD)
     x = _start(n, r)
-    ops = []
+    ops, waiting = [], []
     real = {name: getattr(comm, name) for name in ("isend", "send", "recv", "irecv")}
+
+    def blocking(what, fn, *args):
+        waiting.append(what)
+        try:
+            return fn(*args)
+        finally:
+            waiting.pop()
 
     def spy(name):
         def call(t, peer, *args, **kwargs):
             kind = "send" if "send" in name else "recv"
             ops.append((kind, x.clone(), t.detach().clone() if kind == "send" else None))
-            return real[name](t, peer, *args, **kwargs)
+            if name in ("send", "recv"):
+                return blocking(f"a blocking {name}", real[name], t, peer, *args, **kwargs)
+            handle = real[name](t, peer, *args, **kwargs)
+            wait = handle.wait
+            handle.wait = lambda: blocking(f"the wait of an {name}", wait)
+            return handle
         return call
 
+    def stuck():
+        import time
+        with open(os.path.join(hang_dir, f"rank{r}.json.tmp"), "w") as f:
+            json.dump({"waiting": waiting[-1] if waiting else "",
+                       "posted": [kind for kind, _, _ in ops]}, f)
+        os.replace(os.path.join(hang_dir, f"rank{r}.json.tmp"), os.path.join(hang_dir, f"rank{r}.json"))
+        deadline = time.monotonic() + HANG_S / 2     # the others' watchdogs fire too: wait for
+        while time.monotonic() < deadline and \
+                sum(name.endswith(".json") for name in os.listdir(hang_dir)) < n:   # their words
+            time.sleep(0.05)
+        os._exit(3)
+
+    watchdog = threading.Timer(HANG_S, stuck)
+    watchdog.daemon = True
     comm.reset()
     try:
         for name in real:
             setattr(comm, name, spy(name))
+        watchdog.start()
         with p2p_order.record() as log:
             out = student.ring_all_reduce(x, comm.WORLD)
     finally:
+        watchdog.cancel()
         for name, fn in real.items():
             setattr(comm, name, fn)
     sent = comm.stats.bytes_by_op()
@@ -100,6 +155,33 @@ def _run(student, n):
                 out_is_t=out is x, sent=sent.get("send", 0),
                 other=sorted(op for op in sent if op not in ("send", "recv")),
                 expected_sent=ring_bytes("all_reduce", x.numel() * 8, n))
+
+
+def hang_message(hang_dir, n: int) -> str:
+    """Why the ranks stopped moving, from what each stuck rank wrote: in a send whose receive
+    it had not posted yet, on every rank, is the send-first cycle."""
+    import json
+    import os
+    stuck = {}
+    for r in range(n):
+        path = os.path.join(hang_dir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                stuck[r] = json.load(f)
+    if not stuck:
+        return ""
+    send_first = [r for r, s in stuck.items() if "send" in s["waiting"]
+                  and s["posted"].count("send") > s["posted"].count("recv")]
+    if len(send_first) == n:
+        how = sorted({stuck[r]["waiting"] for r in send_first})
+        return (f"every rank waited in a send ({' or '.join(how)}) before posting its receive: "
+                f"this hangs on gloo and on NCCL, since no rank ever reaches the receive its "
+                f"left neighbour's send waits for. Let even ranks send first and odd ranks "
+                f"receive first")
+    where = "; ".join(f"rank {r} in {s['waiting'] or 'its own code (a loop?)'} after posting "
+                      f"{s['posted'].count('send')} sends and {s['posted'].count('recv')} "
+                      f"receives" for r, s in sorted(stuck.items()))
+    return f"the ranks stopped moving: {where}"
 
 
 def expected_chunk(phase: str, k: int, r: int, n: int) -> tuple[int, int]:
@@ -194,12 +276,22 @@ def diagnose(results: list[dict], n: int) -> dict[int, tuple[str, str]]:
 
 
 def check(student, report) -> None:
+    import tempfile
     from minipar import p2p_order
+    from minipar.runtime.dist import RankFailed
     from minipar.exercises import launch_student
     good = {"order": [], "steps": [], "bytes": []}
     for n in (2, 3, 4):
         where = f"on {n} ranks"
-        results = launch_student(_run, n, student, n, timeout=30)
+        with tempfile.TemporaryDirectory(prefix="minipar-ex01-") as hang_dir:
+            try:
+                results = launch_student(_run, n, student, n, hang_dir, timeout=30)
+            except (RankFailed, TimeoutError):
+                why = hang_message(hang_dir, n)
+                if not why:
+                    raise
+                report.fail(f"{where}: {why}", kind="hang")
+                break                           # more ranks would wait as long, to say the same
         verdict = p2p_order.check([res["order"] for res in results])
         mode, problems = next(((m, p) for m, p in verdict.items() if p), (None, None))
         if problems:

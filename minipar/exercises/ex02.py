@@ -54,7 +54,17 @@ def _run(student, bucket_bytes):
         b.attach()
     model(data[r]).square().mean().backward()
     comm.reset()
-    student.sync_buckets(buckets, comm.WORLD)
+    ops, all_reduce = [], comm.all_reduce
+
+    def spy(t, group=None, op="sum", *args, **kwargs):
+        ops.append(op)
+        return all_reduce(t, group, op, *args, **kwargs)
+
+    comm.all_reduce = spy
+    try:
+        student.sync_buckets(buckets, comm.WORLD)
+    finally:
+        comm.all_reduce = all_reduce
     grads = []
     for name, p, want, own in zip(names, params, mean, local[r]):
         got = p.grad
@@ -67,7 +77,7 @@ def _run(student, bucket_bytes):
                 missing=[names[i] for i in range(len(params))
                              if id(params[i]) not in {id(p) for p in covered}],
                 twice=len(covered) != len({id(p) for p in covered}), grads=grads, calls=calls,
-                buckets=len(buckets), n=n)
+                buckets=len(buckets), n=n, avg="avg" in ops)
 
 
 def check(student, report) -> None:
@@ -115,6 +125,11 @@ def check(student, report) -> None:
                 ratio = f", {g['ratio']:.2f}x its norm" if g["ratio"] is not None else ""
                 report.fail(f"{where}: the gradient of {g['name']} is not the average over the "
                             f"ranks (max error {g['err']:.3g}{ratio})", kind="wrong gradient")
+        if res["avg"]:
+            report.fail(f"{where}: you called comm.all_reduce(..., op=\"avg\"). gloo has no AVG "
+                        f"(minipar.comm emulates it: a sum, then a division); write the two steps "
+                        f"yourself: all-reduce with op=\"sum\", then divide the buffer by "
+                        f"comm.size(group)", kind="avg")
         if res["calls"] != res["buckets"]:
             report.fail(f"{where}: {res['calls']} all-reduces for {res['buckets']} buckets; use "
                         f"exactly one per bucket")

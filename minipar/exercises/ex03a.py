@@ -11,6 +11,11 @@ NOTEBOOK = "02, section 2 (Where f and g sit in a block)"
 MODULE = "minipar.tp"
 NAMES = ["CopyToTP", "ReduceFromTP", "f", "g"]
 API = ["minipar.comm.all_reduce"]
+_METHODS = """`forward(ctx, x, group)` returns the output; `backward(ctx, grad)` returns one
+gradient per forward input: `(grad_x, None)` (the group gets none). Keep what backward needs
+on `ctx` (`ctx.group = group`). `comm.all_reduce(t, group)` sums in place, into t: reduce a
+copy (`x.clone()`), never the tensor autograd handed you. The checker tests f and g alone on
+t = 2 and 4 ranks, then a whole Megatron MLP, `g(gelu(f(X) A_r) B_r)`, against one process."""
 INTRO = """
 Tensor parallelism runs one layer on t ranks at once, and autograd must know where the ranks'
 results meet. Megatron-LM glues it with two conjugate operators, each an autograd Function:
@@ -22,13 +27,18 @@ f stands in front of a column-parallel layer: every rank's branch used all of X,
 gradient of X is the sum of the t branches' gradients. g stands behind a row-parallel layer:
 the t partial products are summed, and the gradient of a sum reaches every summand unchanged.
 
-Write the four static methods. `forward(ctx, x, group)` returns the output; `backward(ctx,
-grad)` returns one gradient per forward input: `(grad_x, None)` (the group gets none). Keep
-what backward needs on `ctx` (`ctx.group = group`). `comm.all_reduce(t, group)` sums in place,
-into t: reduce a copy (`x.clone()`), never the tensor autograd handed you. The checker tests f
-and g alone on t = 2 and 4 ranks, then a whole Megatron MLP, `g(gelu(f(X) A_r) B_r)`, against
-one process.
-"""
+Write the four static methods. """ + _METHODS
+
+HARD_INTRO = """
+The harder track of ex03a: the same checker, without the table of what f and g do. Tensor
+parallelism runs one layer on t ranks at once, and autograd must know where the ranks'
+results meet. Megatron-LM glues it with two conjugate operators, each an autograd Function:
+f (`CopyToTP`) stands in front of a column-parallel layer, whose t branches each read all of
+X; g (`ReduceFromTP`) stands behind a row-parallel layer, whose t branches each give a partial
+product, and Y is their sum. Derive what each must do in its forward and in its backward, and
+write the four static methods (`f(x, group)` and `g(x, group)` below apply them).
+
+""" + _METHODS
 
 
 def _rand(*shape, seed):

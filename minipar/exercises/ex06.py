@@ -111,6 +111,12 @@ def spy_optimizer_step(student_fn, findings: list):
                                      f"{mesh.d}x the average: a missing division by the group "
                                      f"size. Divide the sum by mesh.d = {mesh.d} (every rank of "
                                      f"the data-parallel group)"))
+                elif _close(seen, local + w) or _close(seen, (local + w * mesh.d) / mesh.d):
+                    findings.append(("accumulated", f"{name}: the gradient Adam read is the "
+                                     f"average plus what u.os_grad held before your step (this "
+                                     f"rank's own unreduced gradient): a stale shard. u.os_grad "
+                                     f"is a view of u.grad_shard, which still holds it: write it "
+                                     f"with `copy_`, do not accumulate (add_, +=)"))
                 elif _close(seen, o) and comm.size(mesh.rep_group) > 1:
                     findings.append(("replicas not summed", f"{name}: the gradient Adam read "
                                      f"sums the os group only; the {comm.size(mesh.rep_group)} "

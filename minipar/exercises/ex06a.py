@@ -79,11 +79,19 @@ def _run(student):
     shard.grad = shard_grad
     optimizer = torch.optim.SGD([shard], lr=LR)
     comm.reset()
-    student.zero1_step(flat, grads[r].clone(), shard_grad, optimizer, comm.WORLD)
+    events, all_gather, step = [], comm.all_gather, optimizer.step
+    optimizer.step = lambda *a, **k: (events.append("step"), step(*a, **k))[1]
+    comm.all_gather = lambda *a, **k: (events.append("all_gather"), all_gather(*a, **k))[1]
+    try:
+        student.zero1_step(flat, grads[r].clone(), shard_grad, optimizer, comm.WORLD)
+    finally:
+        comm.all_gather = all_gather
     sent = comm.stats.bytes_by_op()
     n = flat.numel() // d
     mine = slice(r * n, (r + 1) * n)
-    return dict(r=r, d=d, flat=flat.clone(), want=want, start=_tensors(0), mean=mean[mine],
+    early = "all_gather" in events and "step" in events and \
+        events.index("all_gather") < events.index("step")
+    return dict(r=r, d=d, flat=flat.clone(), early_gather=early, want=want, start=_tensors(0), mean=mean[mine],
                 local=grads[r][mine], shard_grad=shard_grad.clone(), sent=sent,
                 sent_want={"reduce_scatter": ring_bytes("reduce_scatter", flat.numel() * 4, d),
                            "all_gather": ring_bytes("all_gather", flat.numel() * 4, d)})
@@ -115,6 +123,11 @@ def _diagnose(res) -> tuple[str, str] | None:
     if not wrong:
         return None
     if wrong == [k for k in range(d) if k != r] and all(close(flat.chunk(d)[k], start.chunk(d)[k]) for k in wrong):
+        if res["early_gather"]:
+            return ("early all-gather", f"the all-gather ran before optimizer.step(): it "
+                    f"gathered the old slices, so only this rank's own slice r is new and the "
+                    f"other {d - 1} still hold the old parameters. Step first, then all-gather "
+                    f"the updated slices")
         return ("missing all-gather", f"only its own slice r was updated; the other {d - 1} "
                 f"slices still hold the old parameters: all-gather the updated slices into flat")
     return ("wrong parameters", f"after the step slices {wrong} of flat differ from one "

@@ -17,9 +17,12 @@ with shapes (t, E), (t, k), (t, k). `load_balancing_loss(probs, experts, seq_len
 Transformer's auxiliary loss E * sum_e f_e P_e, computed for each sequence of `seq_len`
 tokens and averaged over the sequences, where f_e is the share of the sequence's s*k choices
 that went to expert e (a count: no gradient flows through it) and P_e the sum of the
-probabilities of e over the sequence's tokens divided by `seq_len` (their mean; under tensor
-parallelism `probs` holds a rank's share of the tokens and this gives its share of the loss). It is 1 when the routing is balanced and E when every token picks the
-same expert. The checker compares both with plain loops and trains a step through them.
+probabilities of e over the sequence's tokens divided by `seq_len` (their mean). Under tensor
+parallelism `probs` holds only a rank's share of each sequence's tokens, (b s/t, E), while
+`experts` covers the whole sequences: divide by `seq_len` still, and the t ranks' results sum
+to the loss. It is 1 when the routing is balanced and E when every token picks the same
+expert. The checker compares both with plain loops, splits the tokens over t = 3 ranks, and
+trains a step through them.
 
 Shapes in `load_balancing_loss`: `probs` (b s, E), `experts` (b s, k) for b sequences of
 s = `seq_len` tokens; `rearrange(x, "(b s) e -> b s e", s=seq_len)` gives each sequence its row.
@@ -131,6 +134,23 @@ def check(student, report) -> None:
                         f"f_e is a count, no gradient may flow through it")
             continue
         good_aux.append(f"{b} sequences of {s}")
+    # Under tensor parallelism (sequence parallel) rank r holds tokens [r s/t, (r+1) s/t) of
+    # every sequence: its probs (b s/t, E), the experts of the whole sequences (b s, k)
+    s, b, E, k, tp = 6, 2, 4, 2, 3
+    probs = torch.softmax(torch.randn(b * s, E, generator=g), dim=-1)
+    experts = torch.topk(probs, k, dim=-1).indices
+    want = float(_reference_aux(probs, experts, s))
+    parts = probs.view(b, tp, s // tp, E)
+    shares = [student.load_balancing_loss(parts[:, r].reshape(-1, E), experts, s) for r in range(tp)]
+    where = f"load_balancing_loss under tensor parallelism, t={tp} ranks of {s // tp} tokens per sequence"
+    total = sum(float(x) for x in shares)
+    if abs(total - want) > 1e-5:
+        why = (f" ({tp}x it: P_e divides by seq_len = {s}, the whole sequence, not by the "
+               f"{s // tp} tokens this rank holds)" if abs(total - tp * want) < 1e-4 else "")
+        report.fail(f"{where}: the {tp} ranks' shares sum to {total:.6f}, the whole batch's loss "
+                    f"is {want:.6f}{why}")
+    else:
+        good_aux.append(f"the shares of {tp} tensor-parallel ranks (they sum to the loss)")
     balanced = torch.full((8, 4), 0.25)
     got = student.load_balancing_loss(balanced, torch.arange(8).remainder(4)[:, None], 8).item()
     if abs(got - 1) > 1e-6:

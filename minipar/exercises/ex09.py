@@ -7,12 +7,12 @@ NOTEBOOK = "09, section 2 (A ring-attention step, block by block)"
 MODULE = "minipar.cp"
 NAMES = ["merge"]
 API = ["torch.logaddexp", "torch.maximum"]
-INTRO = """
-Ring attention (and flash attention inside one GPU) never computes one softmax over all the
-keys: each block of keys gives a partial output `out_x = softmax(q k_x^T) v_x`, normalised by
-that block's own sum, and its log-sum-exp `lse_x = log sum_j exp(q k_j)` for each query. Write
-`merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the output and log-sum-exp of one softmax
-over both blocks' keys. Shapes: out (b h i d), lse (b h i). Hint: the merged lse is the log of
+_BLOCKS = """Ring attention (and flash attention inside one GPU) never computes one softmax over
+all the keys: each block of keys gives a partial output `out_x = softmax(q k_x^T) v_x`,
+normalised by that block's own sum, and its log-sum-exp `lse_x = log sum_j exp(q k_j)` for each
+query. Write `merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the output and log-sum-exp of
+one softmax over both blocks' keys"""
+INTRO = _BLOCKS + """. Shapes: out (b h i d), lse (b h i). Hint: the merged lse is the log of
 the sum of the two exponentials (compute it without overflow: scores can be large), and each
 partial output is reweighted by exp(lse_x - lse). A row may have seen no key in one of the
 blocks (lse = -inf there): it must take the other block's values unchanged.
@@ -20,6 +20,13 @@ blocks (lse = -inf there): it must take the other block's values unchanged.
 Notebook 09 derives the merge by hand for one query (section 2). `out_x[..., None]`-style
 broadcasting: lse (b h i) needs a trailing axis, `lse[..., None]`, to scale out (b h i d).
 """
+
+HARD_INTRO = "The harder track of ex09: the same checker, without the formula.\n\n" + _BLOCKS + """,
+from these four alone (derive it for one query first, on paper). Shapes: out (b h i d), lse
+(b h i). The checker's scores reach the thousands, and a row may have seen no key in one of
+the blocks (lse = -inf there).
+"""
+HARD_API = ["torch.exp", "torch.log"]
 
 
 def _blocks(g, b=2, h=3, i=5, j=7, d=4, scale=1.0, dtype=None):
@@ -56,7 +63,7 @@ def check(student, report) -> None:
             report.fail(f"{where}: out must be (b h i d) {tuple(want_out.shape)} and lse (b h i) "
                         f"{tuple(want_lse.shape)}, got {tuple(out.shape)} and {tuple(lse.shape)}")
             continue
-        if not torch.isfinite(lse).all() or not torch.isfinite(out).all():
+        if not torch.isfinite(lse).all():
             top = max(a[1].abs().max().item(), b[1].abs().max().item())
             report.fail(f"{where}: the merged lse or out overflows to inf/nan (the lse values "
                         f"reach {top:.0f}, and exp(710) is already inf in float64): a "
@@ -71,6 +78,14 @@ def check(student, report) -> None:
                         f"{want_lse.flatten()[i].item():.6f}" + (
                             " (that is max(lse_a, lse_b): the max is only the shift, add "
                             "log(exp(lse_a - m) + exp(lse_b - m)))" if maxed else ""))
+            continue
+        unnormalised = torch.exp(a[1])[..., None] * a[0] + torch.exp(b[1])[..., None] * b[0]
+        if not torch.isfinite(out).all() or torch.allclose(out, unnormalised, atol=1e-9):
+            report.fail(f"{where}: the merged lse is right, but the output "
+                        f"{'overflows' if not torch.isfinite(out).all() else 'is wrong'}: its "
+                        f"weights are exp(lse_x), which do not sum to 1 (unnormalised weights). "
+                        f"Weight each block by exp(lse_x - lse): the two weights then sum to 1 "
+                        f"and never overflow")
             continue
         if not torch.allclose(out, want_out, atol=1e-9):
             swapped = torch.exp(b[1] - lse)[..., None] * a[0] + torch.exp(a[1] - lse)[..., None] * b[0]
