@@ -15,6 +15,7 @@ GPU environments, as tests/test_dist.py and tests/test_scripts.py do) and fixed.
 """
 import datetime
 import os
+import re
 import sys
 
 import pytest
@@ -203,6 +204,29 @@ def test_bench_gpu_check_runs_pytest_with_its_own_options():
     assert cmd[cmd.index("-o") + 1] == "addopts="
     ok, text = bench_gpu.run_gpu_tests(timeout=240, extra=("-p", "no:xdist", "-p", "no:nbval"))
     assert ok and "skipped" in text, text
+
+
+def test_bench_gpu_check_compares_two_fresh_deterministic_runs(monkeypatch):
+    """--check's repeat: two fresh trainer processes, their losses compared bit for bit (on the
+    CPU here; on a GPU, tests/test_gpu.py), and a difference named by its first step."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(model="nano", batch_size=8, dtype="fp32", device="cpu", compile=False)
+    ok, text = bench_gpu.repeat_runs(args, steps=3, timeout=240)
+    assert ok and "losses bit-identical" in text, text
+    runs = iter(["1", "2"])                       # the second run with another seed
+    real = bench_gpu.subprocess.run
+    monkeypatch.setattr(bench_gpu.subprocess, "run",
+                        lambda cmd, **kw: real(cmd + ["--seed", next(runs)], **kw))
+    ok, text = bench_gpu.repeat_runs(args, steps=3, timeout=240)
+    assert not ok and "losses differ from step 1" in text, text
+
+
+def test_bench_gpu_deterministic_prints_its_cost():
+    r = cli("minipar.bench", "gpu", "--device", "cpu", "--model", "nano", "--batch-size", "8",
+            "--steps", "3", "--warmup", "1", "--dtype", "fp32", "--deterministic", timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"minipar --deterministic: [\d.]+ ms a step, [\d.]+x the default's",
+                     r.stdout), r.stdout
 
 
 def test_bench_gpu_check_names_each_failure(tmp_path, monkeypatch):
