@@ -121,6 +121,18 @@ def global_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
+def communicator(group) -> str:
+    """The process group an op on ``group`` runs on, as an order recording names it: its name
+    and global ranks, ``world[0, 1, 2, 3]`` for the default group (``WORLD``, or torch's own
+    default group object). The point-to-point ops below run on the default group, so they are
+    filed under this same name as the world's collectives: under eager init NCCL runs them on
+    one communicator, in one queue."""
+    pg = _pg(group)
+    if pg is None or pg is dist.group.WORLD:
+        return f"world{list(range(dist.get_world_size()))}"
+    return f"{group_name(pg)}{dist.get_process_group_ranks(pg)}"
+
+
 # --------------------------------------------------------------------------------------
 # Accounting
 # --------------------------------------------------------------------------------------
@@ -235,11 +247,11 @@ def _post(op, group, nbytes, peer=None) -> list:
         return []
     if peer is not None:      # point-to-point, on the default group (torch's dist.send)
         arrow = "->" if op == "send" else "<-"
-        kind, name, comm, members = op, f"{op} {group_name(group)} {arrow}{peer}", "world", None
+        kind, name, comm, members = op, f"{op} {group_name(group)} {arrow}{peer}", \
+            communicator(WORLD), None
     else:
         kind, name = "collective", f"{op} {group_name(group)}"
-        members = tuple(global_ranks(group))
-        comm = f"{group_name(group)}{list(members)}"
+        members, comm = tuple(global_ranks(group)), communicator(group)
     return [(r, r.post(kind, name, comm, peer, members, nbytes)) for r in _recorders]
 
 

@@ -35,9 +35,11 @@ runs the ranks' recordings together under the rules above and returns what would
 A host that waits for an op (a blocking call, ``Handle.wait()``) stops there until it
 completes; on a GPU the stream waits instead, which delays every later op just the same.
 The pipeline's schedule checker (``minipar.schedules.validate_schedule``) replays its instruction
-lists with the same function. What this model leaves out: ops that bypass ``minipar.comm``
-(checkpoint and trace bookkeeping), and kernels of different communicators competing for
-the GPU (NCCL's advice: one order of communicators on every rank).
+lists with the same function. Ops that bypass ``minipar.comm`` (torch's DDP, the DTensor
+all-reduce in ``clip_grad_norm_`` under ``fully_shard``, checkpoint and trace bookkeeping)
+cannot be replayed: ``record()`` counts them per process group and ``replay`` names them in a
+``"not replayed: ..."`` line. Left out of the model: kernels of different communicators
+competing for the GPU (NCCL's advice: one order of communicators on every rank).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 
 from . import comm
 
@@ -168,11 +171,83 @@ class Recorder:
 
 @contextlib.contextmanager
 def record():
-    """Record this rank's operations through ``minipar.comm`` while the block runs."""
-    from . import comm
+    """Record this rank's operations through ``minipar.comm`` while the block runs.
+
+    Ops that bypass ``minipar.comm`` cannot be replayed, so they are counted instead: torch
+    numbers every op a process group issues (``_get_sequence_number_for_group``: collectives
+    and point-to-point, from Python, DDP's C++ reducer or DTensor's functional collectives),
+    and each group's count beyond the ops recorded on it ends the recording as an
+    ``("unseen", communicator, count, names)`` event. ``names`` counts the calls of
+    torch.distributed's Python functions (and its functional collectives) made outside
+    ``minipar.comm`` meanwhile; C++ callers (DDP) have none. ``replay`` reports them."""
     recorder = Recorder()
-    with comm.recording(recorder):
+    before = _issued()
+    with comm.recording(recorder), _outside_calls() as names:
         yield recorder
+    posted = defaultdict(int)
+    for event in recorder.events:
+        if event[0] == "post":
+            posted[event[2].comm] += 1
+    for name, count in _issued().items():
+        unseen = count - before.get(name, 0) - posted[name]
+        if unseen > 0:
+            recorder.events.append(("unseen", name, unseen, dict(names)))
+
+
+def _issued() -> dict[str, int]:
+    """Ops issued so far by each process group this rank belongs to, by communicator name."""
+    if not torch.distributed.is_initialized():
+        return {}
+    c10d = torch.distributed.distributed_c10d
+    groups = list(getattr(c10d._world, "pg_map", {})) or [c10d._get_default_group()]
+    return {comm.communicator(pg): pg._get_sequence_number_for_group() for pg in groups}
+
+
+# torch's Python entry points to its collectives, named in the report of unseen ops
+_ENTRY_POINTS = {
+    "torch.distributed": (
+        "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+        "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
+        "barrier", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
+        "send", "recv", "isend", "irecv", "batch_isend_irecv"),
+    "torch.distributed._functional_collectives": (
+        "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single",
+        "broadcast", "all_reduce_coalesced", "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor_coalesced"),
+}
+
+
+@contextlib.contextmanager
+def _outside_calls():
+    """Count, by name, the outermost calls of ``_ENTRY_POINTS`` not made by ``minipar.comm``."""
+    import importlib
+    import sys
+    counts: dict[str, int] = defaultdict(int)
+    depth = [0]
+
+    def wrap(module, name, fn):
+        def counted(*args, **kwargs):
+            if depth[0] == 0 and sys._getframe(1).f_globals.get("__name__") != comm.__name__:
+                counts[f"{module}.{name}"] += 1
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return counted
+
+    saved = []
+    for module_name, names in _ENTRY_POINTS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, wrap(module_name, name, getattr(module, name)))
+    try:
+        yield counts
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 def blocking(op: Op, op_id: int) -> list[tuple]:
@@ -203,7 +278,9 @@ def replay(traces: list[list[tuple]], mode: str = "eager", who: str = "rank") ->
     and process group) or ``"lazy"`` (unbatched point-to-point ops on a two-rank communicator
     per pair, made by a blocking handshake at the pair's first message). Otherwise one line,
     ``"deadlock: ..."``, naming where each stuck rank (``who``) waits, and, for a rank that
-    ended with operations still queued, which ones never completed.
+    ended with operations still queued, which ones never completed; and one line
+    ``"not replayed: ..."`` when a recording counted ops that bypassed ``minipar.comm``
+    (``record``), by rank, group, count and the names it saw: the replay cannot vouch for them.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -215,6 +292,7 @@ def replay(traces: list[list[tuple]], mode: str = "eager", who: str = "rank") ->
     made: set = set()                                  # lazy: communicators created
     joining: dict[int, tuple] = {}                     # lazy: rank -> key of its handshake
     problems: list[str] = []
+    unseen: list[tuple] = []                           # (rank, communicator, count, names)
 
     def advance(r) -> bool:
         moved = False
@@ -232,6 +310,8 @@ def replay(traces: list[list[tuple]], mode: str = "eager", who: str = "rank") ->
                 else:
                     q.append([[op_id, op, False]])
                 posted[(r, op_id)] = (key, op)
+            elif event[0] == "unseen":
+                unseen.append((r, *event[1:]))
             elif (r, event[1]) not in done:
                 return moved
             pc[r] += 1
@@ -310,8 +390,9 @@ def replay(traces: list[list[tuple]], mode: str = "eager", who: str = "rank") ->
             event = traces[r][pc[r]]
             if event[0] == "post":      # lazy: waiting for the peer to make the communicator
                 key, members = joining[r]
+                named = key[0] if key[0].endswith("]") else f"{key[0]} {list(members)}"
                 which = (f"the pair communicator of {key[1]} and {key[2]}" if len(key) == 3
-                         else f"the communicator of {key[0]} {list(members)}")
+                         else f"the communicator of {named}")
                 stuck.append(f"{who} {r} waits to create {which} for {event[2]}")
                 continue
             key, op = posted[(r, event[1])]
@@ -324,6 +405,11 @@ def replay(traces: list[list[tuple]], mode: str = "eager", who: str = "rank") ->
                 stuck.append(f"{who} {r} ends with {', '.join(map(str, left))} never completed")
     if stuck:
         problems.append("deadlock: " + "; ".join(stuck))
+    if unseen:
+        problems.append("not replayed: " + "; ".join(
+            f"{who} {r}: {count} op{'s' * (count > 1)} on {name} outside minipar.comm"
+            + (f" ({', '.join(f'{k} x{v}' for k, v in sorted(names.items()))})" if names else "")
+            for r, name, count, names in unseen))
     return problems
 
 

@@ -87,6 +87,7 @@ def test_bench_gpu_check_cpu_smoke():
     assert out.startswith("minipar GPU check:") and "machine:" in out
     assert "[ok] trainer vs plain loop: model nano" in out
     assert "[ok] fp32 checkpoint round trip: losses and parameters of steps 3..4 bit-identical" in out
+    assert "[ok] two fresh --deterministic runs: nano, fp32, 10 steps" in out
     assert "all checks passed" in out
 
 

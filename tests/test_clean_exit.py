@@ -26,3 +26,18 @@ def test_a_spawned_script_using_the_wrappers_ends_cleanly_every_time():
                          timeout=1800, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"runs {RUNS} aborted 0 failed 0" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_delayed_gloo_worker_thread_cannot_abort_a_launched_rank():
+    """tests/exit_abort.py: a sub-group kept past destroy_process_group, its worker thread
+    delayed while it frees an op's tensor. A script ending by interpreter finalization aborts
+    (SIGABRT, every run of 5 on the 2-core VM: the window docs/reference.md states); ranks of
+    minipar's launcher end through dist.finish and os._exit and never do."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "exit_abort.py"),
+                          "launch", "10"], capture_output=True, text=True, env=env,
+                         timeout=850, cwd=ROOT)
+    assert "runs 10 aborted 0 failed 0" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]

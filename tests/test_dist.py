@@ -298,11 +298,20 @@ def _assert_no_semaphore_left(sems, timeout=10):
     assert left == set(), f"semaphores left in /dev/shm: {sorted(left)}"
 
 
+# Started as a terminal starts a command: SIGINT at its default. A suite run as a background
+# job (`python -m pytest &` from a script) has SIGINT ignored, which a child would inherit
+# (POSIX: a non-interactive shell's background jobs ignore SIGINT; the launcher keeps it so).
+_SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
 def _start(argv, **kw):
-    """A command in its own session (so the test can find, and finally kill, all it started)."""
+    """A command in its own session (so the test can find, and finally kill, all it started),
+    with SIGINT at its default whatever this process has (the exec keeps the pid)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT, **kw.pop("env", {}))
-    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT, *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def _wait_for_line(proc, pattern, timeout=120):
@@ -381,16 +390,25 @@ def test_killing_a_rank_of_a_zero3_run_ends_the_run_naming_it():
     ("SIGTERM", 128 + 15, "stopped by SIGTERM: every rank was stopped"),
     pytest.param("SIGINT", 130, "interrupted: every rank was stopped", marks=pytest.mark.slow),
     pytest.param("Ctrl-C", 130, "interrupted: every rank was stopped", marks=pytest.mark.slow),
+    pytest.param("Ctrl-C, suite in the background", 130, "interrupted: every rank was stopped",
+                 marks=pytest.mark.slow),
 ])
 @pytest.mark.slow
 def test_signalled_launcher_stops_every_rank_with_one_line(how, status, line):
-    proc = _start(TRAIN_FOREVER + ["--nproc", "2"])
+    # in the background (`python -m pytest &` from a script) this process ignores SIGINT
+    background = how.endswith("in the background")
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if background else None
+    try:
+        proc = _start(TRAIN_FOREVER + ["--nproc", "2"])
+    finally:
+        if background:
+            signal.signal(signal.SIGINT, old)
     try:
         _wait_for_line(proc, r"step\s+2/")
         sems = _semaphores_of(_session(proc.pid))
         ranks = [p for p in _descendants(proc.pid) if p in _ranks_of(proc.pid)]
         t = time.monotonic()
-        if how == "Ctrl-C":  # the terminal signals the whole foreground process group
+        if how.startswith("Ctrl-C"):  # the terminal signals the whole foreground process group
             os.killpg(proc.pid, signal.SIGINT)
         else:
             os.kill(proc.pid, getattr(signal, how))

@@ -15,6 +15,7 @@ GPU environments, as tests/test_dist.py and tests/test_scripts.py do) and fixed.
 """
 import datetime
 import os
+import re
 import sys
 
 import pytest
@@ -169,11 +170,24 @@ def test_the_suite_hides_gpus_except_from_test_gpu():
     assert environ == {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
 
 
+class _TorchThatCountedAGpu:
+    """torch as minipar's device rule (``minipar.runtime.dist``) sees it on a GPU host where
+    torch counted one GPU before the suite hid it; everything else is the real torch."""
+    cuda = type("cuda", (), dict(is_available=staticmethod(lambda: True),
+                                 device_count=staticmethod(lambda: 1)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 def test_on_a_gpu_host_the_cpu_suite_trains_on_the_cpu(monkeypatch):
-    """A GPU host, faked: torch sees a GPU. The hidden devices win: gloo on the CPU, no MFU
-    and no GPU memory in the metrics (test_mfu's expectations)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    """A GPU host, faked for minipar's device rule alone: it is told of a GPU. The hidden
+    devices win: gloo on the CPU, no MFU and no GPU memory in the metrics (test_mfu's
+    expectations). torch's own code is not told: faking ``torch.cuda.is_available`` for the
+    whole run, as this test did, can send a CUDA build's own code into a CUDA call with no GPU
+    visible (some torch releases' optimizer graph-capture check asks ``is_available()``, then
+    the stream), which is the likely reason it failed on an H200 and nowhere else."""
+    monkeypatch.setattr(dist, "torch", _TorchThatCountedAGpu())
     assert dist.gpu_count() == 0
     assert dist.resolve("auto", 1)[:2] == ("gloo", torch.device("cpu"))
     history = train.run(SHORT)
@@ -190,6 +204,29 @@ def test_bench_gpu_check_runs_pytest_with_its_own_options():
     assert cmd[cmd.index("-o") + 1] == "addopts="
     ok, text = bench_gpu.run_gpu_tests(timeout=240, extra=("-p", "no:xdist", "-p", "no:nbval"))
     assert ok and "skipped" in text, text
+
+
+def test_bench_gpu_check_compares_two_fresh_deterministic_runs(monkeypatch):
+    """--check's repeat: two fresh trainer processes, their losses compared bit for bit (on the
+    CPU here; on a GPU, tests/test_gpu.py), and a difference named by its first step."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(model="nano", batch_size=8, dtype="fp32", device="cpu", compile=False)
+    ok, text = bench_gpu.repeat_runs(args, steps=3, timeout=240)
+    assert ok and "losses bit-identical" in text, text
+    runs = iter(["1", "2"])                       # the second run with another seed
+    real = bench_gpu.subprocess.run
+    monkeypatch.setattr(bench_gpu.subprocess, "run",
+                        lambda cmd, **kw: real(cmd + ["--seed", next(runs)], **kw))
+    ok, text = bench_gpu.repeat_runs(args, steps=3, timeout=240)
+    assert not ok and "losses differ from step 1" in text, text
+
+
+def test_bench_gpu_deterministic_prints_its_cost():
+    r = cli("minipar.bench", "gpu", "--device", "cpu", "--model", "nano", "--batch-size", "8",
+            "--steps", "3", "--warmup", "1", "--dtype", "fp32", "--deterministic", timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"minipar --deterministic: [\d.]+ ms a step, [\d.]+x the default's",
+                     r.stdout), r.stdout
 
 
 def test_bench_gpu_check_names_each_failure(tmp_path, monkeypatch):

@@ -2,15 +2,17 @@
 
 The replay itself on small hand-made orders (rings, batches, mismatched collectives), then the
 orders every p2p exchange of the package really posts on gloo ranks, replayed under both ways
-torch makes NCCL communicators: the ring all-reduce on 2 to 4 ranks, ring attention with cp 2
-and 4, and whole training steps with cp, cp x pp, pp with each schedule and MoE with EP. The
+torch makes NCCL communicators: the ring all-reduce on 2 to 4 ranks, ring attention with cp 2,
+3 and 4, and whole training steps with cp, cp x pp, pp (2, 3 and 4 stages) with each schedule
+and MoE with EP. The recording keys world p2p and world collectives by one communicator and
+names the ops that bypass ``minipar.comm``. The
 old ring orders (every rank receives first; every rank sends first) pass on gloo and must fail
 the replay: that keeps the checker honest.
 """
 import pytest
 import torch
 
-from minipar import comm, cp, p2p_order, schedules, train
+from minipar import comm, cp, model, p2p_order, schedules, train
 from minipar.runtime import dist
 from minipar.p2p_order import Op, Recorder, replay
 
@@ -189,17 +191,22 @@ def test_ring_all_reduce_order_runs_on_nccl_and_the_old_one_would_hang(n):
 
 
 def _ring_attention_orders():
-    """cp = 2 (rings {0,1}, {2,3}) and cp = 4 on 4 ranks, forward and backward, now and old."""
+    """cp = 2 (rings {0,1}, {2,3}), cp = 3 (an odd ring, {0,1,2}: rank 3 sits out) and cp = 4
+    on 4 ranks, forward and backward, now and old."""
     me = torch.distributed.get_rank()
+    three = dist.new_group([0, 1, 2])
     groups = {2: [dist.new_group(r) for r in ([0, 1], [2, 3])][me // 2],
-              4: dist.new_group([0, 1, 2, 3])}
+              3: three if me < 3 else None, 4: dist.new_group([0, 1, 2, 3])}
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 16, 4, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 24, 4, generator=g) for _ in range(3))
     out = {}
     for order in ("now", "old"):
         if order == "old":
             cp.Ring.shift = _old_order_shift
         for n, group in groups.items():
+            if group is None:
+                out[(order, n)] = []
+                continue
             ring = cp.Ring.of(group)
             mine = [cp.shard_sequence(x, n, ring.index, dim=2).requires_grad_() for x in (q, k, v)]
             with p2p_order.record() as log:
@@ -210,10 +217,62 @@ def _ring_attention_orders():
 
 def test_ring_attention_order_runs_on_nccl_and_the_old_one_would_hang():
     results = dist.launch(_ring_attention_orders, 4, timeout=120)
-    for n in (2, 4):
+    for n in (2, 3, 4):
         assert p2p_order.check([res[("now", n)] for res in results]) == {"eager": [], "lazy": []}
         for mode, problems in p2p_order.check([res[("old", n)] for res in results]).items():
             assert problems and "recv cp <-" in problems[0], (n, mode, problems)
+
+
+def _p2p_ahead_of_a_world_collective():
+    """Rank 0: isend ->1, all_reduce(WORLD), wait; rank 1: all_reduce(WORLD), recv <-0, after
+    one exchange of each (both communicators made under lazy init). gloo runs it."""
+    me = torch.distributed.get_rank()
+    t, x = torch.ones(4), torch.ones(2)
+    with p2p_order.record() as log:
+        comm.all_reduce(x, comm.WORLD)
+        (comm.send if me == 0 else comm.recv)(t, 1 - me)
+        if me == 0:
+            handle = comm.isend(t, 1)
+            comm.all_reduce(x, comm.WORLD)
+            handle.wait()
+        else:
+            comm.all_reduce(x, comm.WORLD)
+            comm.recv(t, 0)
+    assert torch.equal(x, torch.full((2,), 4.0))
+    return log.events
+
+
+def test_world_p2p_queues_with_the_world_collectives_in_the_recording():
+    """The recorder files world p2p and world collectives under one communicator: eager init
+    runs them in one queue, where rank 0's all_reduce waits behind its isend, and rank 1's
+    receive behind its all_reduce. Lazy init gives the pair its own communicator: it runs."""
+    traces = dist.launch(_p2p_ahead_of_a_world_collective, 2, timeout=60)
+    assert p2p_order.check(traces) == {"eager": [
+        "deadlock: rank 0 waits in all_reduce world, queued behind send p2p ->1 (16 B); "
+        "rank 1 waits in all_reduce world"], "lazy": []}
+
+
+def _ops_beside_comm():
+    """One collective through comm, three beside it: torch.distributed's, a functional
+    collective (what DTensor runs) and DDP's bucket all-reduce (from C++)."""
+    import torch.distributed._functional_collectives as funcol
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # its broadcasts
+    x = torch.ones(4)
+    with p2p_order.record() as log:
+        comm.all_reduce(x, comm.WORLD)
+        torch.distributed.all_reduce(x)
+        funcol.wait_tensor(funcol.all_reduce(x, "sum", torch.distributed.group.WORLD))
+        ddp(torch.ones(2, 4)).sum().backward()
+    return log.events
+
+
+def test_the_replay_names_the_ops_it_did_not_see():
+    traces = dist.launch(_ops_beside_comm, 2, timeout=60)
+    named = ("torch.distributed._functional_collectives.all_reduce x1, "
+             "torch.distributed.all_reduce x1")
+    assert p2p_order.check(traces) == {mode: [
+        f"not replayed: rank 0: 3 ops on world[0, 1] outside minipar.comm ({named}); "
+        f"rank 1: 3 ops on world[0, 1] outside minipar.comm ({named})"] for mode in p2p_order.MODES}
 
 
 SHORT = NANO[:NANO.index("--steps")] + ["--steps", "2"]
@@ -237,16 +296,34 @@ TRAINING = [
 def _training_orders(cases):
     out = []
     for flags in cases:
-        cfg = train.parse_config(SHORT + flags + ["--nproc", "4"])
+        cfg = train.parse_config(SHORT + flags + ["--nproc", str(torch.distributed.get_world_size())])
         with p2p_order.record() as log:
             train.worker(cfg)
         out.append(log.events)
     return out
 
 
-def test_every_training_exchange_runs_under_nccls_rule():
-    results = dist.launch(_training_orders, 4, TRAINING, timeout=240)   # 6 s at load 1
-    for i, flags in enumerate(TRAINING):
+# on 3 ranks: an odd pipeline, of nano with 6 layers (a preset made for the test, in the ranks)
+TRAINING_3 = [
+    ["--pp", "3", "--model", "nano6", "--microbatches", "4"],
+    ["--pp", "3", "--model", "nano6", "--schedule", "gpipe", "--microbatches", "4",
+     "--eval-every", "2"],
+    ["--pp", "3", "--model", "nano6", "--schedule", "interleaved", "--microbatches", "3",
+     "--batch-size", "6"],
+]
+
+
+def _odd_pipeline_orders(cases):
+    model.PRESETS["nano6"] = model.config("nano", n_layer=6)
+    return _training_orders(cases)
+
+
+@pytest.mark.parametrize("nproc,cases,fn", [(4, TRAINING, _training_orders),
+                                            (3, TRAINING_3, _odd_pipeline_orders)],
+                         ids=["4 ranks", "pp 3"])
+def test_every_training_exchange_runs_under_nccls_rule(nproc, cases, fn):
+    results = dist.launch(fn, nproc, cases, timeout=240)   # 6 s at load 1
+    for i, flags in enumerate(cases):
         traces = [res[i] for res in results]
         kinds = {e[2].kind for t in traces for e in t if e[0] == "post"}
         assert "collective" in kinds, flags               # the DP/TP/EP collectives are there

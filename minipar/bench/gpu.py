@@ -19,15 +19,20 @@ CPU on purpose, as a smoke test (no MFU unless ``--peak-tflops`` is given).
 
 ``--check`` is what to run once when a GPU is lent: the suite's GPU tests
 (``tests/test_gpu.py``, in a fresh pytest), this comparison, and a checkpoint round trip in
-``--dtype`` (bf16 by default: save at step 2, resume, steps 3..4 bit for bit), then a summary
-naming the machine, the device and torch's build, to paste into a note. Exit status 0 when
-every check passed, 1 otherwise.
+``--dtype`` (bf16 by default: save at step 2, resume, steps 3..4 bit for bit), two fresh
+processes training ``--model`` 10 steps with ``--deterministic`` (their losses bit for bit),
+then a summary naming the machine, the device and torch's build, to paste into a note. Exit
+status 0 when every check passed, 1 otherwise.
+
+``--deterministic`` also times the trainer with ``--deterministic`` and prints its step time
+against the default's (the cost of repeatable runs).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import subprocess
 import sys
@@ -39,7 +44,7 @@ import torch
 from ..runtime import cli
 from .. import data, train
 from ..train import mfu
-from ..train.loop import to_device
+from ..train.loop import CUBLAS_WORKSPACE, to_device
 from ..runtime.errors import UsageError
 from ..model import PRESETS, build
 from . import machine, median
@@ -115,6 +120,13 @@ def compare(args, out=print) -> dict:
         out(f"{name:<10}{t * 1e3:>11.1f} ms{tokens / t:>14,.0f}"
             f"{'' if u is None else f'{u:.1%}':>8}")
     out(f"minipar / plain step time: {result['ratio']:.3f}x (goal <= 1.05)")
+    if getattr(args, "deterministic", False):
+        with contextlib.redirect_stdout(io.StringIO()):
+            again = train.worker(dataclasses.replace(cfg, quiet=True, deterministic=True))
+        slow = median([h["step_time_s"] for h in again][args.warmup:])
+        result["deterministic"] = dict(step_s=slow, cost=slow / rows[1][1])
+        out(f"minipar --deterministic: {slow * 1e3:.1f} ms a step, {slow / rows[1][1]:.3f}x "
+            f"the default's {rows[1][1] * 1e3:.1f} ms")
     if plain_memory is not None:
         ours_memory = peak_memory(history)
         out(f"peak GPU memory: plain {plain_memory / 2**30:.2f} GiB, minipar "
@@ -187,6 +199,36 @@ def checkpoint_round_trip(device: str, dtype: str) -> tuple[bool, str]:
                   f" (max |dloss| {diff:.2e})")
 
 
+def repeat_runs(args, steps: int = 10, timeout: float = 1200.0) -> tuple[bool, str]:
+    """Two fresh processes train ``args``' model ``--deterministic`` for ``steps`` steps (the
+    same seed and batches); their losses at every step must be bit-identical."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "minipar.train", "--model", args.model, "--batch-size",
+           str(args.batch_size), "--dtype", args.dtype, "--steps", str(steps), "--quiet",
+           "--deterministic", "--backend", "gloo" if args.device == "cpu" else "auto"]
+    cmd += ["--compile"] if args.compile else []
+    losses = []
+    with tempfile.TemporaryDirectory(prefix="minipar-check-") as tmp:
+        for run in (1, 2):
+            path = os.path.join(tmp, f"run{run}.jsonl")
+            try:
+                r = subprocess.run(cmd + ["--metrics", path], capture_output=True, text=True,
+                                   env=env, cwd=root, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False, f"run {run} did not finish in {timeout:.0f} s"
+            if r.returncode != 0:
+                return False, f"run {run} failed: {_last_line(r.stderr) or 'no message'}"
+            with open(path) as f:
+                losses.append([json.loads(line)["loss"] for line in f if line.strip()])
+    what = f"{args.model}, {args.dtype}, {steps} steps"
+    if losses[0] == losses[1] and len(losses[0]) == steps:
+        return True, f"{what}: losses bit-identical (step {steps}: {losses[0][-1]:.6f})"
+    first = next((i for i, (a, b) in enumerate(zip(*losses), 1) if a != b), None)
+    diff = max(abs(a - b) for a, b in zip(*losses))
+    return False, f"{what}: losses differ from step {first}, max |dloss| {diff:.3g}"
+
+
 def check(args) -> int:
     """``--check``: the GPU tests, trainer vs plain loop (MFU), a checkpoint round trip; a
     summary to paste into a note. Exit status 0 when every check passed, else 1."""
@@ -215,10 +257,14 @@ def check(args) -> int:
             + f", minipar {figures['minipar']['step_s'] * 1e3:.1f} ms"
             + (f" (MFU {mfu_of['minipar']:.1%})" if mfu_of["minipar"] is not None else "")
             + f", ratio {figures['ratio']:.3f}x (goal <= 1.05"
-            + (", met)" if figures["ratio"] <= 1.05 else ", not met)"))
+            + (", met)" if figures["ratio"] <= 1.05 else ", not met)")
+            + (f"; --deterministic {figures['deterministic']['cost']:.3f}x the default"
+               if "deterministic" in figures else ""))
     rows.append(("trainer vs plain loop", True, text))
     ok, text = checkpoint_round_trip(args.device, args.dtype)
     rows.append((f"{args.dtype} checkpoint round trip", ok, text))
+    ok, text = repeat_runs(args)
+    rows.append(("two fresh --deterministic runs", ok, text))
     lines = ["minipar GPU check: python -m minipar.bench gpu --check"
              + (" --device cpu (a smoke test, no GPU figures)" if args.device == "cpu" else ""),
              f"  machine: {machine()}",
@@ -248,6 +294,9 @@ def main(argv=None):
                    help="cpu: a smoke test on purpose (no GPU timing)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense peak (default: from the GPU's name)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="also time the trainer with --deterministic and print its cost "
+                        "against the default")
     p.add_argument("--check", action="store_true",
                    help="the one-command GPU check: the suite's GPU tests, this comparison and "
                         "a checkpoint round trip in --dtype, as a summary to paste into a note")
@@ -257,6 +306,8 @@ def main(argv=None):
                          f"GPU and none is visible (--device cpu runs it on the CPU as a smoke test)")
     if args.warmup < 0 or args.warmup >= args.steps:
         raise UsageError(f"--warmup must be between 0 and --steps - 1, got {args.warmup}")
+    if args.deterministic:   # before this process's first matmul: cuBLAS reads it once
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if args.check:
         return check(args)
     compare(args)

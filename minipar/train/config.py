@@ -74,6 +74,11 @@ def parser() -> cli.ArgumentParser:
                         "full = each transformer block")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block's forward")
+    p.add_argument("--deterministic", action="store_true",
+                   help="on a GPU: deterministic algorithms, cuBLAS's fixed workspace and math "
+                        "attention, so two fresh runs give the same bits (slower; "
+                        "python -m minipar.bench gpu --deterministic prints the cost); on the "
+                        "CPU it changes nothing (CPU runs already repeat)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak TFLOP/s for MFU (default: looked up from the GPU's "
                         "name; none on a CPU)")
@@ -170,6 +175,7 @@ class RunConfig:
     loss_scale_window: int = 2000
     cp: int = 1                    # context parallelism: each sequence over cp ranks
     trace: str | None = None       # --trace FILE (minipar.runtime.trace)
+    deterministic: bool = False    # --deterministic (minipar.train.loop.deterministic)
 
     @property
     def world(self) -> int:
@@ -290,7 +296,7 @@ def parse_config(argv: list[str]) -> RunConfig:
                      eval_batches=a.eval_batches, save=a.save, save_every=a.save_every,
                      keep=a.keep, resume=resume, start_step=start, ep=a.ep,
                      loss_scale_init=a.loss_scale_init, loss_scale_window=a.loss_scale_window,
-                     cp=a.cp, trace=a.trace)
+                     cp=a.cp, trace=a.trace, deterministic=a.deterministic)
 
 
 def _refuse(why: str | None) -> None:

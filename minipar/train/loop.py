@@ -10,8 +10,10 @@ Around it, named calls: ``build_*`` (the layout, ``minipar.parallelize``; the en
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -65,7 +67,7 @@ def worker(cfg: RunConfig, hooks: Hooks | None = None):
         resume(cfg, mesh, runner, engine, policy, log.say)
     clip = optim.install(mesh, runner, engine, clip=cfg.clip_grad, weight_decay=cfg.weight_decay)
     hooks.begin(mesh, runner, engine)
-    with log:
+    with deterministic(cfg.deterministic, device), log:
         for step in range(cfg.start_step + 1, cfg.steps + 1):
             lr = optim.lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule, cfg.min_lr)
             optim.set_lr(engine.optimizer, lr)
@@ -223,6 +225,36 @@ def with_state(mesh: Mesh, runner, engine, history) -> dict:
     """``Hooks.end`` for tests and checkers: every rank returns its history (rank 0's is
     the run's), parameters and last gradients (``collect_state``)."""
     return dict(history=history, **collect_state(mesh, runner, engine))
+
+
+# cuBLAS's fixed workspace for repeatable results (NVIDIA's documented setting)
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+@contextlib.contextmanager
+def deterministic(on: bool, device: torch.device):
+    """``--deterministic`` on a GPU: two fresh runs give the same bits. Inside: torch's
+    deterministic algorithms (an op that has none raises instead of varying), cuBLAS's fixed
+    workspace (``CUBLAS_WORKSPACE_CONFIG``, read when cuBLAS first runs in a process, so it is
+    set here before the first step; a process that ran matmuls before keeps its own), cuDNN
+    without autotuning, and attention on SDPA's math backend (matmuls and a softmax; the fused
+    kernels' backward may accumulate in any order). Restored on leaving. On the CPU it sets
+    nothing: CPU runs already repeat bit for bit (tests/test_determinism.py)."""
+    if not on or device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1:]
 
 
 def _start(cfg: RunConfig) -> tuple[str, torch.device]:

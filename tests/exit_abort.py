@@ -1,0 +1,79 @@
+"""The gloo abort at exit, made frequent: "terminate called without an active exception".
+
+Each rank keeps a sub-group alive past ``destroy_process_group()`` (as a Mesh or a
+``fully_shard`` DeviceMesh does), posts an async all-reduce on it of a tensor whose Python
+object it drops at once, and returns. gloo's worker thread then holds the last reference;
+releasing it runs the tensor's ``__del__``, which sleeps (the delayed worker thread). Ended by
+interpreter finalization (``spawn``: a user's script under torch.multiprocessing.spawn), the
+thread takes the GIL back while the interpreter finalizes, Python ends it, and the forced
+unwind through C++ calls std::terminate (SIGABRT). Ended by minipar's launcher (``launch``:
+``dist.launch``, every rank through ``dist.finish`` and ``os._exit``) it cannot happen.
+
+    python tests/exit_abort.py spawn|launch RUNS  ->  "runs R aborted A failed F"
+
+(``launch``: each run a fresh ``python tests/exit_abort.py launch-once``, whose stderr, where
+every rank writes, must not say "terminate called".)
+"""
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as tdist
+
+DELAY_S = 0.3
+
+
+class SlowToFree(torch.Tensor):
+    """A tensor whose release keeps the releasing thread busy (and off the GIL) a while."""
+
+    def __del__(self):
+        time.sleep(DELAY_S)
+
+
+KEEP = []    # the sub-group outlives destroy_process_group, its worker threads with it
+
+
+def body():
+    group = tdist.new_group([0, 1])
+    KEEP.append(group)
+    t = torch.ones(1 << 12).as_subclass(SlowToFree)
+    work = tdist.all_reduce(t, async_op=True, group=group)
+    del t, work              # the op is in flight: gloo's worker thread frees the tensor
+    return "done"
+
+
+def _spawned(rank, folder):
+    tdist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                             world_size=2)
+    body()
+    tdist.destroy_process_group()
+
+
+def main(how: str, runs: int) -> None:
+    import torch.multiprocessing as mp
+    aborted = failed = 0
+    for _ in range(runs):
+        if how == "launch":      # a fresh launcher each run; a rank's abort shows on stderr
+            r = subprocess.run([sys.executable, __file__, "launch-once"], capture_output=True,
+                               text=True, timeout=120)
+            aborted += "terminate called" in r.stderr
+            failed += r.returncode != 0 and "terminate called" not in r.stderr
+            continue
+        ctx = mp.spawn(_spawned, args=(tempfile.mkdtemp(prefix="minipar_abort_"),), nprocs=2,
+                       join=False)
+        for p in ctx.processes:
+            p.join(60)
+        codes = [p.exitcode for p in ctx.processes]
+        aborted += any(c is not None and c < 0 for c in codes)
+        failed += any(c is None or c > 0 for c in codes)
+    print(f"runs {runs} aborted {aborted} failed {failed}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "launch-once":
+        from minipar.runtime import dist
+        assert dist.launch(body, 2, timeout=60) == ["done", "done"]
+    else:
+        main(sys.argv[1], int(sys.argv[2]))
