@@ -298,3 +298,84 @@ def test_a_parameter_some_ranks_skip_is_reduced_in_order_as_zeros():
     ref = serial_branchy()
     for state in launched("branch", _branch_runs):
         assert_state(state, ref, 1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# ShardedOptimizer where ZeroRedundancyOptimizer stands: beside torch's DDP or minipar's
+# DataParallel, built before or after it (nanoGPT's order), or alone
+# --------------------------------------------------------------------------------------
+ZERO_HABITS = ("torch-ddp-first", "torch-ddp-after", "dp-first", "dp-after", "alone")
+
+
+def mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def train_zero(model, opt, clip, rank, d):
+    """AdamW steps on this rank's half; ``clip``: None, or how to clip; [norm per step]."""
+    norms = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x.chunk(d)[rank]), y.chunk(d)[rank]).backward()
+        if clip == "method":                                # ZeRO alone: the average is in step
+            opt.clip_grad_norm_(0.05)
+        norms.append(None if clip in (None, "method") else float(clip()))
+        opt.step()
+        if clip == "method":
+            norms[-1] = opt.grad_norm
+    return norms
+
+
+def _zero_habit_runs():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from minipar import dp, zero
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    out = {}
+    for clip in (False, True):
+        for how in ZERO_HABITS + ("zro",):
+            bare = mlp(SEED)
+            wrap = {"torch": DDP, "dp": dp.DataParallel}.get(how.split("-ddp")[0].split("-")[0])
+            optimizer = ZeroRedundancyOptimizer if how == "zro" else zero.ShardedOptimizer
+            make_opt = lambda ps: optimizer(ps, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)  # noqa: E731
+            if how == "zro":
+                model = DDP(bare)
+                opt = make_opt(model.parameters())
+            elif how.endswith("first"):
+                model = wrap(bare)
+                opt = make_opt(model.parameters())
+            elif how.endswith("after"):                     # nanoGPT: optimizer, then DDP
+                opt = make_opt(bare.parameters())
+                model = wrap(bare)
+            else:
+                model, opt = bare, make_opt(bare.parameters())
+            torch_clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # noqa: E731
+            use = None if not clip else "method" if how == "alone" else torch_clip
+            try:
+                norms = train_zero(model, opt, use, r, d)
+                opt.consolidate_state_dict(0)
+                state = opt.state_dict() if r == 0 else None
+                out[(how, clip)] = (norms, {n: p.detach().clone() for n, p in bare.named_parameters()},
+                                    state)
+            except Exception as e:                          # noqa: BLE001 (the old code's refusal)
+                out[(how, clip)] = f"{type(e).__name__}: {e}".splitlines()[0]
+    return out
+
+
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("how", ZERO_HABITS)
+def test_sharded_optimizer_equals_zero_redundancy_optimizer_beside_either_ddp_in_either_order(how, clip):
+    for out in launched("zero-habits", _zero_habit_runs):
+        got, twin = out[(how, clip)], out[("zro", clip)]
+        assert not isinstance(got, str), got
+        (norms, params, state), (t_norms, t_params, t_state) = got, twin
+        if clip:
+            assert norms == pytest.approx(t_norms, abs=1e-6)
+            assert min(t_norms) > 0.05                      # the clip bites
+        assert_state(params, t_params, 1e-6)
+        if state is not None:
+            assert state["param_groups"][0]["params"] == t_state["param_groups"][0]["params"]
+            for i, s in t_state["state"].items():
+                assert_state(state["state"][i], s, 1e-6)
