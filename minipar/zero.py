@@ -51,7 +51,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from einops import rearrange
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from . import comm
 from .mesh import Axis
@@ -179,7 +179,8 @@ class Unit:
         self.os_param.grad = self.os_grad
         self.reduce_dtype = reduce_dtype
         self.handle = None      # a parameter all-gather in flight
-        self.ready = 0          # gradients accumulated this backward
+        self.waiting = 0        # forward calls whose backward has not ended
+        self.reduced = False    # by its module's post-backward since the last settle
 
     def attach_grads(self):
         """s_g = 1: every ``.grad`` a view into the flat gradient (as DP's buckets)."""
@@ -265,12 +266,44 @@ def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
 # --------------------------------------------------------------------------------------
 # P sharding (ZeRO-3): gather before use, free after
 # --------------------------------------------------------------------------------------
+class PostBackward(torch.autograd.Function):
+    """The identity on a module's inputs; its backward runs ``done()`` once every input's
+    gradient is in, i.e. the module's backward is over (FSDP2's RegisterPostBackwardFunction).
+    Where it runs depends only on the graph's shape, never on which parameters a rank's branch
+    used, so every rank reduces the same unit at the same point."""
+
+    @staticmethod
+    def forward(ctx, done, *inputs):
+        ctx.done = done
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
+
+
+def after_backward(done, args, kwargs):
+    """``(args, kwargs)`` with the tensors that need a gradient passed through ``PostBackward``;
+    None if none does (then nothing marks the end of this call's backward)."""
+    flat, spec = tree_flatten((args, kwargs))
+    where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+    if not where:
+        return None
+    for i, t in zip(where, PostBackward.apply(done, *[flat[i] for i in where])):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
 class ShardedUnits:
     """The ``units`` ([(module, params)], ``units_of``) as ``Unit`` buffers, and the hooks that
     move them: with s_p > 1 each unit is gathered before its forward and freed after, again
     before its backward (a hook on its output's gradient) and freed after (``prefetch``: the
-    neighbour's gather starts meanwhile). Once backward has produced a unit's gradients,
-    ``reduce(u)`` (the owner's) runs if ``reduce_each_backward`` (G sharding)."""
+    neighbour's gather starts meanwhile). Once its module's backward is over (``PostBackward``)
+    the unit is freed and, if ``reduce_each_backward`` (G sharding), ``reduce(u)`` (the
+    owner's) runs; a unit without that mark (no module, inputs that need no gradient) at the
+    end of the backward, in unit order: the same collectives in the same order on every
+    rank, whichever parameters its graph used (a missing gradient is reduced as zeros)."""
 
     def __init__(self, module, mesh: ShardMesh, units: list, prefetch: bool = True,
                  reduce_dtype=None, reduce_each_backward: bool = False):
@@ -278,11 +311,15 @@ class ShardedUnits:
         self.reduce_each_backward = reduce_each_backward
         self.units = [Unit(m, ps, mesh, reduce_dtype) for m, ps in units]
         self._unit_of = {p: u for u in self.units for p in u.params}
+        self._queued = False    # the end of this backward is queued
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        for u in self.units if self.spec.p > 1 else []:
-            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
+        for u in self.units:
+            if u.module is not None and (self.spec.p > 1 or reduce_each_backward):
+                u.module.register_forward_pre_hook(
+                    lambda m, args, kwargs, u=u: self._pre_forward(u, args, kwargs), with_kwargs=True)
+            if u.module is not None and self.spec.p > 1:
+                u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
 
     def _gather(self, u: Unit, wait: bool = True):
         if u.handle is None and storage_bytes(u.flat) == 0:
@@ -302,10 +339,16 @@ class ShardedUnits:
         k = self.units.index(u) + step
         return self.units[k] if 0 <= k < len(self.units) else None
 
-    def _pre_forward(self, u: Unit):
-        self._gather(u)
-        if self.prefetch and self._neighbour(u, +1) is not None:
-            self._gather(self._neighbour(u, +1), wait=False)   # overlaps this unit's forward
+    def _pre_forward(self, u: Unit, args, kwargs):
+        if self.spec.p > 1:
+            self._gather(u)
+            if self.prefetch and self._neighbour(u, +1) is not None:
+                self._gather(self._neighbour(u, +1), wait=False)   # overlaps this unit's forward
+        marked = after_backward(lambda: self._post_backward(u), args, kwargs) \
+            if torch.is_grad_enabled() else None
+        if marked is not None:
+            u.waiting += 1
+        return marked
 
     def _post_forward(self, u: Unit, out):
         self._free(u)
@@ -320,28 +363,43 @@ class ShardedUnits:
             self._gather(self._neighbour(u, -1), wait=False)   # overlaps this unit's backward
 
     def _on_grad_ready(self, p):
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         u = self._unit_of[p]
-        u.ready += 1
-        if u.ready % len(u.params):
-            return
-        if self.spec.p > 1:
-            self._free(u)
-        if self.reduce_each_backward:
-            self.reduce(u)
+        if u.reduced and u.waiting == 0:
+            raise RuntimeError(f"ZeRO: a gradient of a parameter of shape {tuple(p.shape)} "
+                               f"arrived after its unit's module had finished its backward and "
+                               f"was reduced (a use outside that module's forward); make the "
+                               f"unit a module that holds every use of it")
+
+    def _post_backward(self, u: Unit):
+        u.waiting -= 1
+        if u.waiting == 0:                      # every forward call's backward is over
+            if self.spec.p > 1:
+                self._free(u)
+            if self.reduce_each_backward:
+                self.reduce(u)
+                u.reduced = True
 
     def reduce(self, u: Unit):
         raise NotImplementedError
 
-    def settle(self):
-        """End of a backward or a step: reduce the units whose backward never finished (a
-        parameter it did not use), and wait on every gather still in flight (a prefetch no
-        unit used), so no async work outlives the sync."""
+    def _end_of_backward(self):
+        """In unit order: free, and reduce each unit no post-backward reduced."""
+        self._queued = False
         for u in self.units:
             if self.spec.p > 1:
                 self._free(u)
-            if self.reduce_each_backward and any(p.grad is not None for p in u.params):
+            if self.reduce_each_backward and not u.reduced:
                 self.reduce(u)
-            u.ready = 0
+            u.waiting, u.reduced = 0, False
+
+    def settle(self):
+        """Before a step: wait on every gather still in flight (a prefetch no unit used), so
+        no async work outlives the sync."""
+        for u in self.units if self.spec.p > 1 else []:
+            self._free(u)
 
 
 # --------------------------------------------------------------------------------------
@@ -397,7 +455,7 @@ class ShardedEngine(ShardedUnits):
     def begin_step(self, microbatches: int = 1):
         """Nothing to arm: gradients are reduce-scattered as they come (s_g > 1) or accumulate."""
         for u in self.units:
-            u.ready = 0
+            u.waiting = 0
 
     def step(self, before_update=None):
         """Reduce, update, gather (``before_update()`` first: the owner's ``whole`` reduced)."""

@@ -71,11 +71,11 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import comm
 from ..runtime.errors import UsageError
-from ..zero import alloc_storage, free_storage, storage_bytes, units_of
+from ..zero import after_backward, alloc_storage, free_storage, storage_bytes, units_of
 
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward=True, mp_policy=None,
@@ -406,15 +406,13 @@ class State:
         return args, kwargs
 
     def _mark_post_backward(self, args, kwargs):
-        """Pass the inputs that need a gradient through ``_PostBackward``: its backward runs
+        """The inputs that need a gradient through ``zero.PostBackward``: its backward runs
         when this call's backward is done, at the same place in every rank's graph."""
-        flat, spec = tree_flatten((args, kwargs))
-        where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
-        if where:
-            self.unit.waiting += 1
-            for i, t in zip(where, _PostBackward.apply(self, *[flat[i] for i in where])):
-                flat[i] = t
-        return tree_unflatten(flat, spec)
+        marked = after_backward(self._post_backward, args, kwargs)
+        if marked is None:
+            return args, kwargs
+        self.unit.waiting += 1
+        return marked
 
     def _adopt(self):
         """A parameter the user replaced since (``load_state_dict(assign=True)``) is the shard now."""
@@ -515,22 +513,6 @@ class State:
         for p in self.replicated:
             p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-
-
-class _PostBackward(torch.autograd.Function):
-    """The identity on a module's inputs; its backward, once every input's gradient is in
-    (the module's backward is done), finishes the module's unit (FSDP2's
-    ``RegisterPostBackwardFunction``)."""
-
-    @staticmethod
-    def forward(ctx, state, *inputs):
-        ctx.state = state
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.state._post_backward()
-        return (None, *grads)
 
 
 def _managed_modules(module: nn.Module) -> list[nn.Module]:
