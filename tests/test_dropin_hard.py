@@ -411,3 +411,69 @@ def test_sharded_optimizer_equals_zero_redundancy_optimizer_beside_either_ddp_in
             assert state["param_groups"][0]["params"] == t_state["param_groups"][0]["params"]
             for i, s in t_state["state"].items():
                 assert_state(state["state"][i], s, 1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# DataParallel and a parameter no forward reached: DDP's find_unused_parameters
+# --------------------------------------------------------------------------------------
+class Unused(nn.Module):
+    """``dead`` no rank uses; block r's ``b`` rank r skips (used by the other rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.dead = Branchy(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def adamw_steps(model, rank, d):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x.chunk(d)[rank]), y.chunk(d)[rank]).backward()
+        opt.step()
+
+
+def _unused_runs():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from minipar import dp
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    out = {}
+    for name, wrap in (("minipar", dp.DataParallel), ("ddp", DDP)):
+        torch.manual_seed(SEED)
+        model = Unused()
+        model.net.branch_of(r)
+        adamw_steps(wrap(model, find_unused_parameters=True), r, d)
+        out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(SEED)
+    model = Unused()
+    model.net.branch_of(r)
+    try:                                    # DDP's default: a parameter without gradient is an error
+        adamw_steps(dp.DataParallel(model), r, d)
+    except RuntimeError as e:
+        out["default"] = str(e)
+    return out
+
+
+def serial_unused():
+    torch.manual_seed(SEED)
+    model = Unused()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        for r, (xr, yr) in enumerate(zip(x.chunk(D), y.chunk(D))):
+            model.net.branch_of(r)
+            (F.mse_loss(model(xr), yr) / D).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_data_parallel_leaves_a_parameter_no_rank_used_without_gradient_as_ddp():
+    ref = serial_unused()
+    for out in launched("unused", _unused_runs):
+        assert_state(out["minipar"], out["ddp"], 1e-6)
+        assert_state(out["minipar"], ref, 1e-6)
+        assert "find_unused_parameters=True" in out["default"] and "\n" not in out["default"]
