@@ -234,25 +234,13 @@ class DataParallel(nn.Module):
         for p in self._bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    # -- an nn.Module in the wrapped module's names --------------------------------------
+    # -- an nn.Module holding the wrapped one as .module (state dicts: DDP's module.<name>) --
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             self._sync_next = self.require_backward_grad_sync
             if self.broadcast_buffers and self.training:
                 comm.broadcast_from_first(list(self.module.buffers()), self.group)
         return self.module(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, *args, **kwargs):
-        return self.module.load_state_dict(state_dict, *args, **kwargs)
-
-    def named_parameters(self, *args, **kwargs):
-        return self.module.named_parameters(*args, **kwargs)
-
-    def named_buffers(self, *args, **kwargs):
-        return self.module.named_buffers(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -447,6 +447,15 @@ def _unused_runs():
         model.net.branch_of(r)
         adamw_steps(wrap(model, find_unused_parameters=True), r, d)
         out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # a checkpoint of one loads into the other, both ways (DDP's names: module.<name>)
+    mine, twin = dp.DataParallel(make(None, 1)), DDP(make(None, 2))
+    saved = {k: v.clone() for k, v in mine.state_dict().items()}
+    twin.load_state_dict(saved)
+    mine.load_state_dict(DDP(make(None, 3)).state_dict())
+    out["state dicts"] = (list(saved) == list(twin.state_dict()),
+                          [torch.equal(a, b) for a, b in zip(saved.values(), twin.state_dict().values())],
+                          [torch.equal(a, b) for a, b in zip(mine.state_dict().values(),
+                                                            make(None, 3).state_dict().values())])
     torch.manual_seed(SEED)
     model = Unused()
     model.net.branch_of(r)
@@ -477,3 +486,5 @@ def test_data_parallel_leaves_a_parameter_no_rank_used_without_gradient_as_ddp()
         assert_state(out["minipar"], out["ddp"], 1e-6)
         assert_state(out["minipar"], ref, 1e-6)
         assert "find_unused_parameters=True" in out["default"] and "\n" not in out["default"]
+        same_names, into_ddp, from_ddp = out["state dicts"]
+        assert same_names and all(into_ddp) and all(from_ddp)

@@ -96,6 +96,8 @@ def consolidated(opt):
 
 
 def params_of(module):
+    """{name: parameter} in the plain model's names (DDP and DataParallel: their .module's)."""
+    module = module.module if isinstance(module, (dp.DataParallel, nn.parallel.DistributedDataParallel)) else module
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
@@ -130,8 +132,9 @@ def _dp_runs():
                 assert model.d == d                     # group=None: the whole world
                 train(kind, model, adamw(model.parameters()), micro, r, d, model.no_sync)
                 out[(kind, micro, mode)] = params_of(model)
-                if r == 0:
-                    assert list(model.state_dict()) == list(model.module.state_dict())
+                if r == 0:                              # DDP's names: module.<name>
+                    assert list(model.state_dict()) == \
+                        [f"module.{k}" for k in model.module.state_dict()]
             ddp = nn.parallel.DistributedDataParallel(make(kind, SEED + r), bucket_cap_mb=0.0005)
             train(kind, ddp, adamw(ddp.parameters()), micro, r, d, ddp.no_sync)
             out[(kind, micro, "ddp")] = params_of(ddp.module)
