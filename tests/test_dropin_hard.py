@@ -488,3 +488,67 @@ def test_data_parallel_leaves_a_parameter_no_rank_used_without_gradient_as_ddp()
         assert "find_unused_parameters=True" in out["default"] and "\n" not in out["default"]
         same_names, into_ddp, from_ddp = out["state dicts"]
         assert same_names and all(into_ddp) and all(from_ddp)
+
+
+# --------------------------------------------------------------------------------------
+# FSDP2's smaller habits: accumulation without sync in reduce_dtype, unshard/reshard, setters
+# --------------------------------------------------------------------------------------
+def accumulate_bf16(model, rank, d, micro=8):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x.repeat(2, 1).chunk(d)[rank], y.repeat(2, 1).chunk(d)[rank]
+        opt.zero_grad()
+        for k, (xb, yb) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            model.set_requires_gradient_sync(k == micro - 1)
+            (F.mse_loss(model(xb).float(), yb) / micro).backward()
+        opt.step()
+
+
+def _habit_runs():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from minipar import fsdp
+    from minipar.runtime.errors import UsageError
+    r, d = tdist.get_rank(), tdist.get_world_size()
+    out = {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for name, fully_shard in (("minipar", fsdp.fully_shard), ("fsdp2", torch_fully_shard)):
+        model = make(None, SEED)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        accumulate_bf16(model, r, d)
+        out[("bf16 accumulation", name)] = full_state(model)
+        # unshard() before a forward (FSDP2's explicit prefetch), reshard() after
+        x, _ = batch(0)
+        with torch.no_grad():
+            plain = model(x)
+            model.unshard()
+            out[("unshard", name)] = (torch.equal(model(x), plain), live_shards(model))
+            model.unshard()
+            model.reshard()
+            out[("reshard", name)] = live_shards(model)
+        model.set_reshard_after_backward(True)
+    refusals = []
+    for call in (lambda: model.set_reshard_after_backward(False),
+                 lambda: model.set_modules_to_forward_prefetch([model.blocks[1]]),
+                 lambda: model.set_modules_to_backward_prefetch([model.blocks[0]]),
+                 lambda: model.unshard(async_op=True)):
+        try:
+            model = make(None, SEED)
+            fsdp.fully_shard(model)
+            call()
+        except UsageError as e:
+            refusals.append(str(e))
+    out["refusals"] = refusals
+    return out
+
+
+def test_fully_shard_accumulates_without_sync_in_reduce_dtype_unshards_and_refuses_the_rest():
+    for out in launched("fsdp habits", _habit_runs):
+        assert_state(out[("bf16 accumulation", "minipar")], out[("bf16 accumulation", "fsdp2")], 1e-6)
+        assert out[("unshard", "minipar")] == (True, True)    # FSDP2's root keeps full ones
+        assert out[("unshard", "fsdp2")][0]
+        assert out[("reshard", "minipar")] and out[("reshard", "fsdp2")]
+        assert len(out["refusals"]) == 4 and all("\n" not in e for e in out["refusals"])

@@ -124,10 +124,39 @@ class FSDPModule:
             if isinstance(m, FSDPModule):
                 m._minipar_fsdp.sync = bool(requires_gradient_sync)
 
+    def unshard(self, async_op: bool = False):
+        """Gather this module's parameters now and show them (FSDP2's explicit prefetch): its
+        next forward uses them; ``reshard()`` or that forward gives the shards back."""
+        if async_op:
+            raise UsageError("fully_shard: unshard(async_op=True) is not supported; call "
+                             "unshard() (it waits), or rely on prefetch=True")
+        st = self._minipar_fsdp
+        if st.unit is not None:
+            st.unit.gather()
+            for p in st.unit.params:
+                p.show(p.full)
+            st.kept = True
+
     def reshard(self):
-        """Free this module's gathered parameters (outside forward and backward they are)."""
-        if self._minipar_fsdp.unit is not None:
-            self._minipar_fsdp.unit.free()
+        """Free this module's gathered parameters and show the shards (outside forward and
+        backward they are already)."""
+        st = self._minipar_fsdp
+        if st.unit is not None:
+            st.unit.free()
+            for p in st.unit.params:
+                p.show(p.sharded)
+            st.kept = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        if not reshard_after_backward:
+            raise UsageError("fully_shard: set_reshard_after_backward(False) is not supported; "
+                             "minipar frees every unit after its backward")
+
+    def set_modules_to_forward_prefetch(self, modules):
+        raise UsageError("fully_shard: explicit prefetch lists are not supported; fully_shard("
+                         "..., prefetch=True) gathers the next unit in module order")
+
+    set_modules_to_backward_prefetch = set_modules_to_forward_prefetch
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)
@@ -310,6 +339,7 @@ class State:
         self.module, self.group, self.reshard, self.prefetch = module, group, reshard, prefetch
         self.d, self.rank = comm.size(group), comm.rank(group)
         self.sync, self.root, self.states = True, None, []
+        self.kept = False                       # gathered by unshard() for the next forward
         self.in_backward = self.callback_queued = False
         ignored = {id(p) for p in ignored}
         slots: dict[int, list] = {}
@@ -385,7 +415,7 @@ class State:
             self._become_root()
         if self.root is self and not self.in_backward:
             for s in self.states:               # gathered before a step changed the shards
-                if s.unit is not None:
+                if s.unit is not None and not s.kept:
                     s.unit.free()
         recomputing = self.root.in_backward     # activation checkpointing's second forward
         if self.unit is not None:
@@ -425,6 +455,7 @@ class State:
                 p.sharded = now
 
     def _post_forward(self, module, args, output):
+        self.kept = False
         if self.unit is not None:
             if self.root.in_backward:           # a recomputation inside backward: keep it
                 return output
