@@ -45,9 +45,19 @@ parameters are sharded too, and never reduced.
 
 **Gradients.** After each backward every shard's ``.grad`` holds its average over the group
 (reduce-scatter in ``reduce_dtype``, sum then divide by d), added to what ``.grad`` held:
-accumulation as on one process. A unit no backward reached still reduces, so every rank
-issues the same collectives (its shards get zeros). ``set_requires_gradient_sync(False)``
-keeps the full gradients instead, until a backward with sync on.
+accumulation as on one process. A unit reduces when its module's backward is over (a
+post-backward function on its inputs, ``zero.PostBackward``), or at the end of the backward,
+in module order, when its inputs needed no gradient; a unit no backward reached, or a
+gradient a rank's branch did not make, is reduced as zeros. So every rank issues the same
+collectives in the same order, whichever parameters its graph used.
+``set_requires_gradient_sync(False)`` keeps the full gradients instead (summed in
+``reduce_dtype``), until a backward with sync on.
+
+**Activation checkpointing** (``torch.utils.checkpoint`` inside or around a sharded module,
+reentrant or not; ``checkpoint_wrapper`` before ``fully_shard``): from a unit's pre-backward
+to its post-backward its module shows the gathered parameters, so a recomputation that skips
+the module's hooks uses them, and the post-backward (or the end of the backward) shows the
+shards again even when torch stops the recomputed forward early.
 
 **Precision** (``mp_policy``, FSDP2's ``MixedPrecisionPolicy`` or minipar's
 ``PrecisionPolicy``, read by attribute): shards stay in the module's dtype (the masters);

@@ -6,13 +6,15 @@ checkpoint loads into a plain optimizer and back: ``consolidate_state_dict(to)``
 rank, then ``state_dict()`` on rank ``to`` (ZeroRedundancyOptimizer's pair). The algorithm is
 ``minipar.zero``'s ``ShardedEngine``; ``ShardedOptimizer`` there names it as ``engine_class``.
 
-Beside ``minipar.dp.DataParallel`` (built over its parameters, as ZeroRedundancyOptimizer
-beside DDP), the gradients are already averaged by the end of backward: stage 1 then takes
-its slice of them without communicating and only all-gathers the updated parameters
+Beside ``minipar.dp.DataParallel`` or torch's ``DistributedDataParallel`` (as
+ZeroRedundancyOptimizer beside DDP, built before or after it: nanoGPT builds the optimizer
+first), the gradients are already averaged by the end of backward: stage 1 then takes its
+slice of them without communicating and only all-gathers the updated parameters
 (all_reduce 2 (d-1)/d Psi + all_gather (d-1)/d Psi, as DDP + ZeroRedundancyOptimizer), and
 ``torch.nn.utils.clip_grad_norm_`` sees the averaged gradients. Stage 2 has nothing to shard
-there (DataParallel holds every full gradient) and is refused. The DataParallel is found
-through the hooks torch keeps on the parameters.
+there (the wrapper holds every full gradient) and is refused. The wrapper is looked for when
+the optimizer is built and again at its first step: DataParallel through the hooks torch
+keeps on the parameters, DDP through the parameter list it keeps.
 
 Alone, the averaging happens inside ``step()``, so between backward and step ``.grad`` is not
 the averaged gradient: stage 1's is this rank's own, stage 2's was reduce-scattered away.
