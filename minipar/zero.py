@@ -54,7 +54,7 @@ from einops import rearrange
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from . import comm
-from .mesh import Axis
+from .mesh import Axis, units_of  # noqa: F401 (FSDP's wrapping: zero.units_of)
 from .rules import shard_violation, zero_shard
 from .precision import PrecisionPolicy
 from .runtime.errors import UsageError
@@ -91,45 +91,6 @@ class ShardMesh:
         self.rep_group = cut("(l o g p) rep", "zero_rep")
         i = axis.rank                          # = ((rep * O + os) * G + g) * P + p
         self.p_index, self.g_index, self.os_index = i % s_p, (i // s_p) % sides["g"], (i // s_g) % sides["o"]
-
-
-# --------------------------------------------------------------------------------------
-# Units: which parameters are gathered, freed and reduced together
-# --------------------------------------------------------------------------------------
-def units_of(module: nn.Module, units=None, exclude=()) -> list[tuple[nn.Module, list]]:
-    """FSDP's wrapping, [(module, its parameters)]: ``units`` None (each child owning parameters,
-    containers looked into: the GPT's ``parts()``), modules, or a policy ``module -> bool`` (the
-    outermost it accepts). Tied parameters and those outside every unit are one more unit, on
-    ``module``, first; ``exclude`` (and frozen parameters) stay out, kept whole by the owner."""
-    def children(m, accept):
-        out = []
-        for c in m.children():
-            if accept(c):
-                out.append(c)
-            else:
-                out += children(c, accept)
-        return out
-
-    if units is None:
-        parts = children(module, lambda c: not isinstance(c, (nn.ModuleList, nn.ModuleDict))
-                         and any(True for _ in c.parameters()))
-    else:
-        parts = children(module, units) if callable(units) else list(units)
-    count: dict[int, int] = {}
-    for part in parts:
-        for i in {id(p) for p in part.parameters()}:
-            count[i] = count.get(i, 0) + 1
-    taken = {i for i, n in count.items() if n > 1} | {id(p) for p in exclude}
-    out = []
-    for part in parts:
-        params = [p for p in part.parameters() if p.requires_grad and id(p) not in taken]
-        taken |= set(map(id, params))
-        if params:
-            out.append((part, params))
-    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in taken
-            or count.get(id(p), 0) > 1 and p.requires_grad]
-    rest = [p for p in rest if id(p) not in {id(q) for q in exclude}]
-    return ([(module, rest)] if rest else []) + out
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -267,10 +228,8 @@ def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
 # P sharding (ZeRO-3): gather before use, free after
 # --------------------------------------------------------------------------------------
 class PostBackward(torch.autograd.Function):
-    """The identity on a module's inputs; its backward runs ``done()`` once every input's
-    gradient is in, i.e. the module's backward is over (FSDP2's RegisterPostBackwardFunction).
-    Where it runs depends only on the graph's shape, never on which parameters a rank's branch
-    used, so every rank reduces the same unit at the same point."""
+    """The identity on a module's inputs; its backward runs ``done()`` once the module's backward
+    is over (FSDP2's): a point set by the graph's shape, not by the parameters a branch used."""
 
     @staticmethod
     def forward(ctx, done, *inputs):
@@ -284,8 +243,7 @@ class PostBackward(torch.autograd.Function):
 
 
 def after_backward(done, args, kwargs):
-    """``(args, kwargs)`` with the tensors that need a gradient passed through ``PostBackward``;
-    None if none does (then nothing marks the end of this call's backward)."""
+    """``(args, kwargs)``, those needing a gradient through ``PostBackward``; None if none does."""
     flat, spec = tree_flatten((args, kwargs))
     where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
     if not where:
@@ -299,11 +257,10 @@ class ShardedUnits:
     """The ``units`` ([(module, params)], ``units_of``) as ``Unit`` buffers, and the hooks that
     move them: with s_p > 1 each unit is gathered before its forward and freed after, again
     before its backward (a hook on its output's gradient) and freed after (``prefetch``: the
-    neighbour's gather starts meanwhile). Once its module's backward is over (``PostBackward``)
-    the unit is freed and, if ``reduce_each_backward`` (G sharding), ``reduce(u)`` (the
-    owner's) runs; a unit without that mark (no module, inputs that need no gradient) at the
-    end of the backward, in unit order: the same collectives in the same order on every
-    rank, whichever parameters its graph used (a missing gradient is reduced as zeros)."""
+    neighbour's gather starts meanwhile). When its module's backward is over (``PostBackward``;
+    else at the end of the backward, in unit order) it is freed and, if ``reduce_each_backward``
+    (G sharding), ``reduce(u)`` runs: the same collectives in the same order on every rank,
+    whichever parameters its graph used (a missing gradient is reduced as zeros)."""
 
     def __init__(self, module, mesh: ShardMesh, units: list, prefetch: bool = True,
                  reduce_dtype=None, reduce_each_backward: bool = False):
@@ -314,11 +271,10 @@ class ShardedUnits:
         self._queued = False    # the end of this backward is queued
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        for u in self.units:
-            if u.module is not None and (self.spec.p > 1 or reduce_each_backward):
-                u.module.register_forward_pre_hook(
-                    lambda m, args, kwargs, u=u: self._pre_forward(u, args, kwargs), with_kwargs=True)
-            if u.module is not None and self.spec.p > 1:
+        for u in [u for u in self.units if u.module is not None]:
+            u.module.register_forward_pre_hook(
+                lambda m, args, kwargs, u=u: self._pre_forward(u, args, kwargs), with_kwargs=True)
+            if self.spec.p > 1:
                 u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
 
     def _gather(self, u: Unit, wait: bool = True):
@@ -344,11 +300,9 @@ class ShardedUnits:
             self._gather(u)
             if self.prefetch and self._neighbour(u, +1) is not None:
                 self._gather(self._neighbour(u, +1), wait=False)   # overlaps this unit's forward
-        marked = after_backward(lambda: self._post_backward(u), args, kwargs) \
-            if torch.is_grad_enabled() else None
-        if marked is not None:
-            u.waiting += 1
-        return marked
+        marked = torch.is_grad_enabled() and after_backward(lambda: self._post_backward(u), args, kwargs)
+        u.waiting += bool(marked)
+        return marked or None
 
     def _post_forward(self, u: Unit, out):
         self._free(u)
@@ -368,10 +322,8 @@ class ShardedUnits:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         u = self._unit_of[p]
         if u.reduced and u.waiting == 0:
-            raise RuntimeError(f"ZeRO: a gradient of a parameter of shape {tuple(p.shape)} "
-                               f"arrived after its unit's module had finished its backward and "
-                               f"was reduced (a use outside that module's forward); make the "
-                               f"unit a module that holds every use of it")
+            raise RuntimeError(f"ZeRO: a gradient of shape {tuple(p.shape)} arrived after its unit "
+                               f"was reduced (a use outside its module's forward)")
 
     def _post_backward(self, u: Unit):
         u.waiting -= 1
@@ -396,8 +348,7 @@ class ShardedUnits:
             u.waiting, u.reduced = 0, False
 
     def settle(self):
-        """Before a step: wait on every gather still in flight (a prefetch no unit used), so
-        no async work outlives the sync."""
+        """Before a step: wait on every gather in flight (a prefetch no unit used)."""
         for u in self.units if self.spec.p > 1 else []:
             self._free(u)
 
@@ -454,8 +405,6 @@ class ShardedEngine(ShardedUnits):
 
     def begin_step(self, microbatches: int = 1):
         """Nothing to arm: gradients are reduce-scattered as they come (s_g > 1) or accumulate."""
-        for u in self.units:
-            u.waiting = 0
 
     def step(self, before_update=None):
         """Reduce, update, gather (``before_update()`` first: the owner's ``whole`` reduced)."""
@@ -492,15 +441,10 @@ class ShardedEngine(ShardedUnits):
         return dict(params=params, grads=grads, optimizer=optimizer, total=params + grads + optimizer)
 
 
-# --------------------------------------------------------------------------------------
-# ZeRO-1/2 shaped like a torch optimizer, for any model in a plain loop
-# --------------------------------------------------------------------------------------
 class ShardedOptimizer(OptimizerSurface):
-    """ZeRO-1 (``stage=1``) or ZeRO-2 over ``group`` (None: the world), where one process writes
+    """ZeRO-1/2 shaped like a torch optimizer: ZeRO-1 (``stage=1``) or ZeRO-2 over ``group`` (None: the world) for
     ``optimizer_class(params, **defaults)``: a ``ShardedEngine`` of one unit per parameter group
-    at (1, 1, d) or (1, d, d). Sent per step: reduce_scatter (d-1)/d Psi (stage 2: every
-    backward), all_gather (d-1)/d Psi. Its torch surface (ZeroRedundancyOptimizer's: groups,
-    clipping, state dicts in torch's layout) is ``minipar.wrappers.zero_optimizer``."""
+    at (1, 1, d) or (1, d, d); its torch surface is ``minipar.wrappers.zero_optimizer``."""
 
     engine_class = ShardedEngine
     gather = staticmethod(gather_up)
