@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from minipar.runtime import dist
+from test_wrappers import launched         # one launch per family, cached
 
 D, STEPS, BATCH, SEED = 2, 3, 8, 100
 CKPT = ("inside-reentrant", "inside-non-reentrant", "around-non-reentrant", "around-reentrant",
@@ -119,15 +119,6 @@ def _checkpoint_runs():
             except Exception as e:                          # noqa: BLE001 (the old code's crash)
                 out[(how, name)] = f"{type(e).__name__}: {e}".splitlines()[0]
     return out
-
-
-_CACHE = {}
-
-
-def launched(name, fn):
-    if name not in _CACHE:
-        _CACHE[name] = dist.launch(fn, D, timeout=240)
-    return _CACHE[name]
 
 
 def serial(how=None):

@@ -143,8 +143,7 @@ class FSDPModule:
         st = self._minipar_fsdp
         if st.unit is not None:
             st.unit.gather()
-            for p in st.unit.params:
-                p.show(p.full)
+            st.unit.show(full=True)
             st.kept = True
 
     def reshard(self):
@@ -153,8 +152,7 @@ class FSDPModule:
         st = self._minipar_fsdp
         if st.unit is not None:
             st.unit.free()
-            for p in st.unit.params:
-                p.show(p.sharded)
+            st.unit.show(full=False)
             st.kept = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
@@ -298,6 +296,11 @@ class Unit:
                 offset += p.chunk * p.width
         self.handle = self.gathered = None
 
+    def show(self, full: bool):
+        """The module shows the gathered parameters (full) or the shards."""
+        for p in self.params:
+            p.show(p.full if full else p.sharded)
+
     def keep_unreduced(self):
         """Sync off: each full gradient accumulates in ``reduce_dtype`` (FSDP2's)."""
         for p in self.params:
@@ -434,8 +437,7 @@ class State:
             nxt = self._neighbour(+1) if self.prefetch and not recomputing else None
             if nxt is not None:
                 nxt.start_gather()              # overlaps this unit's forward
-            for p in self.unit.params:
-                p.show(p.full)
+            self.unit.show(full=True)
         if self.cast_inputs:
             cast = lambda t: (t.to(self.param_dtype)   # noqa: E731
                               if torch.is_tensor(t) and t.is_floating_point() else t)
@@ -469,8 +471,7 @@ class State:
         if self.unit is not None:
             if self.root.in_backward:           # a recomputation inside backward: keep it
                 return output
-            for p in self.unit.params:
-                p.show(p.sharded)
+            self.unit.show(full=False)
             # FSDP2's: the root keeps its parameters for the backward right after its forward
             if not torch.is_grad_enabled() or self.reshard and self.root is not self:
                 self.unit.free()
@@ -498,8 +499,7 @@ class State:
         self._begin_backward()
         if self.unit is not None:
             self.unit.gather()
-            for p in self.unit.params:          # shown to a recomputation that skips the hooks
-                p.show(p.full)
+            self.unit.show(full=True)           # for a recomputation that skips the hooks
             prev = self._neighbour(-1) if self.prefetch else None
             if prev is not None:
                 prev.start_gather()             # overlaps this unit's backward
@@ -523,8 +523,7 @@ class State:
         """Free the unit, show its shards again, reduce it (once a backward, with sync on)."""
         u = self.unit
         u.free()
-        for p in u.params:
-            p.show(p.sharded)
+        u.show(full=False)
         if u.trainable and not u.reduced:
             if self.sync:
                 u.reduce()
