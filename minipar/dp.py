@@ -187,8 +187,9 @@ class DataParallel(nn.Module):
                  bucket_mb: float | None = 4.0, groups: list[ParamGroup] | None = None,
                  reduce_dtype=None, **ddp_kwargs):
         super().__init__()
-        group, bucket_mb = ddp_arguments(module, device_ids, output_device, process_group, group,
-                                         bucket_cap_mb, bucket_mb, args, ddp_kwargs)
+        group, bucket_mb, self.find_unused = ddp_arguments(
+            module, device_ids, output_device, process_group, group, bucket_cap_mb, bucket_mb,
+            args, ddp_kwargs)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         bucket_mb = DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb
@@ -225,6 +226,7 @@ class DataParallel(nn.Module):
         self._expected = None    # gradients each parameter receives before the average
         self._count: dict = {}
         self._pending = False    # accumulated gradients not averaged yet
+        self._used: set = set()  # parameters a backward reached since the last average
         self._in_backward = False
         self._finish_at_end = False   # this backward pass ends with the average (DDP's way)
         for b in self.buckets():
@@ -232,25 +234,13 @@ class DataParallel(nn.Module):
         for p in self._bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    # -- an nn.Module in the wrapped module's names --------------------------------------
+    # -- an nn.Module holding the wrapped one as .module (state dicts: DDP's module.<name>) --
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             self._sync_next = self.require_backward_grad_sync
             if self.broadcast_buffers and self.training:
                 comm.broadcast_from_first(list(self.module.buffers()), self.group)
         return self.module(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, *args, **kwargs):
-        return self.module.load_state_dict(state_dict, *args, **kwargs)
-
-    def named_parameters(self, *args, **kwargs):
-        return self.module.named_parameters(*args, **kwargs)
-
-    def named_buffers(self, *args, **kwargs):
-        return self.module.named_buffers(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -280,6 +270,7 @@ class DataParallel(nn.Module):
                                f"averaged: more backward passes than begin_step({self._expected}) "
                                "announced; finish the step (finish_grad_sync) first")
         self._pending = True
+        self._used.add(p)
         if not self._in_backward:              # the first gradient of this backward pass
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -297,15 +288,35 @@ class DataParallel(nn.Module):
         self._in_backward = False
         if self._finish_at_end:
             self._finish_at_end = False
+            unused = [n for n, p in self.module.named_parameters()
+                      if p in self._bucket_of and p not in self._used]
             self.finish_grad_sync()
+            if unused and not self.find_unused:     # DDP's error, after this step's averages
+                raise RuntimeError(f"DataParallel: {unused[0]} (and {len(unused) - 1} more) got "
+                                   f"no gradient in this backward; pass find_unused_parameters"
+                                   f"=True, as DDP requires")
 
     def finish_grad_sync(self):
-        """Every gradient becomes its group's average (nothing to do if nothing accumulated)."""
+        """Every gradient becomes its group's average (nothing to do if nothing accumulated);
+        ``find_unused_parameters``: one no rank's backward reached keeps grad None."""
         if self._pending:
             self.main_grads = {}
             for r in self.reductions:
                 r.finish(self.main_grads)
-        self._pending, self._expected = False, None
+            if self.find_unused:
+                self._drop_unused()
+        self._pending, self._expected, self._used = False, None, set()
+
+    def _drop_unused(self):
+        """DDP's search: all-reduce a used flag per parameter (its group's); a parameter no
+        rank used was averaged as zeros, but the optimizer must see no gradient for it."""
+        for r in self.reductions:
+            params = [p for b in r.buckets for p in b.params]
+            used = torch.tensor([float(p in self._used) for p in params], device=params[0].device)
+            comm.all_reduce(used, r.group)
+            for p, n in zip(params, used.tolist()):
+                if n == 0:
+                    p.grad = None
 
     def zero_grad(self, set_to_none: bool = True):
         """Zero the buckets in place (each ``.grad`` stays a view into one); never leave an
@@ -319,6 +330,7 @@ class DataParallel(nn.Module):
             b.attach()
             b.handle, b.main, b.ready = None, None, 0
         self._pending, self._expected, self._in_backward = False, None, False
+        self._used = set()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Average what is still accumulated, then clip as ``torch.nn.utils.clip_grad_norm_``

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as tdist
+import torch.nn as nn
 from einops import rearrange
 
 from . import comm, rules
@@ -261,3 +262,42 @@ def param_groups(model, mesh: "Mesh | None" = None, experts=()) -> list[ParamGro
            ParamGroup("expert", [p for p in trainable if id(p) in ids], "edp",
                       mesh.group("edp") if mesh else None, divisor)]
     return [g for g in out if g.params]
+
+
+# --------------------------------------------------------------------------------------
+# Units: which parameters are gathered, freed and reduced together
+# --------------------------------------------------------------------------------------
+def units_of(module: nn.Module, units=None, exclude=()) -> list[tuple[nn.Module, list]]:
+    """FSDP's wrapping, [(module, its parameters)]: ``units`` None (each child owning parameters,
+    containers looked into: the GPT's ``parts()``), modules, or a policy ``module -> bool`` (the
+    outermost it accepts). Tied parameters and those outside every unit are one more unit, on
+    ``module``, first; ``exclude`` (and frozen parameters) stay out, kept whole by the owner."""
+    def children(m, accept):
+        out = []
+        for c in m.children():
+            if accept(c):
+                out.append(c)
+            else:
+                out += children(c, accept)
+        return out
+
+    if units is None:
+        parts = children(module, lambda c: not isinstance(c, (nn.ModuleList, nn.ModuleDict))
+                         and any(True for _ in c.parameters()))
+    else:
+        parts = children(module, units) if callable(units) else list(units)
+    count: dict[int, int] = {}
+    for part in parts:
+        for i in {id(p) for p in part.parameters()}:
+            count[i] = count.get(i, 0) + 1
+    taken = {i for i, n in count.items() if n > 1} | {id(p) for p in exclude}
+    out = []
+    for part in parts:
+        params = [p for p in part.parameters() if p.requires_grad and id(p) not in taken]
+        taken |= set(map(id, params))
+        if params:
+            out.append((part, params))
+    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in taken
+            or count.get(id(p), 0) > 1 and p.requires_grad]
+    rest = [p for p in rest if id(p) not in {id(q) for q in exclude}]
+    return ([(module, rest)] if rest else []) + out

@@ -51,10 +51,10 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from einops import rearrange
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from . import comm
-from .mesh import Axis
+from .mesh import Axis, units_of  # noqa: F401 (FSDP's wrapping: zero.units_of)
 from .rules import shard_violation, zero_shard
 from .precision import PrecisionPolicy
 from .runtime.errors import UsageError
@@ -91,45 +91,6 @@ class ShardMesh:
         self.rep_group = cut("(l o g p) rep", "zero_rep")
         i = axis.rank                          # = ((rep * O + os) * G + g) * P + p
         self.p_index, self.g_index, self.os_index = i % s_p, (i // s_p) % sides["g"], (i // s_g) % sides["o"]
-
-
-# --------------------------------------------------------------------------------------
-# Units: which parameters are gathered, freed and reduced together
-# --------------------------------------------------------------------------------------
-def units_of(module: nn.Module, units=None, exclude=()) -> list[tuple[nn.Module, list]]:
-    """FSDP's wrapping, [(module, its parameters)]: ``units`` None (each child owning parameters,
-    containers looked into: the GPT's ``parts()``), modules, or a policy ``module -> bool`` (the
-    outermost it accepts). Tied parameters and those outside every unit are one more unit, on
-    ``module``, first; ``exclude`` (and frozen parameters) stay out, kept whole by the owner."""
-    def children(m, accept):
-        out = []
-        for c in m.children():
-            if accept(c):
-                out.append(c)
-            else:
-                out += children(c, accept)
-        return out
-
-    if units is None:
-        parts = children(module, lambda c: not isinstance(c, (nn.ModuleList, nn.ModuleDict))
-                         and any(True for _ in c.parameters()))
-    else:
-        parts = children(module, units) if callable(units) else list(units)
-    count: dict[int, int] = {}
-    for part in parts:
-        for i in {id(p) for p in part.parameters()}:
-            count[i] = count.get(i, 0) + 1
-    taken = {i for i, n in count.items() if n > 1} | {id(p) for p in exclude}
-    out = []
-    for part in parts:
-        params = [p for p in part.parameters() if p.requires_grad and id(p) not in taken]
-        taken |= set(map(id, params))
-        if params:
-            out.append((part, params))
-    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in taken
-            or count.get(id(p), 0) > 1 and p.requires_grad]
-    rest = [p for p in rest if id(p) not in {id(q) for q in exclude}]
-    return ([(module, rest)] if rest else []) + out
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -179,7 +140,8 @@ class Unit:
         self.os_param.grad = self.os_grad
         self.reduce_dtype = reduce_dtype
         self.handle = None      # a parameter all-gather in flight
-        self.ready = 0          # gradients accumulated this backward
+        self.waiting = 0        # forward calls whose backward has not ended
+        self.reduced = False    # by its module's post-backward since the last settle
 
     def attach_grads(self):
         """s_g = 1: every ``.grad`` a view into the flat gradient (as DP's buckets)."""
@@ -265,12 +227,40 @@ def reduce_scatter_gradient(u: Unit, mesh: ShardMesh) -> None:
 # --------------------------------------------------------------------------------------
 # P sharding (ZeRO-3): gather before use, free after
 # --------------------------------------------------------------------------------------
+class PostBackward(torch.autograd.Function):
+    """The identity on a module's inputs; its backward runs ``done()`` once the module's backward
+    is over (FSDP2's): a point set by the graph's shape, not by the parameters a branch used."""
+
+    @staticmethod
+    def forward(ctx, done, *inputs):
+        ctx.done = done
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
+
+
+def after_backward(done, args, kwargs):
+    """``(args, kwargs)``, those needing a gradient through ``PostBackward``; None if none does."""
+    flat, spec = tree_flatten((args, kwargs))
+    where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+    if not where:
+        return None
+    for i, t in zip(where, PostBackward.apply(done, *[flat[i] for i in where])):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
 class ShardedUnits:
     """The ``units`` ([(module, params)], ``units_of``) as ``Unit`` buffers, and the hooks that
     move them: with s_p > 1 each unit is gathered before its forward and freed after, again
     before its backward (a hook on its output's gradient) and freed after (``prefetch``: the
-    neighbour's gather starts meanwhile). Once backward has produced a unit's gradients,
-    ``reduce(u)`` (the owner's) runs if ``reduce_each_backward`` (G sharding)."""
+    neighbour's gather starts meanwhile). When its module's backward is over (``PostBackward``;
+    else at the end of the backward, in unit order) it is freed and, if ``reduce_each_backward``
+    (G sharding), ``reduce(u)`` runs: the same collectives in the same order on every rank,
+    whichever parameters its graph used (a missing gradient is reduced as zeros)."""
 
     def __init__(self, module, mesh: ShardMesh, units: list, prefetch: bool = True,
                  reduce_dtype=None, reduce_each_backward: bool = False):
@@ -278,11 +268,14 @@ class ShardedUnits:
         self.reduce_each_backward = reduce_each_backward
         self.units = [Unit(m, ps, mesh, reduce_dtype) for m, ps in units]
         self._unit_of = {p: u for u in self.units for p in u.params}
+        self._queued = False    # the end of this backward is queued
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        for u in self.units if self.spec.p > 1 else []:
-            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
+        for u in [u for u in self.units if u.module is not None]:
+            u.module.register_forward_pre_hook(
+                lambda m, args, kwargs, u=u: self._pre_forward(u, args, kwargs), with_kwargs=True)
+            if self.spec.p > 1:
+                u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
 
     def _gather(self, u: Unit, wait: bool = True):
         if u.handle is None and storage_bytes(u.flat) == 0:
@@ -302,10 +295,14 @@ class ShardedUnits:
         k = self.units.index(u) + step
         return self.units[k] if 0 <= k < len(self.units) else None
 
-    def _pre_forward(self, u: Unit):
-        self._gather(u)
-        if self.prefetch and self._neighbour(u, +1) is not None:
-            self._gather(self._neighbour(u, +1), wait=False)   # overlaps this unit's forward
+    def _pre_forward(self, u: Unit, args, kwargs):
+        if self.spec.p > 1:
+            self._gather(u)
+            if self.prefetch and self._neighbour(u, +1) is not None:
+                self._gather(self._neighbour(u, +1), wait=False)   # overlaps this unit's forward
+        marked = torch.is_grad_enabled() and after_backward(lambda: self._post_backward(u), args, kwargs)
+        u.waiting += bool(marked)
+        return marked or None
 
     def _post_forward(self, u: Unit, out):
         self._free(u)
@@ -320,28 +317,40 @@ class ShardedUnits:
             self._gather(self._neighbour(u, -1), wait=False)   # overlaps this unit's backward
 
     def _on_grad_ready(self, p):
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         u = self._unit_of[p]
-        u.ready += 1
-        if u.ready % len(u.params):
-            return
-        if self.spec.p > 1:
-            self._free(u)
-        if self.reduce_each_backward:
-            self.reduce(u)
+        if u.reduced and u.waiting == 0:
+            raise RuntimeError(f"ZeRO: a gradient of shape {tuple(p.shape)} arrived after its unit "
+                               f"was reduced (a use outside its module's forward)")
+
+    def _post_backward(self, u: Unit):
+        u.waiting -= 1
+        if u.waiting == 0:                      # every forward call's backward is over
+            if self.spec.p > 1:
+                self._free(u)
+            if self.reduce_each_backward:
+                self.reduce(u)
+                u.reduced = True
 
     def reduce(self, u: Unit):
         raise NotImplementedError
 
-    def settle(self):
-        """End of a backward or a step: reduce the units whose backward never finished (a
-        parameter it did not use), and wait on every gather still in flight (a prefetch no
-        unit used), so no async work outlives the sync."""
+    def _end_of_backward(self):
+        """In unit order: free, and reduce each unit no post-backward reduced."""
+        self._queued = False
         for u in self.units:
             if self.spec.p > 1:
                 self._free(u)
-            if self.reduce_each_backward and any(p.grad is not None for p in u.params):
+            if self.reduce_each_backward and not u.reduced:
                 self.reduce(u)
-            u.ready = 0
+            u.waiting, u.reduced = 0, False
+
+    def settle(self):
+        """Before a step: wait on every gather in flight (a prefetch no unit used)."""
+        for u in self.units if self.spec.p > 1 else []:
+            self._free(u)
 
 
 # --------------------------------------------------------------------------------------
@@ -396,8 +405,6 @@ class ShardedEngine(ShardedUnits):
 
     def begin_step(self, microbatches: int = 1):
         """Nothing to arm: gradients are reduce-scattered as they come (s_g > 1) or accumulate."""
-        for u in self.units:
-            u.ready = 0
 
     def step(self, before_update=None):
         """Reduce, update, gather (``before_update()`` first: the owner's ``whole`` reduced)."""
@@ -434,15 +441,10 @@ class ShardedEngine(ShardedUnits):
         return dict(params=params, grads=grads, optimizer=optimizer, total=params + grads + optimizer)
 
 
-# --------------------------------------------------------------------------------------
-# ZeRO-1/2 shaped like a torch optimizer, for any model in a plain loop
-# --------------------------------------------------------------------------------------
 class ShardedOptimizer(OptimizerSurface):
-    """ZeRO-1 (``stage=1``) or ZeRO-2 over ``group`` (None: the world), where one process writes
+    """ZeRO-1/2 shaped like a torch optimizer: ZeRO-1 (``stage=1``) or ZeRO-2 over ``group`` (None: the world) for
     ``optimizer_class(params, **defaults)``: a ``ShardedEngine`` of one unit per parameter group
-    at (1, 1, d) or (1, d, d). Sent per step: reduce_scatter (d-1)/d Psi (stage 2: every
-    backward), all_gather (d-1)/d Psi. Its torch surface (ZeroRedundancyOptimizer's: groups,
-    clipping, state dicts in torch's layout) is ``minipar.wrappers.zero_optimizer``."""
+    at (1, 1, d) or (1, d, d); its torch surface is ``minipar.wrappers.zero_optimizer``."""
 
     engine_class = ShardedEngine
     gather = staticmethod(gather_up)

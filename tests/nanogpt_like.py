@@ -199,11 +199,12 @@ def run_ddp(rank, world):
 
 def run_zero(rank, world):
     torch.manual_seed(seed)
-    model = DDP(GPT(GPTConfig()))
-    raw_model = model.module
+    raw_model = GPT(GPTConfig())
+    # nanoGPT's order: the optimizer first, then DDP around the model
     optimizer = ZeroRedundancyOptimizer(raw_model.optim_groups(weight_decay),
                                         optimizer_class=torch.optim.AdamW, lr=learning_rate,
                                         betas=betas)
+    model = DDP(raw_model)
     losses, norms = train(model, raw_model, optimizer, rank, world, ddp=True)
     optimizer.consolidate_state_dict(to=0)
     checkpoint = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict()} \

@@ -96,6 +96,8 @@ def consolidated(opt):
 
 
 def params_of(module):
+    """{name: parameter} in the plain model's names (DDP and DataParallel: their .module's)."""
+    module = module.module if isinstance(module, (dp.DataParallel, nn.parallel.DistributedDataParallel)) else module
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
@@ -130,8 +132,9 @@ def _dp_runs():
                 assert model.d == d                     # group=None: the whole world
                 train(kind, model, adamw(model.parameters()), micro, r, d, model.no_sync)
                 out[(kind, micro, mode)] = params_of(model)
-                if r == 0:
-                    assert list(model.state_dict()) == list(model.module.state_dict())
+                if r == 0:                              # DDP's names: module.<name>
+                    assert list(model.state_dict()) == \
+                        [f"module.{k}" for k in model.module.state_dict()]
             ddp = nn.parallel.DistributedDataParallel(make(kind, SEED + r), bucket_cap_mb=0.0005)
             train(kind, ddp, adamw(ddp.parameters()), micro, r, d, ddp.no_sync)
             out[(kind, micro, "ddp")] = params_of(ddp.module)
@@ -312,12 +315,12 @@ def _misuse():
         loss_fn("mlp", model(x), y).backward()
         clip = _raises(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3), RuntimeError)
         out[f"torch clip, stage {stage}"] = clip or _raises(opt.step, RuntimeError)
-    # 5. beside DataParallel: stage 2 refused; a DataParallel built afterwards refused at step
+    # 5. beside DataParallel: stage 2 refused, also when the DataParallel is built afterwards
     model = dp.DataParallel(make("mlp", SEED + r))
     out["stage 2 beside dp"] = _raises(lambda: zero.ShardedOptimizer(
         model.parameters(), torch.optim.AdamW, stage=2), UsageError)
     bare = make("mlp", SEED + r)
-    opt = zero.ShardedOptimizer(bare.parameters(), torch.optim.AdamW, lr=1e-2)
+    opt = zero.ShardedOptimizer(bare.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
     late = dp.DataParallel(bare)
     loss_fn("mlp", late(x), y).backward()
     out["dp built after"] = _raises(opt.step, UsageError)
@@ -348,7 +351,7 @@ def test_a_missing_average_is_an_error_never_a_silent_gradient():
             assert "opt.clip_grad_norm_" in out[f"torch clip, stage {stage}"]
             assert "\n" not in out[f"torch clip, stage {stage}"]
         assert "stage=1" in out["stage 2 beside dp"]
-        assert "build the DataParallel first" in out["dp built after"]
+        assert "stage 2 has nothing to shard" in out["dp built after"]
         assert "consolidate_state_dict(to=" in out.get("not consolidated", out.get("other rank"))
         assert out.get("consolidated", [0, 1, 2, 3, 4, 5]) == [0, 1, 2, 3, 4, 5]
         assert "before the last step" in out["stale"] or "not consolidated" in out["stale"]

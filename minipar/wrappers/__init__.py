@@ -10,7 +10,8 @@ from ..runtime.errors import UsageError
 
 # DDP's arguments after bucket_cap_mb, in its order, and the values minipar can honour
 # (None: any value; minipar's buckets are always the gradients' storage, and a parameter no
-# backward reached is averaged as a zero, so find_unused_parameters needs no search)
+# backward reached is averaged as a zero; find_unused_parameters=True adds DDP's all-reduce
+# of a used flag per parameter, so one no rank used keeps grad None)
 DDP_REST = (("find_unused_parameters", None), ("check_reduction", None),
             ("gradient_as_bucket_view", None), ("static_graph", None),
             ("delay_all_reduce_named_params", (None,)), ("param_to_hook_all_reduce", (None,)),
@@ -21,8 +22,8 @@ DDP_REST = (("find_unused_parameters", None), ("check_reduction", None),
 
 def ddp_arguments(module, device_ids, output_device, process_group, group, bucket_cap_mb,
                   bucket_mb, args: tuple, kwargs: dict):
-    """DDP's constructor arguments as ``dp.DataParallel``'s: returns (group, bucket_mb), or
-    raises one line for a value with no minipar meaning."""
+    """DDP's constructor arguments as ``dp.DataParallel``'s: returns (group, bucket_mb,
+    find_unused_parameters), or raises one line for a value with no minipar meaning."""
     if len(args) > len(DDP_REST):
         raise TypeError(f"DataParallel takes at most {8 + len(DDP_REST)} positional arguments")
     given = dict(zip((n for n, _ in DDP_REST), args))
@@ -53,4 +54,5 @@ def ddp_arguments(module, device_ids, output_device, process_group, group, bucke
             raise UsageError(f"DataParallel: a 1-D device_mesh only (got {mesh.ndim}-D)")
         group = mesh.get_group()
     group = group if group is not None else process_group
-    return group, (bucket_cap_mb if bucket_cap_mb is not None else bucket_mb)
+    return (group, (bucket_cap_mb if bucket_cap_mb is not None else bucket_mb),
+            bool(given.get("find_unused_parameters", False)))

@@ -45,9 +45,19 @@ parameters are sharded too, and never reduced.
 
 **Gradients.** After each backward every shard's ``.grad`` holds its average over the group
 (reduce-scatter in ``reduce_dtype``, sum then divide by d), added to what ``.grad`` held:
-accumulation as on one process. A unit no backward reached still reduces, so every rank
-issues the same collectives (its shards get zeros). ``set_requires_gradient_sync(False)``
-keeps the full gradients instead, until a backward with sync on.
+accumulation as on one process. A unit reduces when its module's backward is over (a
+post-backward function on its inputs, ``zero.PostBackward``), or at the end of the backward,
+in module order, when its inputs needed no gradient; a unit no backward reached, or a
+gradient a rank's branch did not make, is reduced as zeros. So every rank issues the same
+collectives in the same order, whichever parameters its graph used.
+``set_requires_gradient_sync(False)`` keeps the full gradients instead (summed in
+``reduce_dtype``), until a backward with sync on.
+
+**Activation checkpointing** (``torch.utils.checkpoint`` inside or around a sharded module,
+reentrant or not; ``checkpoint_wrapper`` before ``fully_shard``): from a unit's pre-backward
+to its post-backward its module shows the gathered parameters, so a recomputation that skips
+the module's hooks uses them, and the post-backward (or the end of the backward) shows the
+shards again even when torch stops the recomputed forward early.
 
 **Precision** (``mp_policy``, FSDP2's ``MixedPrecisionPolicy`` or minipar's
 ``PrecisionPolicy``, read by attribute): shards stay in the module's dtype (the masters);
@@ -75,7 +85,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import comm
 from ..runtime.errors import UsageError
-from ..zero import alloc_storage, free_storage, storage_bytes, units_of
+from ..zero import after_backward, alloc_storage, free_storage, storage_bytes, units_of
 
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward=True, mp_policy=None,
@@ -124,10 +134,37 @@ class FSDPModule:
             if isinstance(m, FSDPModule):
                 m._minipar_fsdp.sync = bool(requires_gradient_sync)
 
+    def unshard(self, async_op: bool = False):
+        """Gather this module's parameters now and show them (FSDP2's explicit prefetch): its
+        next forward uses them; ``reshard()`` or that forward gives the shards back."""
+        if async_op:
+            raise UsageError("fully_shard: unshard(async_op=True) is not supported; call "
+                             "unshard() (it waits), or rely on prefetch=True")
+        st = self._minipar_fsdp
+        if st.unit is not None:
+            st.unit.gather()
+            st.unit.show(full=True)
+            st.kept = True
+
     def reshard(self):
-        """Free this module's gathered parameters (outside forward and backward they are)."""
-        if self._minipar_fsdp.unit is not None:
-            self._minipar_fsdp.unit.free()
+        """Free this module's gathered parameters and show the shards (outside forward and
+        backward they are already)."""
+        st = self._minipar_fsdp
+        if st.unit is not None:
+            st.unit.free()
+            st.unit.show(full=False)
+            st.kept = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        if not reshard_after_backward:
+            raise UsageError("fully_shard: set_reshard_after_backward(False) is not supported; "
+                             "minipar frees every unit after its backward")
+
+    def set_modules_to_forward_prefetch(self, modules):
+        raise UsageError("fully_shard: explicit prefetch lists are not supported; fully_shard("
+                         "..., prefetch=True) gathers the next unit in module order")
+
+    set_modules_to_backward_prefetch = set_modules_to_forward_prefetch
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)
@@ -183,6 +220,7 @@ class Param:
         self.sharded = nn.Parameter(self.as_shard(local), requires_grad=value.requires_grad)
         self.full = nn.Parameter(torch.empty(0, dtype=state.param_dtype, device=value.device),
                                  requires_grad=value.requires_grad)
+        self.acc = None                         # sync off: the gradients kept, in reduce_dtype
 
     def as_shard(self, local: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:
@@ -190,6 +228,15 @@ class Param:
         from torch.distributed.tensor import DTensor, Shard
         return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
                                   shape=self.shape, stride=torch.empty(self.shape, device="meta").stride())
+
+    def unreduced_grad(self, dtype) -> torch.Tensor | None:
+        """The full gradient not reduced yet, in ``dtype``: the sum kept with sync off plus
+        what the last backward left in ``full.grad``; both are taken."""
+        g, self.full.grad = self.full.grad, None
+        acc, self.acc = self.acc, None
+        if g is None:
+            return acc
+        return g.to(dtype) if acc is None else acc.add_(g.to(dtype))
 
     def local(self) -> torch.Tensor:
         return self.sharded if self.mesh is None else self.sharded.to_local()
@@ -207,7 +254,7 @@ class Unit:
     def __init__(self, params: list[Param], state: "State"):
         self.params, self.state = params, state
         self.block = sum(p.chunk * p.width for p in params)
-        self.trainable = sum(p.full.requires_grad for p in params)
+        self.trainable = any(p.full.requires_grad for p in params)
         self.unsharded = torch.empty(sum(p.numel for p in params), dtype=state.param_dtype,
                                      device=params[0].full.device)
         offset = 0
@@ -216,7 +263,7 @@ class Unit:
             offset += p.numel
         free_storage(self.unsharded)
         self.handle = self.gathered = None   # an all-gather in flight, and its output
-        self.ready = 0                       # gradients accumulated in this backward
+        self.waiting = 0                     # forward calls whose backward has not ended
         self.reduced = False
 
     def start_gather(self):
@@ -249,6 +296,16 @@ class Unit:
                 offset += p.chunk * p.width
         self.handle = self.gathered = None
 
+    def show(self, full: bool):
+        """The module shows the gathered parameters (full) or the shards."""
+        for p in self.params:
+            p.show(p.full if full else p.sharded)
+
+    def keep_unreduced(self):
+        """Sync off: each full gradient accumulates in ``reduce_dtype`` (FSDP2's)."""
+        for p in self.params:
+            p.acc = p.unreduced_grad(self.state.reduce_dtype)
+
     def free(self):
         if self.handle is not None:
             self.handle.wait()
@@ -262,12 +319,11 @@ class Unit:
         pieces = torch.zeros(st.d, self.block, dtype=st.reduce_dtype, device=self.unsharded.device)
         offset = 0
         for p in self.params:
-            g = p.full.grad
+            g = p.unreduced_grad(st.reduce_dtype)
             if g is not None:
                 rows = F.pad(g.reshape(p.shape[0], p.width), (0, 0, 0, st.d * p.chunk - p.shape[0]))
                 pieces[:, offset:offset + p.chunk * p.width].copy_(rows.view(st.d, -1))
             offset += p.chunk * p.width
-            p.full.grad = None
         mine = pieces.new_empty(self.block)
         comm.reduce_scatter(mine, pieces.view(-1), st.group)
         mine.div_(st.d)                         # gloo has no AVG: sum, then divide
@@ -296,6 +352,7 @@ class State:
         self.module, self.group, self.reshard, self.prefetch = module, group, reshard, prefetch
         self.d, self.rank = comm.size(group), comm.rank(group)
         self.sync, self.root, self.states = True, None, []
+        self.kept = False                       # gathered by unshard() for the next forward
         self.in_backward = self.callback_queued = False
         ignored = {id(p) for p in ignored}
         slots: dict[int, list] = {}
@@ -371,21 +428,33 @@ class State:
             self._become_root()
         if self.root is self and not self.in_backward:
             for s in self.states:               # gathered before a step changed the shards
-                if s.unit is not None:
+                if s.unit is not None and not s.kept:
                     s.unit.free()
+        recomputing = self.root.in_backward     # activation checkpointing's second forward
         if self.unit is not None:
             self._adopt()
             self.unit.gather()
-            nxt = self._neighbour(+1) if self.prefetch and not self.root.in_backward else None
+            nxt = self._neighbour(+1) if self.prefetch and not recomputing else None
             if nxt is not None:
                 nxt.start_gather()              # overlaps this unit's forward
-            for p in self.unit.params:
-                p.show(p.full)
+            self.unit.show(full=True)
         if self.cast_inputs:
             cast = lambda t: (t.to(self.param_dtype)   # noqa: E731
                               if torch.is_tensor(t) and t.is_floating_point() else t)
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        if self.unit is not None and self.unit.trainable and torch.is_grad_enabled() \
+                and not recomputing:
+            args, kwargs = self._mark_post_backward(args, kwargs)
         return args, kwargs
+
+    def _mark_post_backward(self, args, kwargs):
+        """The inputs that need a gradient through ``zero.PostBackward``: its backward runs
+        when this call's backward is done, at the same place in every rank's graph."""
+        marked = after_backward(self._post_backward, args, kwargs)
+        if marked is None:
+            return args, kwargs
+        self.unit.waiting += 1
+        return marked
 
     def _adopt(self):
         """A parameter the user replaced since (``load_state_dict(assign=True)``) is the shard now."""
@@ -398,11 +467,11 @@ class State:
                 p.sharded = now
 
     def _post_forward(self, module, args, output):
+        self.kept = False
         if self.unit is not None:
-            for p in self.unit.params:
-                p.show(p.sharded)
             if self.root.in_backward:           # a recomputation inside backward: keep it
                 return output
+            self.unit.show(full=False)
             # FSDP2's: the root keeps its parameters for the backward right after its forward
             if not torch.is_grad_enabled() or self.reshard and self.root is not self:
                 self.unit.free()
@@ -430,6 +499,7 @@ class State:
         self._begin_backward()
         if self.unit is not None:
             self.unit.gather()
+            self.unit.show(full=True)           # for a recomputation that skips the hooks
             prev = self._neighbour(-1) if self.prefetch else None
             if prev is not None:
                 prev.start_gather()             # overlaps this unit's backward
@@ -437,24 +507,39 @@ class State:
 
     def _on_grad_ready(self, full: nn.Parameter):
         self._begin_backward()
+        if self.unit.reduced:
+            name = next(p.slots[0][1] for p in self.unit.params if p.full is full)
+            raise RuntimeError(f"fully_shard: a gradient of {name} arrived after its module's "
+                               f"backward had ended and its unit was reduced (a use outside "
+                               f"the module's forward); call fully_shard on a module that "
+                               f"holds every use of it")
+
+    def _post_backward(self):
+        self.unit.waiting -= 1
+        if self.unit.waiting == 0:              # every forward call's backward is done
+            self._finish_backward()
+
+    def _finish_backward(self):
+        """Free the unit, show its shards again, reduce it (once a backward, with sync on)."""
         u = self.unit
-        u.ready += 1
-        if u.ready == u.trainable:
-            if u.trainable == len(u.params):    # every use of every weight is done
-                u.free()
+        u.free()
+        u.show(full=False)
+        if u.trainable and not u.reduced:
             if self.sync:
                 u.reduce()
+            else:
+                u.keep_unreduced()
 
     def _end_of_backward(self):
-        """Every state of the tree: free, reduce what no hook reduced (the same collectives on
-        every rank), average the replicated gradients; no async work outlives backward."""
+        """Every state of the tree, in module order: what no post-backward finished (inputs
+        that needed no gradient, a call whose backward never ran), then the replicated
+        gradients. Which units finish here depends only on the graph's shape, so every rank
+        issues the same collectives in the same order, whichever parameters its branch used;
+        no async work outlives backward, no reachable tensor has freed storage."""
         for s in self.states:
-            u = s.unit
-            if u is not None:
-                u.free()
-                if s.sync and u.trainable and not u.reduced:
-                    u.reduce()
-                u.ready, u.reduced = 0, False
+            if s.unit is not None:
+                s._finish_backward()
+                s.unit.waiting, s.unit.reduced = 0, False
             if s.sync and s.replicated:
                 s._average_replicated()
         self.in_backward = self.callback_queued = False

@@ -6,13 +6,15 @@ checkpoint loads into a plain optimizer and back: ``consolidate_state_dict(to)``
 rank, then ``state_dict()`` on rank ``to`` (ZeroRedundancyOptimizer's pair). The algorithm is
 ``minipar.zero``'s ``ShardedEngine``; ``ShardedOptimizer`` there names it as ``engine_class``.
 
-Beside ``minipar.dp.DataParallel`` (built over its parameters, as ZeroRedundancyOptimizer
-beside DDP), the gradients are already averaged by the end of backward: stage 1 then takes
-its slice of them without communicating and only all-gathers the updated parameters
+Beside ``minipar.dp.DataParallel`` or torch's ``DistributedDataParallel`` (as
+ZeroRedundancyOptimizer beside DDP, built before or after it: nanoGPT builds the optimizer
+first), the gradients are already averaged by the end of backward: stage 1 then takes its
+slice of them without communicating and only all-gathers the updated parameters
 (all_reduce 2 (d-1)/d Psi + all_gather (d-1)/d Psi, as DDP + ZeroRedundancyOptimizer), and
 ``torch.nn.utils.clip_grad_norm_`` sees the averaged gradients. Stage 2 has nothing to shard
-there (DataParallel holds every full gradient) and is refused. The DataParallel is found
-through the hooks torch keeps on the parameters.
+there (the wrapper holds every full gradient) and is refused. The wrapper is looked for when
+the optimizer is built and again at its first step: DataParallel through the hooks torch
+keeps on the parameters, DDP through the parameter list it keeps.
 
 Alone, the averaging happens inside ``step()``, so between backward and step ``.grad`` is not
 the averaged gradient: stage 1's is this rank's own, stage 2's was reduce-scattered away.
@@ -72,7 +74,7 @@ class OptimizerSurface(torch.optim.Optimizer):
                 raise UsageError("ShardedOptimizer: each parameter group needs trainable "
                                  "parameters of one dtype and device (make one group per dtype)")
         self.stage = stage
-        self.beside = self._data_parallel(comm.resolve_group(group))
+        self.beside = self._averager(comm.resolve_group(group))
         d = comm.size(comm.resolve_group(group))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self.engine = self.engine_class(
@@ -101,34 +103,40 @@ class OptimizerSurface(torch.optim.Optimizer):
 
     _built = False
 
-    def _data_parallel(self, group):
-        """The ``minipar.dp.DataParallel`` averaging these parameters' gradients (found through
-        the post-accumulate-grad hooks torch keeps on each), or None."""
+    def _averager(self, group):
+        """The data-parallel wrapper that averages these parameters' gradients by the end of
+        each backward: ``minipar.dp.DataParallel`` (found through the post-accumulate-grad
+        hooks torch keeps on each parameter) or torch's ``DistributedDataParallel`` (found
+        through the list of parameters it keeps, ``_module_parameters``); None if none."""
         from ..dp import DataParallel
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         found = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
-                    owner = getattr(hook, "__self__", None)
-                    if isinstance(owner, DataParallel):
-                        found[id(owner)] = owner
+        for p in params:
+            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+                owner = getattr(hook, "__self__", None)
+                if isinstance(owner, DataParallel):
+                    found[id(owner)] = (owner, owner.group, owner._bucket_of)
+        for ddp in _torch_ddps_over(params[0]) if params else ():
+            found[id(ddp)] = (ddp, ddp.process_group, set(ddp._module_parameters))
         if not found:
             return None
+        name = type(next(iter(found.values()))[0]).__name__
         if self.stage == 2:
-            raise UsageError("ShardedOptimizer(stage=2) beside DataParallel: DataParallel already "
-                             "holds and averages every full gradient, so stage 2 has nothing to "
-                             "shard; use stage=1 (as ZeroRedundancyOptimizer beside DDP) or the "
-                             "bare module")
-        (dp,) = found.values() if len(found) == 1 else (None,)
-        if dp is None or comm.global_ranks(dp.group) != comm.global_ranks(group):
-            raise UsageError("ShardedOptimizer beside DataParallel: both must work over the same "
-                             "process group (one DataParallel, its group)")
-        if any(p not in dp._bucket_of for g in self.param_groups for p in g["params"]
-               if p.requires_grad):                        # frozen ones have no gradient
-            raise UsageError("ShardedOptimizer beside DataParallel: some of its parameters are "
-                             "outside the DataParallel (their gradients would not be averaged); "
-                             "wrap the whole model, or none of it")
-        return dp
+            raise UsageError(f"ShardedOptimizer(stage=2) beside {name}: it already holds and "
+                             f"averages every full gradient, so stage 2 has nothing to shard; "
+                             f"use stage=1 (as ZeroRedundancyOptimizer beside DDP)")
+        if len(found) > 1:
+            raise UsageError("ShardedOptimizer: its parameters are inside two data-parallel "
+                             "wrappers; wrap the model once")
+        ((owner, dp_group, inside),) = found.values()
+        if comm.global_ranks(comm.resolve_group(dp_group)) != comm.global_ranks(group):
+            raise UsageError(f"ShardedOptimizer beside {name}: both must work over the same "
+                             f"process group")
+        if any(p not in inside for p in params):
+            raise UsageError(f"ShardedOptimizer beside {name}: some of its parameters are "
+                             f"outside the {name} (their gradients would not be averaged); "
+                             f"wrap the whole model, or none of it")
+        return owner
 
     def add_param_group(self, param_group):
         if self._built:
@@ -220,10 +228,8 @@ class OptimizerSurface(torch.optim.Optimizer):
                                f"{[tuple(p.shape) for p in missing[:4]]}) got no gradient since the "
                                f"last step; torch would skip them, a flat slice cannot: leave them "
                                f"out of the optimizer or freeze them")
-        if self.beside is None and self._steps == 0 and self._data_parallel(self.engine.group):
-            raise UsageError("ShardedOptimizer: a DataParallel was built over these parameters "
-                             "after the optimizer (each gradient would be averaged twice); build "
-                             "the DataParallel first, then the optimizer over its parameters")
+        if self.beside is None and self._steps == 0:
+            self.beside = self._averager(self.engine.group)    # nanoGPT's order: DDP built after
         if self.beside is None and self.stage == 1:
             self._check_grads()
         for g, inner in zip(self.param_groups, self.optimizer.param_groups):
@@ -248,7 +254,7 @@ class OptimizerSurface(torch.optim.Optimizer):
     def _step_averaged(self):
         """Beside DataParallel: each rank's slice of the averaged gradient, no communication;
         the step; the updated slices all-gathered (ZeroRedundancyOptimizer's broadcasts)."""
-        if self.beside._pending:                # accumulated, never averaged: average now
+        if getattr(self.beside, "_pending", False):   # DataParallel's accumulation, unaveraged
             self.beside.finish_grad_sync()
         for u in self.units:
             u.os_grad.copy_(u.flat_grad()[u.os_slice])
@@ -298,6 +304,21 @@ class OptimizerSurface(torch.optim.Optimizer):
             inner.update({k: v for k, v in s.items() if k != "params"})
             index.update({id(p): i for p, i in zip(g["params"], s["params"])})
         load_full_state(self.units, self.mesh, self.optimizer, state_dict["state"], index)
+
+
+def _torch_ddps_over(param) -> list:
+    """torch's ``DistributedDataParallel`` modules that hold ``param`` (it keeps no hook a
+    Python caller can see, only its list ``_module_parameters``)."""
+    import gc
+    from torch.nn.parallel import DistributedDataParallel
+    out = []
+    for holder in gc.get_referrers(param):
+        if isinstance(holder, list):
+            for owner in gc.get_referrers(holder):
+                owners = gc.get_referrers(owner) if isinstance(owner, dict) else [owner]
+                out += [o for o in owners if isinstance(o, DistributedDataParallel)
+                        and o.__dict__.get("_module_parameters") is holder and o not in out]
+    return out
 
 
 class _Reduced(torch.Tensor):
