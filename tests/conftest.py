@@ -92,6 +92,7 @@ HEAVY_FIRST = [
     "tests/test_moe.py", "tests/test_exercises.py", "tests/test_clean_exit.py", "tests/test_tp.py",
     "tests/test_zero.py", "notebooks/05_3d_parallel_trainer.ipynb", "tests/test_train.py",
     "tests/test_cp_train.py", "tests/test_dp.py", "tests/test_plan.py", "tests/test_pp.py",
+    "tests/test_plan_fit.py", "tests/test_dropin_hard.py",
     "notebooks/08_mixture_of_experts.ipynb", "tests/test_checkpoint.py",
     "notebooks/01_data_parallel.ipynb", "tests/test_scaling.py", "tests/test_moe_cp.py",
     "tests/test_bringup.py", "notebooks/04_zero_and_amsp.ipynb",

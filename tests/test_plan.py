@@ -9,7 +9,6 @@ from dataclasses import replace
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -588,10 +587,17 @@ def test_nothing_fits_is_a_plan_error():
     assert search("gpt-175b", 1024, "frontier-mi250x", tp=1, pp=1, top=1)[0].layout.cp > 1
 
 
-def test_search_is_fast_at_scale():
-    t0 = time.perf_counter()
+def test_search_work_is_bounded_at_scale(monkeypatch):
+    """The search prices few layouts in full (time_parts) at 3,072 devices: a count, not a
+    timing (speed lives in benchmarks; a wall-clock bound failed under a loaded CI machine).
+    989 on 2026-11-28; the bound guards against the search pricing every candidate."""
+    import importlib
+    module = importlib.import_module("minipar.plan.search")
+    calls = []
+    real = module.time_parts
+    monkeypatch.setattr(module, "time_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
     search("gpt-175b", 3072, "frontier-mi250x")
-    assert time.perf_counter() - t0 < 5
+    assert 0 < len(calls) < 2000
 
 
 # --------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A row says what ran and what it measured:
 
-    model shape   model, arch, layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len, tied
+    model shape   model, arch, layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len, tied,
+                  bias, dropout (1: masks kept)
     placement     nodes, gpus_per_node, dp, tp, pp, cp
     engine        shard (AMSP's P-G-OS group sizes, "1-1-8" is ZeRO-1 over 8), mbs,
                   grad_acc (micro-batches per step), gbs (sequences per step), recompute,
@@ -31,7 +32,7 @@ from .layout import Layout
 from .shapes import ModelShape, training_flops
 
 COLUMNS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
-           "seq_len", "tied", "nodes", "gpus_per_node", "dp", "tp", "pp", "cp", "shard", "mbs",
+           "seq_len", "tied", "bias", "dropout", "nodes", "gpus_per_node", "dp", "tp", "pp", "cp", "shard", "mbs",
            "grad_acc", "gbs", "recompute", "schedule", "chunks", "sp", "flash", "dtype", "framework",
            "status",
            "tokens_per_s_gpu", "peak_mem_gib", "mfu")
@@ -119,7 +120,8 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
                            _int(row, "hidden", where), _int(row, "heads", where),
                            _int(row, "vocab", where), _int(row, "seq_len", where),
                            _int(row, "ffn_hidden", where, 0), tied_head=row["tied"] == "1",
-                           bias=row["arch"] == "gpt", kv_heads=_int(row, "kv_heads", where, 0))
+                           bias=row["bias"] == "1", kv_heads=_int(row, "kv_heads", where, 0),
+                           dropout=row["dropout"] == "1")
         gpus_per_node, framework = _int(row, "gpus_per_node", where), row["framework"]
         recompute, schedule = row["recompute"] or "none", row["schedule"] or "1f1b"
         dp, cp, chunks = _int(row, "dp", where), _int(row, "cp", where, 1), _int(row, "chunks", where, 1)
@@ -197,11 +199,12 @@ def write_runs(path: str | Path, runs: list[Run]) -> None:
         for r in runs:
             s, lay = r.shape, r.layout
             w.writerow([s.name, s.arch, s.layers, s.hidden, s.heads, s.kv_heads, s.ffn_hidden,
-                        s.vocab, s.seq_len, int(s.tied_head), r.nodes, r.gpus_per_node, lay.dp,
-                        lay.tp, lay.pp, lay.cp, "-".join(map(str, lay.shard)), lay.micro_batch,
-                        lay.microbatches, lay.global_batch, lay.recompute, lay.schedule, lay.v,
-                        int(lay.sp), int(r.flash), r.dtype, r.framework, r.status, f"{r.tokens_per_s_gpu:.6g}",
-                        f"{r.peak_mem_gib:.6g}", ""])
+                        s.vocab, s.seq_len, int(s.tied_head), int(s.bias), int(s.dropout),
+                        r.nodes, r.gpus_per_node, lay.dp, lay.tp, lay.pp, lay.cp,
+                        "-".join(map(str, lay.shard)), lay.micro_batch, lay.microbatches,
+                        lay.global_batch, lay.recompute, lay.schedule, lay.v, int(lay.sp),
+                        int(r.flash), r.dtype, r.framework, r.status,
+                        f"{r.tokens_per_s_gpu:.6g}", f"{r.peak_mem_gib:.6g}", ""])
 
 
 def digest(path: str | Path) -> str:
