@@ -387,7 +387,7 @@ def _zero_habit_runs():
     return out
 
 
-@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("clip", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("how", ZERO_HABITS)
 def test_sharded_optimizer_equals_zero_redundancy_optimizer_beside_either_ddp_in_either_order(how, clip):
     for out in launched("zero-habits", _zero_habit_runs):

@@ -197,6 +197,7 @@ def test_on_a_gpu_host_the_cpu_suite_trains_on_the_cpu(monkeypatch):
     assert dist.resolve("auto", 1)[:2] == ("nccl", torch.device("cuda", 0))
 
 
+@pytest.mark.slow     # a smoke run of a bench: the full suite runs it
 def test_bench_gpu_check_runs_pytest_with_its_own_options():
     """Without the [test] extras (no xdist, no nbval) the repository's addopts would be an
     error; the check's pytest drops them."""
@@ -206,6 +207,7 @@ def test_bench_gpu_check_runs_pytest_with_its_own_options():
     assert ok and "skipped" in text, text
 
 
+@pytest.mark.slow     # a smoke run of a bench: the full suite runs it
 def test_bench_gpu_check_compares_two_fresh_deterministic_runs(monkeypatch):
     """--check's repeat: two fresh trainer processes, their losses compared bit for bit (on the
     CPU here; on a GPU, tests/test_gpu.py), and a difference named by its first step."""
@@ -221,6 +223,7 @@ def test_bench_gpu_check_compares_two_fresh_deterministic_runs(monkeypatch):
     assert not ok and "losses differ from step 1" in text, text
 
 
+@pytest.mark.slow     # a smoke run of a bench: the full suite runs it
 def test_bench_gpu_deterministic_prints_its_cost():
     r = cli("minipar.bench", "gpu", "--device", "cpu", "--model", "nano", "--batch-size", "8",
             "--steps", "3", "--warmup", "1", "--dtype", "fp32", "--deterministic", timeout=240)
