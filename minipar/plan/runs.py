@@ -13,7 +13,7 @@ A row says what ran and what it measured:
 
 ``python -m minipar.scaling ... --runs FILE.csv`` writes it from its own sweeps (a laptop, a
 node, an ``srun`` allocation); ``read_runs`` also reads the Ultra-Scale Playbook's grid
-(``../shared/data/playbook-grid-*.csv``: its ``zero`` column, the shapes its README gives)
+(``minipar/hardware/runs/playbook-grid-1B-8B.csv``: its ``zero`` column, the shapes below)
 into the same rows. ``plan fit`` fits a hardware profile to them (``plan.fit``).
 
 A run's MFU is recomputed from its tokens/s with the planner's own FLOPs per token
@@ -38,7 +38,7 @@ COLUMNS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden
            "tokens_per_s_gpu", "peak_mem_gib", "mfu")
 STATUSES = ("ok", "oom", "crashed")
 
-# The Ultra-Scale Playbook's grid (../shared/data/README.md): Llama-style shapes by name,
+# The Ultra-Scale Playbook's grid (nanotron's benchmark configs): Llama-style shapes by name,
 # (layers, hidden, heads, ffn), vocabulary 131,072, sequence 4,096, MHA, tied below ffn 10,000;
 # nanotron, 8 H100 per node, sequence parallelism with TP, no recomputation. Another model of
 # that grid needs the columns layers, hidden, heads and ffn_hidden.
