@@ -184,7 +184,7 @@ def read_runs(path: str | Path) -> tuple[list[Run], list[str]]:
     if not runs:
         raise PlanError(f"{path} holds no runs")
     notes = [f"{path.name}: left out {left} rows whose dp x mbs x grad_acc is not their gbs "
-             f"(the grid's README says to)"] if left else []
+             f"(they contradict themselves)"] if left else []
     return runs, notes
 
 
