@@ -12,10 +12,7 @@ their own layers, embedding and head), so the peak is the largest of the stages'
   its layers x the micro-batches in flight, m under GPipe, min(m, p - r) under 1F1B, and
   interleaved with v chunks min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk-micro-batches of
   l/(p v) layers (Megatron-LM's warm-up count plus the one in flight; p (v + 1) - 1 on the
-  first stage). A framework that saves the all-gathered input of the column-parallel GEMMs
-  under sequence parallelism (``keeps_gathered_input``; none of the profiles now: the
-  Ultra-Scale Playbook's measured nanotron peaks say its sweep did not) keeps those two
-  inputs whole: + 2 x 2 s b h (1 - 1/t) bytes per layer and micro-batch;
+  first stage);
 * transient buffers, our accounting (each cites the code it follows):
   - on the stage with the head, the loss over one micro-batch's logits: b s V/t logits of
     the framework's ``logit_bytes`` each at the loss's peak (Megatron-LM casts the 16-bit
@@ -89,31 +86,23 @@ def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
 
 
 def layer_bytes(shape: ModelShape, layout: Layout, flash: bool = False, dtype: str = "mixed",
-                framework=None, recompute: str | None = None) -> float:
+                recompute: str | None = None) -> float:
     """Bytes one layer keeps for one micro-batch on one rank of this layout (under cp a layer
-    of s/cp tokens, the scores never stored; a framework that keeps SP's gathered inputs
-    keeps them whole: module docstring)."""
+    of s/cp tokens, the scores never stored)."""
     recompute = layout.recompute if recompute is None else recompute
     if layout.cp > 1:
-        out = cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
-                                        layout.sp, recompute, flash, dtype)
-    else:
-        out = layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp,
-                                     recompute, flash, dtype)
-    t = layout.tp
-    if framework is not None and framework.keeps_gathered_input and layout.sp and t > 1 \
-            and recompute != "full":
-        tokens = layout.micro_batch * shape.seq_len // layout.cp
-        out += 2 * tokens * shape.hidden * ACTIVATION_BYTES[dtype] * (1 - 1 / t)
-    return out
+        return cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
+                                         layout.sp, recompute, flash, dtype)
+    return layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp, recompute,
+                                  flash, dtype)
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
-                     dtype: str = "mixed", stage: Stage | None = None, framework=None) -> float:
+                     dtype: str = "mixed", stage: Stage | None = None) -> float:
     """Stashed activations of ``stage`` (default: the first of equal stages)."""
     stage = stage or Stage(0, shape.layers // layout.pp, True, layout.pp == 1)
     held = in_flight(stage, layout.pp, layout.microbatches, layout.v, layout.schedule)
-    return layer_bytes(shape, layout, flash, dtype, framework) * held
+    return layer_bytes(shape, layout, flash, dtype) * held
 
 
 def logit_bytes(dtype: str, framework=None) -> float:
@@ -143,7 +132,7 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
     if stage.layers:       # backward's working set (module docstring)
         total += (4 * shape.ffn / shape.hidden + 2) * b * s * shape.hidden * act / 2 / t
     if stage.layers and layout.recompute == "full":
-        total += layer_bytes(shape, layout, flash, dtype, framework, recompute="none")
+        total += layer_bytes(shape, layout, flash, dtype, recompute="none")
     if layout.cp > 1:
         total += 4 * kv_block_bytes(b, shape.seq_len, shape.kv_hidden, layout.cp, t, act)
     total += gather_bytes(shape, t, layout.shard, dtype)
@@ -182,7 +171,7 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: Stage, flash: bool = 
     """Everything one device of ``stage`` holds at its peak (module docstring)."""
     _check_dtype(dtype)
     out = state_bytes(shape, layout, dtype, framework, stage)
-    out["activations"] = activation_bytes(shape, layout, flash, dtype, stage, framework)
+    out["activations"] = activation_bytes(shape, layout, flash, dtype, stage)
     out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage)
     out["total"] = sum(out.values())
     return out
