@@ -18,28 +18,26 @@
   and interleaving v chunks per stage divides that by v (Narayanan et al. 2021, section
   2.2): (p-1)/(m v) x (compute + TP comm + CP comm, without the optimizer step).
 * PP comm: each micro-batch's send and receive, on the critical path.
-* DP comm: the ZeRO/AMSP collectives over the dp x cp replicas (the parameters are
-  replicated over cp too) as the framework's engine issues them
-  (``network.engine_collectives``: buckets, one gather per unit), each hidden behind the
-  compute it can overlap, never more: gradient reductions started during backward hide
-  behind the backward of their micro-batch except the last call; prefetched parameter
-  gathers hide behind the unit before them (the first of each pass is exposed); the
-  gather after the optimizer step hides behind the next forward when the engine says it
-  overlaps it, else it is exposed. All hidden time together is capped by the compute time.
-  ``overlap`` replaces the windows by a fraction: 0 hides nothing, 1 hides everything
-  hideable (still not the last bucket, the first gather or an exposed gather), so the
+* DP comm: the ZeRO/AMSP collectives over the dp x cp replicas as the framework's engine
+  issues them (``network.engine_collectives``), each hidden behind the compute its window
+  allows, never more: gradient reductions started during backward behind their
+  micro-batch's backward but the last call; prefetched parameter gathers behind the unit
+  before them (the first of each pass exposed); the gather after the optimizer step behind
+  the next forward where the engine overlaps it. All hidden time together is capped by the
+  compute time. ``overlap`` replaces the windows by a fraction: 0 hides nothing, 1 all that
+  is hideable (still not the last bucket, the first gather or an exposed gather), so the
   extremes still rank specs by the traffic that cannot hide. Hidden traffic slows compute
-  by the hardware's ``overlap_slowdown`` (0 unless measured).
+  by the hardware's ``overlap_slowdown``; ``overlap_exposed`` of it stays exposed.
 
-MFU = model FLOPs (no recomputation) / (step x devices x peak)   (Chowdhery et al. 2022)
 Collective times come from the hardware's measured ``collective_table`` where it covers the
 group, else from the alpha-beta model; ``Estimate.unvalidated`` names every collective of
 the layout that no measurement covers (``network.coverage``), and ``search`` prints it.
 
+MFU = model FLOPs (no recomputation) / (step x devices x peak)   (Chowdhery et al. 2022)
 HFU = hardware FLOPs (with recomputation) / (step x devices x peak). Under full
 recomputation the hardware FLOPs of a GPT are exactly Megatron's 96 B s l h^2 (...) formula,
-which is what Megatron-DeepSpeed reports as TFLOP/s, so HFU is the figure to hold against
-the Frontier study's percent of peak.
+which Megatron-DeepSpeed reports as TFLOP/s: HFU is what the Frontier study's percent of
+peak measures.
 """
 from __future__ import annotations
 
