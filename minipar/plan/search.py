@@ -36,14 +36,12 @@ efficiency, TP and CP sharing the links), so ``max_cp`` opens that ranking, ``cp
 
 Ranking and ties: one key for every comparison, before and after the candidate pool is
 cut: (step time to 9 significant digits, bytes per device, the layout's degrees in a fixed
-order); under AMSP's objective (``amsp_key``, then step time, ...). So equal
-predictions go to the leaner layout, then to the smaller degrees, the same way whichever
-pass compares them.
+order); under AMSP's objective (``amsp_key``, then step time, ...). So equal predictions go
+to the leaner layout, then to the smaller degrees, whichever pass compares them.
 
 Pruning: model-state bytes depend only on (tp, pp, cp, spec), so each (tp, pp, cp)'s specs
 are sorted by bytes once; for each (v, b, recomputation) only the prefix that fits (found by
-bisection) is timed. The best candidates are then estimated in full
-(``estimate.estimate``), and that is what is returned.
+bisection) is timed. The best candidates are then estimated in full (``estimate``).
 """
 from __future__ import annotations
 
@@ -107,10 +105,11 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
 
     Fixing ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v`` (chunks), ``schedule``,
     ``recompute``, ``sp`` or the spec (``shard`` or ``zero``, over the dp x cp replicas)
-    narrows the search; ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v``, ``zero`` and
-    ``recompute`` also take a set of allowed values (an empty one is a PlanError); ``max_tp`` lets TP span nodes; ``max_cp`` ranks every cp up to it
-    (default: cp only where memory forces it, module docstring); ``framework`` limits it to
-    what that framework runs (and gives the rank order, unless ``order`` is given).
+    narrows the search; all but ``schedule``, ``sp`` and ``shard`` also take a set of allowed
+    values (an empty one is a PlanError); ``max_tp`` lets TP span nodes; ``max_cp`` ranks
+    every cp up to it (default: cp only where memory forces it, module docstring);
+    ``framework`` limits it to what that framework runs (and gives the rank order, unless
+    ``order`` is given).
     ``specs_per_layout``: how many shard specs to keep per parallel layout (tp, pp, v, b,
     recomputation); 1 lists different layouts, each with its best spec. ``objective``:
     "step" (time) or "amsp" (DP communication, nothing hidden).
@@ -134,11 +133,10 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(why)
     if isinstance(shard, str):
         shard = parse_shard(shard)
-    tps, pps, mbs, vs = (allowed(x, name) for x, name in ((tp, "tp"), (pp, "pp"),
-                                                         (micro_batch, "micro-batch"),
-                                                         (v, "chunks")))
-    zeros, recomputes = allowed(zero, "zero"), allowed(recompute, "recompute")
-    cps = allowed(cp, "cp")
+    tps, pps, mbs, vs, zeros, recomputes, cps = (
+        allowed(x, name) for x, name in ((tp, "tp"), (pp, "pp"), (micro_batch, "micro-batch"),
+                                         (v, "chunks"), (zero, "zero"),
+                                         (recompute, "recompute"), (cp, "cp")))
     for mode in recomputes or ():
         if mode not in RECOMPUTE_MODES:
             raise PlanError(f"unknown recomputation {mode!r}; use {', '.join(RECOMPUTE_MODES)}")
@@ -215,13 +213,12 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(f"nothing fits {shape.name} on {gpus} GPUs within "
                         f"{human_bytes(capacity)} usable per device; use more GPUs or a smaller "
                         f"micro-batch or batch")
-    if objective == "amsp":
-        def seconds(e):
-            return (*amsp_key(amsp_cost(shape, hw, e.layout, fw, order, dtype),
-                              e.layout.shard), e.step_time)
-    else:
-        def seconds(e):
+    def seconds(e):
+        if objective != "amsp":
             return e.step_time
+        return (*amsp_key(amsp_cost(shape, hw, e.layout, fw, order, dtype), e.layout.shard),
+                e.step_time)
+
     results.sort(key=lambda e: rank_key(seconds(e), e.memory["total"], e.layout))
     return results[:top]
 
