@@ -18,11 +18,10 @@ their own layers, embedding and head), so the peak is the largest of the stages'
     the framework's ``logit_bytes`` each at the loss's peak (Megatron-LM casts the 16-bit
     logits to fp32 once and works in place: 2 + 4; nanotron subtracts the max out of place:
     4 + 4; ``torch.nn.functional.cross_entropy`` on a ``.float()`` copy keeps the 16-bit
-    logits, the fp32 copy and the fp32 log-softmax it saves: 2 + 4 + 4), 8 in fp32.
-    Measured for this issue on one H100 (torch 2.11, CUDA 13.0), 4,096 tokens x 128,256
-    logits, the three patterns written out: forward peaks of 6.0, 8.0 and 10.0 bytes per
-    logit; the backward adds the 16-bit gradient of the logits only while the 16-bit logits
-    are still referenced (torch's then peaks at 12);
+    logits, the fp32 copy and the fp32 log-softmax it saves: 2 + 4 + 4), 8 in fp32. On one
+    H100 (torch 2.11, CUDA 13.0), 4,096 tokens x 128,256 logits, the three peak at 6.0, 8.0
+    and 10.0 bytes per logit forward; the backward adds the logits' 16-bit gradient only
+    while the 16-bit logits are still referenced (torch's then peaks at 12);
   - the backward's working set: the gradients a layer's backward holds at once, the MLP's
     two F-wide ones and the layer input's, (4 F/h + 2) s b h / t bytes (x2 in fp32), and
     with full recomputation the complete activations of the layer being recomputed;
@@ -35,14 +34,14 @@ their own layers, embedding and head), so the peak is the largest of the stages'
     parameters, DeepSpeed's 5e8 elements; minipar and FSDP reduce one unit at a time, and
     PyTorch DDP's default 25 MiB stands in for them), or of the whole gradient, if smaller.
 
-What the device can give to all of this is ``Hardware.usable_bytes``: its memory less the
-runtime's share (context, the collective library's buffers, BLAS workspaces:
-``runtime_bytes``), less what the allocator holds beyond live tensors, (reserved - allocated)
-/ reserved: the hardware's ``fragmentation`` when the profile was fitted to measured runs
-(``capacity``), else the framework profile's measured ``memory_reserve``, else the
-hardware's hand-set ``fragmentation``. Layouts that public runs executed must fit (``published.executed_runs()``,
-tests/test_plan_grounded.py), and published peaks are held against ``device_memory``
-(``anchors``, docs/reference.md).
+What the device can give to all of this (``capacity``) is ``Hardware.usable_bytes``: its
+memory less the runtime's share (``runtime_bytes``: context, the collective library's
+buffers, BLAS workspaces), less what the allocator holds beyond live tensors, (reserved -
+allocated) / reserved: a fitted profile's ``fragmentation``, else the framework's measured
+``memory_reserve``, else the hardware's hand-set ``fragmentation``; less the margin a
+fitted ``memory_sigma`` asks for. Layouts that public runs executed must fit
+(``published.executed_runs()``), and published peaks are held against ``device_memory``
+(``anchors``).
 """
 from __future__ import annotations
 
@@ -145,24 +144,16 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
     return total
 
 
-def grad_buffer_bytes(shape: ModelShape, layout: Layout, dtype: str, framework=None,
-                      stage: Stage | None = None) -> float:
-    """The gradient buffer in the framework's precision (4 bytes per parameter of the G
-    shard for fp32 buffers)."""
-    g = (framework.grad_bytes if framework and framework.grad_bytes
-         else BYTES_PER_PARAM[dtype][1])
-    phi = stage_params(shape, layout.tp, layout.pp, stage)
-    return g * math.ceil(phi / layout.shard[1])
-
-
 def state_bytes(shape: ModelShape, layout: Layout, dtype: str = "mixed", framework=None,
                 stage: Stage | None = None) -> dict[str, float]:
-    """Model states of ``stage`` on one device: {"params", "grads", "optimizer"}."""
+    """Model states of ``stage`` on one device: {"params", "grads", "optimizer"}, the
+    gradient buffer in the framework's precision (fp32 buffers: 4 bytes per parameter of
+    the G shard)."""
     phi = stage_params(shape, layout.tp, layout.pp, stage)
     states = model_state_bytes(phi, layout.replicas, shard=layout.shard, dtype=dtype)
     out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
     if framework is not None and framework.grad_bytes:
-        out["grads"] = float(grad_buffer_bytes(shape, layout, dtype, framework, stage))
+        out["grads"] = float(framework.grad_bytes * math.ceil(phi / layout.shard[1]))
     return out
 
 
