@@ -293,10 +293,7 @@ def trainer_presets() -> dict[str, ModelShape]:
 def model_preset(name: str, seq_len: int | None = None) -> ModelShape:
     """A shape by preset name (planner presets first, then the trainer's), or from a JSON
     file (a name ending in .json: ``load_model``)."""
-    if str(name).endswith(".json"):
-        shape = load_model(name)
-        return with_seq_len(shape, seq_len) if seq_len else shape
-    shape = PRESETS.get(name)
+    shape = load_model(name) if str(name).endswith(".json") else PRESETS.get(name)
     if shape is None:
         try:
             shape = trainer_presets().get(name)
