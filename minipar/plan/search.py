@@ -362,13 +362,12 @@ def sp_rule(shape: ModelShape, sp: bool, given: bool):
 def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
              stage_rule: str = "even", cps: list[int] | None = None,
              max_cp: int | None = None, sp=lambda t, c: t > 1, refuse=lambda why: None):
-    """(tp, pp, cp, dp): tp splits the model as the trainer requires (``layout.
-    shape_tp_violation``; at most ``max_tp`` unless given), pp gives the framework a stage
-    split (``stages.split_violation``), cp cuts the sequence (``layout.cp_violation``; ``cps``
-    None: every such cp, at most ``max_cp``), dp the batch. A single value given for tp, pp
-    or cp that cannot work is a PlanError; from a set, such values are skipped, and
-    ``refuse`` is told why. ``sp(t, c)``: whether that layout runs sequence parallelism
-    (``sp_rule``)."""
+    """(tp, pp, cp, dp): tp splits the model as the trainer requires (``shape_tp_violation``;
+    at most ``max_tp`` unless given), pp gives the framework a stage split
+    (``split_violation``), cp cuts the sequence (``cp_violation``; ``cps`` None: every such
+    cp, at most ``max_cp``), dp the batch. A single value given for tp, pp or cp that cannot
+    work is a PlanError; from a set such values are skipped, ``refuse`` told why. ``sp(t,
+    c)``: whether that layout runs sequence parallelism (``sp_rule``)."""
     for axis, values in (("tp", tps), ("pp", pps)):
         if values is not None and len(values) == 1:
             x = values[0]
@@ -419,11 +418,9 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int
                stage_rule: str = "even"):
     """(b, m, v): micro-batch size (those in ``mbs``, else 1 to ``max_micro_batch``) dividing
     the ``per_replica`` sequences, micro-batch count, chunks per stage (those in ``vs``, else
-    those up to ``max_v`` that the framework's stages split into; only v >= 2 when
-    ``interleaved``) that the rules allow (``split_violation``: even chunks, pp v dividing
-    the layers, or Megatron-LM's uneven ones; ``interleave_violation``: interleaving needs
-    pp > 1 and m divisible by pp). ``refuse`` is told why a size or a given chunk count was
-    skipped."""
+    those up to ``max_v`` the framework's stages split into; only v >= 2 when
+    ``interleaved``) that ``split_violation`` and ``interleave_violation`` allow (pp > 1, m
+    divisible by pp). ``refuse`` is told why a size or a given chunk count was skipped."""
     sizes = mbs if mbs is not None else range(1, min(max_micro_batch, per_replica) + 1)
     chunk_counts = vs if vs is not None else [
         v for v in range(1, max_v + 1) if not split_violation(shape, pp, stage_rule, v)]
@@ -558,11 +555,9 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
         better = [k for k in deltas if deltas[k] < 0]
         slower = r["step"] / t["step"] - 1
         if slower < 1e-3:
-            line = (f"runner-up: {runner_up.layout.describe()}: ties within 0.1% "
-                    f"(the model sees no difference in time")
-            line += ("; the best needs less memory)" if runner_up.memory["total"] >
-                     mem["total"] else ")")
-            lines.append(line)
+            leaner = "; the best needs less memory" if runner_up.memory["total"] > mem["total"] else ""
+            lines.append(f"runner-up: {runner_up.layout.describe()}: ties within 0.1% (the model "
+                         f"sees no difference in time{leaner})")
             return "\n".join(lines)
         why = ", ".join(f"{_PARTS[k]} +{deltas[k]:.3g} s" for k in worse[:2])
         line = (f"runner-up: {runner_up.layout.describe()}: {slower:.2%} slower; it loses on "
