@@ -9,6 +9,8 @@
                                   layouts against the serial run
     nb06  06_scaling_experiments  weak/strong scaling measured and predicted, the pipeline's
                                   micro-batch trade-off, GPT 22B-1T on Frontier
+    nb07  07_planning_at_scale    the Frontier study's layouts predicted, the planner's own
+                                  pick, which piece of the model moves the prediction
     nb08  08_mixture_of_experts   routing, load balance, all-to-all bytes, dense vs MoE
     nb09  09_long_context         activations against s and cp, the ring drawn block by block,
                                   the causal imbalance measured, a 128k-token run planned

@@ -24,9 +24,10 @@ Read top to bottom, one module per question:
     arguments   the command line's model flags and sets of allowed values
 
 ``python -m minipar.bench calibrate|validate`` (``minipar.bench.calibrate``, ``.validate``)
-measures this machine into a hardware file and holds predictions against ``minipar.train``;
-it is the only part that needs torch, and lives with the benchmarks: ``minipar.plan``
-imports nothing from ``minipar.bench`` or ``minipar.lab`` (tests/test_imports.py).
+measures this machine into a hardware file (per-shape GEMM rates, copy bandwidth, a gloo
+collective table, ``step_calibration``) and holds predictions against ``minipar.train``; it
+is the only part that needs torch, and lives with the benchmarks: ``minipar.plan`` imports
+nothing from ``minipar.bench`` or ``minipar.lab`` (tests/test_imports.py).
 
 Python API (sizes in bytes, times in seconds)::
 
@@ -92,15 +93,6 @@ Python API (sizes in bytes, times in seconds)::
     plan.cp: cp_attention_bytes, cp_comm_bytes, ring_step_times, ring_times   # the ring
     explain(best, runner_up=None) -> str
 
-    # needing torch, in minipar.bench (which imports the planner; never the other way):
-    minipar.bench.calibrate.calibrate(nprocs=2, quick=False, path=None, model="tiny",
-                                      batch_size=16) -> dict
-        # per-shape GEMM rates, copy bandwidth, a gloo collective table, the cores;
-        # step_calibration = a real one-process step / its prediction
-    minipar.bench.validate.validate_step_time(model="tiny", layouts=None, ...) -> dict
-        # each row says whether it is the calibration point (ratio 1 by construction)
-    minipar.bench.validate.model_states_vs_plan(flags, model="tiny") -> {...}
-
 Bytes "sent" follow ``minipar.comm``: what one rank sends under the ring algorithm. So a
 trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
 ``zero_comm_bytes``, ``tp_comm_bytes(..., ends=True)``, ``pp_comm_bytes`` and
@@ -114,9 +106,10 @@ tables, or JSON with ``--json``; bad input exits with status 2 and one line.
 These are predictions from first-order models: they count matmuls by shape, memory-bound
 bytes, ring and tree collectives call by call (at the measured fraction of the links' rate),
 pipeline stages as each framework cuts them, and stored activations stage by stage. What
-they leave out (kernel-launch gaps, a framework's own kernel efficiency beyond the one GEMM
-rate per GPU, its bookkeeping) is left out, not hidden in a fitted constant: every constant in a preset says where it comes from, and published results are
-held out, never fitted (``published``).
+they cannot know from a datasheet (GEMM and link efficiencies, a per-layer overhead, the
+allocator's reserve) a profile fits to measured runs (``fit``) or sets by hand, saying so:
+every constant in a preset says where it comes from, and published results are held out,
+never fitted (``published``, ``anchors``).
 """
 from .errors import PlanError
 from .estimate import Estimate, bubble_fraction, estimate, scaled_layout, scaling

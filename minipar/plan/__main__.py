@@ -27,9 +27,6 @@ from .search import OBJECTIVES, SCHEDULES
 from .shapes import RECOMPUTE_MODES
 
 
-# --------------------------------------------------------------------------------------
-# Parser
-# --------------------------------------------------------------------------------------
 def _add_spec(p, searching: bool = False) -> None:
     if searching:
         p.add_argument("--zero", type=int_set("--zero", 0, 3), metavar="Z",

@@ -30,8 +30,7 @@ def _megatron_a100(name, heads, hidden, layers):
 
 def _mpt(name, heads, hidden, layers):
     # llm-foundry's MPT yamls: GELU MLP 4h, no biases, no dropout, tied head, vocabulary
-    # 50,368; the
-    # table's NumParams counts a position table (s x h), so the shape keeps one
+    # 50,368; the table's NumParams counts a position table (s x h), so the shape keeps one
     return ModelShape(name, "gpt", layers, hidden, heads, 50368, 2048, tied_head=True,
                       bias=False, dropout=False)
 
@@ -75,11 +74,9 @@ def megatron_h100() -> list[dict]:
     rows = []
     table = [("1.7B", 16, 2048, 24, 1, 1, 48, 192, 41), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 47),
              ("16B", 48, 6144, 32, 4, 1, 192, 192, 49), ("32B", 56, 7168, 48, 8, 1, 384, 192, 46),
-             ("70B", 64, 8192, 84, 8, 2, 768, 384, 42),
-             ("119B", 80, 10240, 92, 8, 4, 1536, 768, 43),
+             ("70B", 64, 8192, 84, 8, 2, 768, 384, 42), ("119B", 80, 10240, 92, 8, 4, 1536, 768, 43),
              ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 44),
-             ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 48),
-             ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 47)]
+             ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 48), ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 47)]
     for name, a, h, l, t, p, gpus, batch, mfu in table:
         rows.append(_row("Megatron-LM H100", f"GPT {name} on {gpus} H100 (Megatron-LM)",
                          _megatron_h100(f"gpt-{name.lower()}", a, h, l), "dgx-h100",
@@ -100,10 +97,8 @@ def megatron_h100() -> list[dict]:
 def megatron_a100() -> list[dict]:
     """The 2021 README's table: 10 runs, percent of peak with full recomputation."""
     table = [("1.7B", 24, 2304, 24, 1, 1, 32, 512, 44), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 44),
-             ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 46),
-             ("18B", 48, 6144, 40, 8, 1, 256, 1024, 43),
-             ("39B", 64, 8192, 48, 8, 2, 512, 1536, 44),
-             ("76B", 80, 10240, 60, 8, 4, 1024, 1792, 45),
+             ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 46), ("18B", 48, 6144, 40, 8, 1, 256, 1024, 43),
+             ("39B", 64, 8192, 48, 8, 2, 512, 1536, 44), ("76B", 80, 10240, 60, 8, 4, 1024, 1792, 45),
              ("145B", 96, 12288, 80, 8, 8, 1536, 2304, 47),
              ("310B", 128, 16384, 96, 8, 16, 1920, 2160, 50),
              ("530B", 128, 20480, 105, 8, 35, 2520, 2520, 52),
@@ -120,8 +115,7 @@ def korthikanti() -> list[dict]:
     published time, our FLOP count), and the abstract's 530B on 2,240 GPUs."""
     rows = []
     table = [("22B", 64, 6144, 48, 1, 4, 1.42, 1.10), ("175B", 96, 12288, 96, 8, 64, 18.13, 13.75),
-             ("530B", 128, 20480, 105, 35, 280, 49.05, 37.83),
-             ("1T", 160, 25600, 128, 64, 512, 94.42, 71.49)]
+             ("530B", 128, 20480, 105, 35, 280, 49.05, 37.83), ("1T", 160, 25600, 128, 64, 512, 94.42, 71.49)]
     for name, a, h, l, p, batch, full, selective in table:
         shape = _megatron_a100(f"gpt-{name.lower()}", a, h, l)
         for mode, seconds in (("full", full), ("selective", selective)):

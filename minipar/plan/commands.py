@@ -21,9 +21,6 @@ from .arguments import SHAPE_FLAGS, shape_from_args
 from .shapes import megatron_flops, megatron_params, training_flops
 
 
-# --------------------------------------------------------------------------------------
-# Sub-commands
-# --------------------------------------------------------------------------------------
 def cmd_params(args) -> None:
     shape = shape_from_args(args, need_heads=False)
     data = {"params": shape.params, "arch": shape.arch, "layers": shape.layers,
@@ -89,11 +86,6 @@ def cmd_flops(args) -> None:
     emit(args, data, text_table(rows, ["quantity", "value"]))
 
 
-def _spec(args, dp: int):
-    """The (s_p, s_g, s_os) of --shard or --zero (default ZeRO-0) over ``dp`` ranks."""
-    return resolve_shard(dp, args.shard, args.zero)
-
-
 def cmd_memory(args) -> None:
     shaped = args.model or any(getattr(args, k) is not None for k in SHAPE_FLAGS)
     if args.params is None and not shaped:
@@ -115,7 +107,7 @@ def cmd_memory(args) -> None:
                                hint=False)
         if why:
             raise PlanError(why)
-    spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
+    spec = resolve_shard(dp * args.cp, args.shard, args.zero)      # over the dp x cp ranks
     out = model_state_bytes(n if shape is None else shape, dp * args.cp, shard=spec, tp=args.tp,
                             pp=args.pp, dtype=args.dtype)
     moe = moe_plan.from_args(args)                      # MoE: experts split by --ep
@@ -164,18 +156,15 @@ LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); cp: r
 
 def cmd_search(args) -> None:
     moe = moe_plan.from_args(args)
-    cp = args.cp
     shape = shape_from_args(args)
-    results = search(shape, args.gpus, args.hardware, tp=args.tp, pp=args.pp, cp=cp,
-                     max_cp=args.max_cp,
-                     global_batch_tokens=args.global_batch_tokens,
+    results = search(shape, args.gpus, args.hardware, tp=args.tp, pp=args.pp, cp=args.cp,
+                     max_cp=args.max_cp, global_batch_tokens=args.global_batch_tokens,
                      micro_batch=args.micro_batch, shard=args.shard, zero=args.zero,
                      recompute=args.recompute, top=args.top if moe is None else 10**6,
-                     max_tp=args.max_tp,
-                     order=args.order, overlap=args.overlap, flash=args.flash_attention,
-                     dtype=args.dtype, framework=args.framework, sp=args.sp,
-                     v=args.chunks, schedule=args.schedule, objective=args.objective,
-                     reserve=args.reserve)
+                     max_tp=args.max_tp, order=args.order, overlap=args.overlap,
+                     flash=args.flash_attention, dtype=args.dtype, framework=args.framework,
+                     sp=args.sp, v=args.chunks, schedule=args.schedule,
+                     objective=args.objective, reserve=args.reserve)
     if moe is not None:                                 # MoE: re-rank the dense candidates
         results = moe_plan.rerank(results, shape, moe, args.ep,
                                   load_hardware(args.hardware), args.top,
@@ -197,9 +186,8 @@ def cmd_search(args) -> None:
             args.flash_attention, args.reserve))
     header = (f"{shape.name} on {args.gpus} x {args.hardware} with {args.framework}, global "
               f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
-    if cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
-        seq_len = shape.seq_len
-        header += (f"context parallelism weighed: without it, sequences of {seq_len:,} tokens "
+    if args.cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
+        header += (f"context parallelism weighed: without it, sequences of {shape.seq_len:,} tokens "
                    f"fit only with full recomputation or not at all, or no layout divides "
                    f"the batch\n")
     emit(args, data, header + _results_table(results) + "\n\n" + why)
@@ -214,7 +202,7 @@ def cmd_estimate(args) -> None:
     if args.gpus and args.gpus % inner:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
     dp = args.dp or args.gpus // inner
-    spec = _spec(args, dp * args.cp)                    # ZeRO shards over dp x cp
+    spec = resolve_shard(dp * args.cp, args.shard, args.zero)      # over the dp x cp ranks
     if args.global_batch is None and args.microbatches is None \
             and not shape.global_batch_tokens:
         raise PlanError(f"model {shape.name} has no default batch; give --global-batch or "
@@ -240,15 +228,13 @@ def cmd_estimate(args) -> None:
                             f"the two, or values that agree")
         notes.append(f"micro-batches: {microbatches} per step (given), so a global batch of "
                      f"{dp * args.micro_batch * microbatches} sequences")
-    v = args.chunks
-    schedule = args.schedule
-    why = schedule_violation(schedule, v)
+    why = schedule_violation(args.schedule, args.chunks)
     if why:
         raise PlanError(why)
-    schedule = "1f1b" if schedule == "interleaved" else schedule   # v > 1 makes it interleaved
+    schedule = "1f1b" if args.schedule == "interleaved" else args.schedule   # v > 1 interleaves
     layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
                     microbatches=microbatches, shard=spec, recompute=args.recompute,
-                    v=v, sp=args.sp, schedule=schedule, cp=args.cp)
+                    v=args.chunks, sp=args.sp, schedule=schedule, cp=args.cp)
     fw = FRAMEWORKS[args.framework]
     order = args.order or fw.order
     check_layout(shape, layout, gpus=args.gpus, order=order,

@@ -30,7 +30,6 @@ node's network links.
 """
 from __future__ import annotations
 
-
 from .memory import check_cp, cp_layer_activation_bytes, kv_block_bytes  # noqa: F401  (cp's,
 #   kept with the rest of memory, which needs them)
 from .shapes import ModelShape
@@ -62,15 +61,12 @@ def cp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, layers: 
 def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_batch: int = 1,
                     dtype: str = "mixed", flash: bool = False, stride: int | None = None,
                     gpus: int | None = None) -> dict[str, float]:
-    """One ring step of one layer: the K/V message's send time (``p2p_time``: inside a node
-    while the ring does, else on the node's share of the network; its ranks are ``stride``
-    devices apart, tp by default, as both rank orders place cp next to tp) and the attention
-    it overlaps with, forward and backward: half a block. The compute model prices the whole
-    s x s square (``compute.attention_core``, the FLOP formulas' convention), cp blocks of
-    (s/cp)^2 per rank; causally half of it is masked, and the balanced split gives every rank
-    exactly that half block at every step (``minipar.cp.visible_block``), so the time a
-    step's message can hide behind is half of 1/cp of the modelled core. A step hides its
-    message while send <= compute."""
+    """One ring step of one layer: the K/V message's send time (``p2p_time``; its ranks
+    ``stride`` devices apart, tp by default: both rank orders place cp next to tp) and the
+    attention it overlaps, forward and backward. The compute model prices the whole s x s
+    square (``compute.attention_core``), cp blocks of (s/cp)^2 per rank; the balanced split
+    gives every rank exactly half a block at every step (``minipar.cp.visible_block``), so a
+    message hides behind half of 1/cp of the modelled core, while send <= compute."""
     from .compute import attention_core
     from .hardware import load_hardware
     from .memory import ACTIVATION_BYTES
@@ -91,14 +87,9 @@ def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp",
                dtype: str = "mixed", flash: bool = False,
                layers: int | None = None) -> dict[str, float]:
     """Seconds per step of the ring on a stage of ``layers`` layers (default the heaviest of
-    equal stages), as ``minipar.cp`` runs it, per layer and micro-batch (x2 forward when
-    recomputed, as ``cp_attention_bytes`` counts):
-
-        forward    cp-1 K/V sends, each posted before a block and waited for after it:
-                   exposed max(0, send - block)
-        backward   cp-1 K/V sends, likewise behind the backward blocks, and cp hops of the
-                   K/V gradients, each sent after its block and waited for: exposed whole
-
+    equal stages), as ``minipar.cp`` runs it (module docstring): per layer and micro-batch
+    cp-1 K/V sends forward (x2 when recomputed) and cp-1 backward, each exposed by
+    max(0, send - block), and cp hops of the K/V gradients, exposed whole.
     ``{"cp_comm": all the ring's send time, "cp_exposed": what no block hides}``."""
     cp = layout.cp
     if cp == 1:

@@ -18,32 +18,30 @@
   and interleaving v chunks per stage divides that by v (Narayanan et al. 2021, section
   2.2): (p-1)/(m v) x (compute + TP comm + CP comm, without the optimizer step).
 * PP comm: each micro-batch's send and receive, on the critical path.
-* DP comm: the ZeRO/AMSP collectives over the dp x cp replicas (the parameters are
-  replicated over cp too) as the framework's engine issues them
-  (``network.engine_collectives``: buckets, one gather per unit), each hidden behind the
-  compute it can overlap, never more: gradient reductions started during backward hide
-  behind the backward of their micro-batch except the last call; prefetched parameter
-  gathers hide behind the unit before them (the first of each pass is exposed); the
-  gather after the optimizer step hides behind the next forward when the engine says it
-  overlaps it, else it is exposed. All hidden time together is capped by the compute time.
-  ``overlap`` replaces the windows by a fraction: 0 hides nothing, 1 hides everything
-  hideable (still not the last bucket, the first gather or an exposed gather), so the
+* DP comm: the ZeRO/AMSP collectives over the dp x cp replicas as the framework's engine
+  issues them (``network.engine_collectives``), each hidden behind the compute its window
+  allows, never more: gradient reductions started during backward behind their
+  micro-batch's backward but the last call; prefetched parameter gathers behind the unit
+  before them (the first of each pass exposed); the gather after the optimizer step behind
+  the next forward where the engine overlaps it. All hidden time together is capped by the
+  compute time. ``overlap`` replaces the windows by a fraction: 0 hides nothing, 1 all that
+  is hideable (still not the last bucket, the first gather or an exposed gather), so the
   extremes still rank specs by the traffic that cannot hide. Hidden traffic slows compute
-  by the hardware's ``overlap_slowdown`` (0 unless measured).
+  by the hardware's ``overlap_slowdown``; ``overlap_exposed`` of it stays exposed.
 
-MFU = model FLOPs (no recomputation) / (step x devices x peak)   (Chowdhery et al. 2022)
 Collective times come from the hardware's measured ``collective_table`` where it covers the
 group, else from the alpha-beta model; ``Estimate.unvalidated`` names every collective of
 the layout that no measurement covers (``network.coverage``), and ``search`` prints it.
 
+MFU = model FLOPs (no recomputation) / (step x devices x peak)   (Chowdhery et al. 2022)
 HFU = hardware FLOPs (with recomputation) / (step x devices x peak). Under full
 recomputation the hardware FLOPs of a GPT are exactly Megatron's 96 B s l h^2 (...) formula,
-which is what Megatron-DeepSpeed reports as TFLOP/s, so HFU is the figure to hold against
-the Frontier study's percent of peak.
+which Megatron-DeepSpeed reports as TFLOP/s: HFU is what the Frontier study's percent of
+peak measures.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .compute import compute_parts
 from .cp import cp_comm_bytes, ring_times
@@ -119,21 +117,6 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def heaviest_stage(shape: ModelShape, layout: Layout, fw: Framework):
-    """The stage with the most parameters (``peak.stage_list``): its data-parallel traffic
-    is the step's."""
-    return max(distinct(stage_list(shape, layout, fw)),
-               key=lambda st: stage_params(shape, layout.tp, layout.pp, st))
-
-
-def units_of_stage(shape: ModelShape, pp: int, stage=None) -> int:
-    """Model units (FSDP's wrapping, minipar's ZeRO units) on a stage: its layers plus the
-    embedding and head it holds (default: the heaviest of equal stages)."""
-    if stage is not None:
-        return stage.layers + stage.embedding + stage.head
-    return -(-shape.layers // pp) + (2 if pp == 1 else 1)
-
-
 def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: str,
                dtype: str, flash: bool, fw: Framework) -> dict:
     """One stage's compute parts (``compute.compute_parts``), its TP traffic (hidden behind
@@ -194,15 +177,19 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
 
 def dp_collectives(shape: ModelShape, layout: Layout, framework: Framework | str,
                    dtype: str = "mixed"):
+    """The data-parallel collectives of the stage with the most parameters (``peak.
+    stage_list``; its traffic is the step's) as the framework's engine issues them over the
+    stage's units (FSDP's wrapping, minipar's ZeRO units): its layers, embedding and head."""
     fw = load_framework(framework)
-    stage = heaviest_stage(shape, layout, fw) if layout.pp > 1 else None
-    units = units_of_stage(shape, layout.pp, stage)
-    layers = stage.layers if stage is not None else shape.layers
+    stage = max(distinct(stage_list(shape, layout, fw)),
+                key=lambda st: stage_params(shape, layout.tp, layout.pp, st))
+    units = stage.layers + stage.embedding + stage.head
     return engine_collectives(stage_params(shape, layout.tp, layout.pp, stage),
                               layout.replicas, layout.shard, fw, units, dtype,
                               layout.microbatches, recompute=layout.recompute == "full",
                               reduce_bytes=fw.reduce_bytes,
-                              gathers=gather_calls(fw, shape.arch, layers, units - layers))
+                              gathers=gather_calls(fw, shape.arch, stage.layers,
+                                                   units - stage.layers))
 
 
 def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
@@ -210,7 +197,6 @@ def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     """The data-parallel collectives of ``layout`` for one micro-batch, timed per call:
     [(count, per micro-batch?, calls, seconds per call, window)]. Independent of the
     micro-batch count and size, so the search computes it once per spec."""
-    from dataclasses import replace
     stride = layout.replica_stride(order, hw.gpus_per_node)
     one = replace(layout, microbatches=1)
     return [(c.count, c.kind in ("gather", "grad"), c.calls,
@@ -253,27 +239,6 @@ def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | 
             "interference": hidden * slowdown}
 
 
-def dp_times(shape: ModelShape, hw: Hardware, layout: Layout, parts: dict,
-             order: str = "tp,pp,dp", dtype: str = "mixed",
-             framework: Framework | str = DEFAULT_FRAMEWORK,
-             overlap: float | None = None) -> dict:
-    """Data-parallel traffic of one step: {"dp_comm" (all of it), "dp_exposed", "dp_hidden",
-    "dp_calls", "interference"}; ``parts``: ``time_parts``' output (the compute it can
-    hide behind)."""
-    profile = dp_profile(shape, hw, layout, order, dtype, framework)
-    return dp_exposure(profile, layout.microbatches, parts, overlap, hw.overlap_slowdown,
-                       hw.overlap_exposed)
-
-
-def dp_comm_time(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
-                 dtype: str = "mixed", framework: Framework | str = DEFAULT_FRAMEWORK) -> float:
-    """Seconds per step of the data-parallel (ZeRO/AMSP) collectives, before overlap."""
-    stride = layout.replica_stride(order, hw.gpus_per_node)
-    return sum(c.count * c.calls * collective_time(c.op, c.nbytes / c.calls, c.size,
-                                                   c.stride * stride, hw)
-               for c in dp_collectives(shape, layout, framework, dtype))
-
-
 def unvalidated(shape: ModelShape, hw: Hardware, layout: Layout, order: str,
                 framework: Framework | str, dtype: str) -> list[str]:
     """The collectives of ``layout`` whose times no measurement covers (``network.coverage``):
@@ -311,7 +276,9 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
                      stage_rule=fw.stage_rule)
         check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order), shape)
     times = time_parts(shape, hw, layout, order, dtype, flash, fw)
-    times.update(dp_times(shape, hw, layout, times, order, dtype, fw, overlap))
+    profile = dp_profile(shape, hw, layout, order, dtype, fw)
+    times.update(dp_exposure(profile, layout.microbatches, times, overlap, hw.overlap_slowdown,
+                             hw.overlap_exposed))
     times["compute"] += times.pop("interference")
     times["step"] = sum(times[k] for k in ("compute", "tp_comm", "cp_exposed", "bubble",
                                            "pp_comm", "dp_exposed"))
@@ -355,7 +322,6 @@ def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
     a single replica (dp x cp = 1) every factor is 1 and says nothing about the stage, so the
     spec stays (1, 1, 1), plain data parallelism (scaling ZeRO from one replica needs the
     spec given at the target width). None when the batch does not divide."""
-    from dataclasses import replace
     from math import gcd
     m = layout.microbatches
     if not weak:

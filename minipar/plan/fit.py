@@ -23,25 +23,30 @@ datasheet) and fitted in log space where it spans decades. Memory: least squares
 log(predicted / measured peak) over the runs that logged one. Each value comes with its
 standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a parameter the
 runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), and with no more
-runs than parameters the errors are "undetermined". The profile records the data's sha256 and, with ``--holdout``, the errors on the
-runs kept out (``score``): MFU error (median, worst), the median per-cell rank correlation
-(a cell: one model on one node count), the regret of the planner's pick in each cell (the
-measured throughput of the layout it ranks first among the cell's, over the cell's best: 0
-when its pick crashed) and the precision and recall of the crashes it predicts (a layout
-that does not fit, or that the framework refuses).
+runs than parameters the errors are "undetermined". The profile records the data's sha256
+and, with ``--holdout``, the errors on the runs kept out (``score``): MFU error (median,
+worst), the median per-cell rank correlation (a cell: one model on one node count), the
+regret of the planner's pick in each cell (the measured throughput of the layout it ranks
+first among the cell's, over the cell's best: 0 when its pick crashed) and the precision
+and recall of the crashes it predicts (a layout that does not fit, or that the framework
+refuses).
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
+from ..runtime.cli import emit, text_table
 from .errors import PlanError
 from .estimate import estimate
 from .frameworks import load_framework
-from .hardware import Hardware
-from .runs import Run
+from .hardware import Hardware, load_hardware
+from .runs import Run, digest, read_runs, select
+from .timing import network_efficiency
 
 # (field, lower, upper, log-scaled?)  inter@lo, inter@hi: the two rows of inter_node_efficiency
 TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
@@ -88,9 +93,7 @@ def _widest(runs: list[Run]) -> int:
 
 def _get(hw: Hardware, name: str, widest: int) -> float:
     if name.startswith("inter@"):
-        rows = hw.inter_node_efficiency or [[2, 1.0]]
-        from .timing import network_efficiency
-        return network_efficiency(2 if name == "inter@lo" else widest, hw) if rows else 1.0
+        return network_efficiency(2 if name == "inter@lo" else widest, hw)
     return float(getattr(hw, name))
 
 
@@ -143,9 +146,10 @@ def _fit(spec, base: Hardware, widest: int, residuals_of) -> tuple[Hardware, dic
     """Fit ``spec``'s parameters of ``base`` to ``residuals_of(hardware)`` (an array); a
     parameter the data does not move at all keeps ``base``'s value. Returns the fitted
     hardware, {name: [value, standard error or None, "fitted" | "kept": not moved |
-    "undetermined": no more runs than parameters moved]} and the residuals' sd. Correlated parameters (a large-GEMM efficiency against a fixed cost per layer) can
-    trade against each other: their standard errors say so, and the table marks a value
-    whose error exceeds it."""
+    "undetermined": no more runs than parameters moved]} and the residuals' sd. Correlated
+    parameters (a large-GEMM efficiency against a fixed cost per layer) can trade against
+    each other: their standard errors say so, and the table marks a value whose error
+    exceeds it."""
     kept = {name: _get(base, name, widest) for name, *_ in spec}
     x0, bounds = _pack(spec, base, widest)
     x, sigma, moved, s = _least_squares(
@@ -280,7 +284,6 @@ def cross_validate(runs: list[Run], base: Hardware, holdout: str | None = None,
                    kfold: str | None = None) -> list[dict]:
     """Fit without each held-out part and score on it: one fold for ``holdout``
     (``runs.select``'s spec), one per model or node count for ``kfold``."""
-    from .runs import select
     if holdout:
         folds = [(holdout, select(runs, holdout))]
     else:
@@ -305,29 +308,19 @@ def fold_hardware(profile: Hardware, holdout: str) -> Hardware:
     runs), rebuilt from the values it recorded: the fit the holdout scores belong to."""
     fold = next(f for f in profile.fitted["holdout"] if f["holdout"] == holdout)
     base = replace(profile, memory_sigma=fold["memory_sigma"])
-    return _with(base, fold["parameters"], _widest_of(profile))
+    rows = profile.inter_node_efficiency                   # the widest fitted row's nodes
+    return _with(base, fold["parameters"], int(rows[-1][0]) if rows else 2)
 
 
-def _widest_of(hw: Hardware) -> int:
-    rows = hw.inter_node_efficiency
-    return int(rows[-1][0]) if rows else 2
-
-
-def _value(name: str, v: float) -> str:
+def _value(v: float) -> str:
     return f"{v:.3g}" if v is not None and math.isfinite(v) else "-"
 
 
 def cmd_fit(args) -> None:
-    import json
-    from pathlib import Path
-    from ..runtime.cli import emit, text_table
-    from .hardware import load_hardware
-    from .runs import digest, read_runs
     runs, notes = read_runs(args.runs)
     base = load_hardware(args.hardware)
     hw, report = fit(runs, base)
-    folds = cross_validate(runs, base, args.holdout, args.kfold) if (args.holdout or
-                                                                      args.kfold) else []
+    folds = cross_validate(runs, base, args.holdout, args.kfold) if args.holdout or args.kfold else []
     fitted = {"data": Path(args.runs).name, "sha256": digest(args.runs), "rows": len(runs),
               "base": base.name, **report, "training": score(runs, hw), "holdout": folds}
     where = f"{fitted['data']} (sha256 {fitted['sha256'][:12]}..., {len(runs)} runs)"
@@ -350,7 +343,7 @@ def cmd_fit(args) -> None:
     lines = list(notes)
     notes_of = {"kept": "not moved: base value kept", "undetermined": "undetermined: no more "
                 "runs than parameters", "fitted": ""}
-    rows = [[name, _value(name, v), _value(name, e), notes_of[status] or
+    rows = [[name, _value(v), _value(e), notes_of[status] or
              ("poorly determined" if e > abs(v) else "")]
             for name, (v, e, status) in report["parameters"].items()]
     lines += [text_table(rows, ["parameter", "value", "std. error", ""]),
@@ -361,8 +354,8 @@ def cmd_fit(args) -> None:
         groups = residuals_by(runs, profile, key)
         lines.append(f"predicted / measured tokens/s by {title}: " + ", ".join(
             f"{k}: {v:.2f} ({n})" for k, (n, v) in groups.items()))
-    table = [["fitted rows"] + [_value(c, fitted["training"][c]) for c in SCORE_COLUMNS]]
-    table += [[f["holdout"]] + [_value(c, f[c]) for c in SCORE_COLUMNS] for f in folds]
+    table = [["fitted rows"] + [_value(fitted["training"][c]) for c in SCORE_COLUMNS]]
+    table += [[f["holdout"]] + [_value(f[c]) for c in SCORE_COLUMNS] for f in folds]
     lines.append(text_table(table, ["scored on"] + list(SCORE_COLUMNS)))
     if args.output:
         lines.append(f"wrote {args.output}")

@@ -29,8 +29,6 @@ charge collectives the way that framework's engine issues them. A profile says:
 * ``stage_rule``: how it cuts the layers into pipeline stages (``stages``: even, megatron,
   uniform, balanced), and so whether a pp that does not divide the layers runs;
 * ``logit_bytes``: bytes per logit at the loss's peak in mixed precision (``peak``);
-  ``keeps_gathered_input``: under sequence parallelism the all-gathered inputs of the
-  column-parallel GEMMs are saved whole for backward (``peak``);
 * ``tp_overlap``: its tensor-parallel collectives run beside the GEMMs they feed (Megatron-LM's
   ``--tp-comm-overlap``, TransformerEngine's userbuffers), hiding behind them what the
   GEMMs' time allows, at the hardware's ``overlap_slowdown``; otherwise they block.
@@ -73,7 +71,6 @@ class Framework:
     cp: bool = False                      # context parallelism (ring attention)
     stage_rule: str = "even"              # how pipeline stages are cut (plan.stages)
     logit_bytes: float = 10               # bytes per logit at the loss's peak (plan.peak)
-    keeps_gathered_input: bool = False    # SP's gathered GEMM inputs saved whole (plan.peak)
     tp_overlap: bool = False              # TP collectives overlap the GEMMs they feed
     sources: tuple = ()
 
@@ -229,7 +226,6 @@ FRAMEWORKS: dict[str, Framework] = {
         spec_family="dist-opt", grad_bucket=25 * 2**20 / 4, grad_overlap=True,
         param_prefetch=False, gather_overlaps_forward=False, grad_bytes=4, reduce_bytes=4,
         memory_reserve=CACHING_ALLOCATOR_RESERVE, stage_rule="balanced", logit_bytes=8,
-        keeps_gathered_input=False,
         sources=(CACHING_ALLOCATOR_SOURCE,
                  "process grid view(pp, dp, tp), tp innermost (src/nanotron/parallel/"
                  "context.py)",

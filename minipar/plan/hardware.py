@@ -3,71 +3,59 @@
 A hardware file is JSON with the fields of ``Hardware`` (plus an optional ``sources`` object
 saying where each number comes from). The presets live in ``minipar/hardware/*.json``; any
 path to such a file works wherever a preset name does, and ``python -m minipar.plan
-calibrate`` writes one for the machine it runs on.
-
-Units: bytes, seconds, FLOP/s. Bandwidths are per direction.
+calibrate`` writes one for the machine it runs on. Units: bytes, seconds, FLOP/s;
+bandwidths per direction.
 
 * ``peak_flops``: dense 16-bit matmul peak of one device (fp32 for a CPU process).
-* ``compute_efficiency``: the fraction of peak a *large* matmul reaches (a GEMM whose
-  every side is thousands wide). Smaller shapes run slower: a roofline with the HBM
-  bandwidth (``compute.matmul_time``), or a measured per-shape table (``matmul_table``:
-  rows {"m", "n", "k", "flops_per_s"}; ``calibrate`` writes it here).
-* ``attention_efficiency``: the fraction of peak the attention core (Q K^T, softmax,
-  scores x V) reaches when it runs as one fused kernel (FlashAttention); 0: unfused,
-  timed as batched matmuls plus the softmax's bytes.
-* ``hbm_bandwidth``: bytes/s a memory-bound kernel achieves (LayerNorm, GELU, residual
-  adds, softmax, cross-entropy, the optimizer step); 0 leaves them out.
-* ``step_calibration``: a factor on compute time, 1 unless ``calibrate`` measured a real
-  training step here (its step time over the model's, at the calibration point).
+  ``compute_efficiency``: the fraction of peak a *large* GEMM (every side thousands wide)
+  reaches; smaller shapes run slower (``compute.matmul_time``): a roofline with the HBM
+  bandwidth, and F FLOPs take (F + ``gemm_half_flops``) / (peak x efficiency), a fixed cost
+  per kernel (0: none); or ``matmul_table``, measured rows {"m", "n", "k", "flops_per_s"}
+  that ``calibrate`` writes. ``attention_efficiency``: the fraction of peak a fused attention
+  core (FlashAttention) reaches; 0: unfused, batched matmuls plus the softmax's bytes.
+* ``hbm_bandwidth``: bytes/s a memory-bound kernel achieves (LayerNorm, GELU, residual adds,
+  softmax, cross-entropy, the optimizer step); 0 leaves them out. ``step_calibration``: a
+  factor on compute time, 1 unless ``calibrate`` measured a real training step here (its
+  time over the model's, at the calibration point).
 * ``intra_node_bandwidth``: what one device can push to a neighbour in its node (the slowest
-  link a ring over the node crosses); ``local_links``: faster links inside aligned blocks
-  of a node ([{"devices": 2, "bandwidth": ...}]: the two GCDs of one MI250X), used by a
-  group that stays inside one block.
-* ``inter_node_bandwidth``: the node's NICs together. A collective whose group spans nodes
-  gets, per device, this divided by the devices of the node that share the NICs.
-  ``inter_node_efficiency`` ([[nodes, fraction], ...]) is the fraction of it NCCL's ring
-  reaches over a group of that many nodes, measured (a NIC's protocol overhead, and a
-  fabric that delivers less as groups widen); interpolated in log2(nodes), held beyond the
-  widest row (``timing.network_efficiency``); 1 without rows.
-* latencies (NCCL's model, ``src/graph/tuning.cc``): ``collective_latency`` once per call
-  (its baseLat), then ``intra_node_latency`` per ring step inside a node and
-  ``inter_node_latency`` per step that crosses nodes (its hwLat); ``tree``, if given,
-  offers a tree all-reduce ({"base_latency", "intra_latency", "inter_latency",
-  "bandwidth_factor"}), taken when faster, as NCCL does; ``bandwidth_by_size``
-  ([[bytes, factor], ...]) derates the ring's bandwidth for medium messages (RCCL's
-  ringCorrectionFactor); ``collective_table`` (a list of measured rows {"op", "bytes",
-  "per_node", "nodes", "seconds"}, or a path to a JSON file of them, e.g. converted from
-  nccl-tests/rccl-tests) replaces the alpha-beta model where it has the op and placement.
+  link a ring over the node crosses), of which collectives reach ``intra_node_efficiency``;
+  ``local_links``: faster links inside aligned blocks of a node ([{"devices": 2,
+  "bandwidth": ...}]: the two GCDs of one MI250X), for a group that stays inside one.
+* ``inter_node_bandwidth``: the node's NICs together, shared by the node's devices when a
+  group spans nodes; ``inter_node_efficiency`` ([[nodes, fraction], ...]): the fraction of
+  it NCCL's ring reaches over that many nodes, measured (``timing.network_efficiency``; 1
+  without rows).
+* latencies (NCCL's ``src/graph/tuning.cc``, ``timing``): ``collective_latency`` once per
+  call (its baseLat), ``intra_node_latency`` per ring step inside a node and
+  ``inter_node_latency`` per step across nodes (its hwLat); ``tree`` ({"base_latency",
+  "intra_latency", "inter_latency", "bandwidth_factor"}) offers a tree all-reduce;
+  ``bandwidth_by_size`` ([[bytes, factor], ...]) derates medium messages (RCCL's
+  ringCorrectionFactor); ``collective_table`` (measured rows {"op", "bytes", "per_node",
+  "nodes", "seconds"}, or a path to a JSON file of them, e.g. from nccl-tests/rccl-tests)
+  replaces the model where it has the op and placement. ``p2p_latency``: seconds a
+  point-to-point message between nodes costs per node of the job, an empirical term fitted
+  where pipelines slow with the job's width far more than their bytes say (the Playbook
+  grid's at 32 and 64 nodes); 0 unless fitted.
 * ``runtime_bytes``: memory the runtime and libraries take before the model (context,
   communication buffers, workspaces); ``fragmentation``: the fraction of the rest an
-  allocator loses to fragmentation. Together they set the usable memory.
+  allocator loses. Together they set the usable memory (``peak``).
 * ``overlap_slowdown``: how much compute slows while a collective runs beside it (0.1:
   hidden communication costs a tenth of its time in compute); 0 unless measured.
-  ``overlap_exposed``: the fraction of the traffic that could hide behind compute which
-  stays exposed all the same (streams that do not overlap in practice); 0 unless fitted.
-* ``gemm_half_flops``: the GEMM size, in FLOPs, that runs at half of ``compute_efficiency``
-  (a GEMM of F FLOPs takes (F + gemm_half_flops) / (peak x efficiency): a fixed cost per
-  kernel that small shapes feel); 0: none. ``intra_node_efficiency``: the fraction of
-  ``intra_node_bandwidth`` (the links' datasheet rate) a collective reaches inside a node.
-  ``layer_overhead``: seconds each layer costs per micro-batch (forward and backward)
-  beyond its kernels' work (launches, the host's scheduling, synchronisation); 0 unless
-  fitted. ``p2p_latency``: seconds a point-to-point message between nodes costs per node of
-  the job, beyond its bytes: an empirical term, fitted where pipelines slow with the job's
-  width far more than their bytes say (the Playbook grid's at 32 and 64 nodes); 0 unless
-  fitted.
-* ``memory_sigma``: how far the planner's peak memory strays from measured peaks on this
-  hardware, the robust standard deviation of log(predicted / measured) (1.4826 x their median
-  absolute deviation) where ``plan fit`` measured it; a layout fits only when its peak fits
-  with 95% confidence, its predicted bytes x exp(1.645 x memory_sigma) (``peak.capacity``);
-  0: the prediction taken as exact.
+  ``overlap_exposed``: the share of the traffic that could hide behind compute which stays
+  exposed all the same; ``layer_overhead``: seconds each layer costs per micro-batch
+  (forward and backward) beyond its kernels' work (launches, the host's scheduling,
+  synchronisation); both 0 unless fitted.
+* ``memory_sigma``: the robust standard deviation of log(predicted / measured) peak memory
+  (1.4826 x their median absolute deviation) where ``plan fit`` measured it; a layout fits
+  only when its predicted bytes x exp(1.645 x memory_sigma) do, 95% confidence
+  (``peak.capacity``); 0: the prediction taken as exact.
 * ``fitted``: what ``python -m minipar.plan fit`` fitted the profile to ({"data", "sha256",
-  "rows", "parameters": {name: [value, sigma]}, "holdout": {...}}); empty for a profile whose
-  efficiencies are set by hand, and every estimate on such a profile says so in a note.
-* ``cores``: the CPU cores a node's devices share, where each device is a one-thread
-  process (``laptop-cpu``, a calibrated file); ``"auto"``: this machine's usable cores.
-  When a layout puts more processes on a node than it has cores, each computes
-  ``processes / cores`` times slower (``Hardware.oversubscription``) and the estimate says
-  so in one note. 0 (GPUs): every device has its own engine.
+  "rows", "parameters": {name: [value, sigma]}, "holdout": {...}}); empty for a profile set
+  by hand, and every estimate on such a profile says so in a note.
+* ``cores``: the CPU cores a node's devices share, each device a one-thread process
+  (``laptop-cpu``, a calibrated file; ``"auto"``: this machine's usable cores). With more
+  processes on a node than cores, each computes ``processes / cores`` times slower
+  (``Hardware.oversubscription``), and the estimate says so. 0 (GPUs): one engine each.
 
 Every peak, bandwidth and latency must be finite and positive (those whose 0 means "left
 out" may be 0), and the two-column tables (``bandwidth_by_size``, ``inter_node_efficiency``)
@@ -197,13 +185,10 @@ def check_numbers(hw: Hardware, where: str) -> None:
     ones that mean "left out" at 0 may be 0."""
     for name in ("gpus_per_node", "memory_bytes", "peak_flops", "compute_efficiency",
                  "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency",
-                 "inter_node_latency"):
+                 "inter_node_latency", "step_calibration", "intra_node_efficiency"):
         _positive(getattr(hw, name), name, where)
-    for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency",
-                 "runtime_bytes", "step_calibration", "cores"):
-        _positive(getattr(hw, name), name, where, zero_ok=name != "step_calibration")
-    _positive(hw.intra_node_efficiency, "intra_node_efficiency", where)
-    for name in ("gemm_half_flops", "layer_overhead", "p2p_latency", "memory_sigma"):
+    for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency", "runtime_bytes",
+                 "cores", "gemm_half_flops", "layer_overhead", "p2p_latency", "memory_sigma"):
         _positive(getattr(hw, name), name, where, zero_ok=True)
     for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency"):
         if getattr(hw, name) > 1:
@@ -234,9 +219,8 @@ def check_numbers(hw: Hardware, where: str) -> None:
 
 def hardware_from_dict(data: dict, where: str = "hardware") -> Hardware:
     names = {f.name for f in fields(Hardware)}
-    optional = {f.name for f in fields(Hardware) if f.default is not MISSING
-                or f.default_factory is not MISSING}
-    required = {f.name for f in fields(Hardware)} - optional
+    required = {f.name for f in fields(Hardware)
+                if f.default is MISSING and f.default_factory is MISSING}
     missing = sorted(required - set(data))
     if missing:
         raise PlanError(f"{where} lacks {', '.join(missing)}; copy a preset from {PRESET_DIR} "

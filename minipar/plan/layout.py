@@ -24,6 +24,7 @@ from .errors import PlanError
 from .shapes import RECOMPUTE_MODES, ModelShape
 from .sharding import Shard, check_shard
 from .stages import split_violation       # Megatron-LM's uneven interleaving
+from .timing import placement
 from ..rules import (cp_violation, interleave_violation, pp_violation,  # noqa: F401
                      tp_violation)   # one copy of each rule, shared with the trainer
 
@@ -97,7 +98,7 @@ class Layout:
 def dp_per_node(layout: Layout, gpus_per_node: int, order: str = "tp,pp,dp") -> int:
     """How many ranks of one data-parallel group (the dp x cp replicas) share a node."""
     stride = layout.replica_stride(order, gpus_per_node)
-    return max(1, min(layout.replicas, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return placement(layout.replicas, stride, gpus_per_node)[0]
 
 
 def shape_tp_violation(shape: ModelShape, tp: int, sp: bool = False) -> str | None:
@@ -122,8 +123,8 @@ def layout_violation(shape: ModelShape, layout: Layout, stage_rule: str = "even"
                      hint: bool = True) -> str | None:
     """The first of the trainer's rules ``layout`` breaks for ``shape``, in the trainer's
     order (``minipar.train.config``: cp, tp, interleaving, the stage split under
-    ``stage_rule``), or None. ``hint``: a pp that even stages refuse
-    names the frameworks that build uneven ones (off where no framework can be chosen)."""
+    ``stage_rule``), or None. ``hint``: a pp that even stages refuse names the frameworks
+    that build uneven ones (off where no framework can be chosen)."""
     t, p, v = layout.tp, layout.pp, layout.v
     stages = (split_violation(shape, p, stage_rule, v) if stage_rule == "megatron" and v > 1
               else pp_violation(shape.layers, p, v, uneven=stage_rule != "even"))

@@ -63,8 +63,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from . import shapes
 from .errors import PlanError
 from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
+from .network import collective_time, placement, ring_bytes, zero_collectives
 from .shapes import ModelShape
 from .. import rules
 from ..rules import moe_tp_violation as tp_violation
@@ -118,9 +120,9 @@ def extra_forward_flops(shape: ModelShape, moe: MoE, batch: int) -> float:
 
 
 def training_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "none") -> float:
-    from .shapes import training_flops as dense
     factor = 4 if recompute == "full" else 3
-    return dense(shape, batch, recompute) + factor * extra_forward_flops(shape, moe, batch)
+    return shapes.training_flops(shape, batch, recompute) + factor * extra_forward_flops(
+        shape, moe, batch)
 
 
 # --------------------------------------------------------------------------------------
@@ -178,7 +180,6 @@ def tp_layer_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, tp: int, sp: b
                         ep: int = 1, elem_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
     """One MoE layer and micro-batch of ``tokens`` = b s under TP (experts replicated,
     tokens split: ``minipar.moe``): the bytes one rank sends, by op (no recomputation)."""
-    from .network import ring_bytes
     if tp == 1:
         return {}
     gather = ring_bytes("all_gather", tokens * moe.top_k * COUNT_BYTES, tp)
@@ -192,7 +193,6 @@ def cp_layer_comm_bytes(moe: MoE, tokens: int, cp: int) -> dict[str, float]:
     """One MoE layer and micro-batch of ``tokens`` = b s (whole sequences) under context
     parallelism: the bytes one rank sends to gather the choices over cp (forward only; a
     recomputed forward replays them), so capacity and f_e see whole sequences in order."""
-    from .network import ring_bytes
     if cp == 1:
         return {}
     return dict(all_gather=ring_bytes("all_gather", tokens * moe.top_k * COUNT_BYTES, cp))
@@ -200,7 +200,6 @@ def cp_layer_comm_bytes(moe: MoE, tokens: int, cp: int) -> dict[str, float]:
 
 def all_to_all_time(nbytes: float, calls: int, ep: int, stride: int, hw) -> float:
     """``calls`` all-to-alls sending ``nbytes`` in all, over ep ranks ``stride`` apart."""
-    from .network import placement
     if ep <= 1 or calls == 0:
         return 0.0
     per_node, nodes = placement(ep, stride, hw.gpus_per_node)
@@ -236,7 +235,6 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     choices' all-gather (blocking), and the expert gradients' all-reduce over their replicas.
     Under cp a rank routes b s/(tp cp) tokens and the experts' replicas span cp. Returns a new
     Estimate (``times['ep_comm']`` added) and its MoE figures in ``notes``."""
-    from .network import collective_time, zero_collectives
     lay = e.layout
     dtype = dtype or hw.dtype
     check(moe, ep, lay.dp, lay.tp)

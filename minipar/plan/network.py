@@ -8,31 +8,27 @@ ring, for a buffer of N bytes over n ranks; Patarasuk & Yuan 2009, Thakur et al.
     all_gather         (n-1)/n N        (N the full output)
     send               N
 
-Time, per call: ``timing`` (NCCL's and RCCL's alpha-beta model, or a measured table,
-and ``coverage`` for what no measurement covers); re-exported here.
-
-Charged per call: ``engine_collectives`` cuts each data-parallel collective into the calls
-a framework's engine issues (gradient buckets, one gather per model unit), so the latency
-of a wide ring is paid as many times as the engine pays it.
+Time, per call: ``timing`` (NCCL's and RCCL's alpha-beta model, or a measured table, and
+``coverage`` for what no measurement covers; re-exported here), charged per call as a
+framework's engine issues them (``engine_collectives``: gradient buckets, one gather per
+model unit), so a wide ring's latency is paid as many times as the engine pays it.
 
 Traffic per training step, per rank:
 
 * Tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022): every layer, per
   micro-batch, 2 all-reduces of b s h activations forward and 2 backward (+2 for the
   recomputed forward under full recomputation); with sequence parallelism each all-reduce
-  becomes an all-gather plus a reduce-scatter, the same volume. Ring volume 2 (t-1)/t each.
-  Outside the layers (``ends=True``; ``minipar.tp`` and Megatron-LM alike): the
-  vocab-parallel embedding's g (one b s h all-reduce forward), the head's f (one backward),
-  and the vocab-parallel cross-entropy's 3 all-reduces of b s fp32 values (max, sum of
-  exponentials, target logit); with sequence parallelism the two b s h all-reduces become an
-  all-gather and a reduce-scatter each.
-  Sequence parallelism has one more cost: a parameter every TP rank keeps whole but applies
-  to only its s/t tokens gets a partial gradient, which minipar sums over the TP group with
-  one all-reduce per tensor per micro-batch (``minipar.tp``'s f on the parameter): per
-  layer the norms' weights and biases and the two row-parallel biases (6 vectors of h for
-  GPT with biases, 2 without, 2 RMSNorm weights for LLaMA), and with ``ends`` the final
-  norm (2 or 1 vectors) and GPT's s x h position table. Megatron-LM sums the same gradients
-  once per step, in one coalesced all-reduce after the last micro-batch.
+  becomes an all-gather plus a reduce-scatter, the same volume. Outside the layers
+  (``ends=True``; ``minipar.tp`` and Megatron-LM alike): the vocab-parallel embedding's g
+  (one b s h all-reduce forward; with SP an all-gather and a reduce-scatter, as is the
+  head's f, one backward) and the vocab-parallel cross-entropy's 3 all-reduces of b s fp32
+  values (max, sum of exponentials, target logit). Under sequence parallelism a parameter
+  every TP rank keeps whole but applies to only its s/t tokens gets a partial gradient,
+  which minipar sums over the TP group with one all-reduce per tensor per micro-batch
+  (``minipar.tp``'s f on the parameter): per layer the norms' weights and biases and the two
+  row-parallel biases (6 vectors of h for GPT with biases, 2 without, 2 RMSNorm weights for
+  LLaMA), and with ``ends`` the final norm (2 or 1 vectors) and GPT's s x h position table.
+  Megatron-LM sums them once per step, in one coalesced all-reduce.
 * Pipeline parallelism (``pp_comm_bytes``): virtual stage k = c p + r of v p (v chunks per
   stage) sends its output activation unless it is the last, and its input gradient unless
   it is the first; each a b s h message per micro-batch, so stage r sends
@@ -69,7 +65,7 @@ Traffic per training step, per rank:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .memory import ACTIVATION_BYTES, BYTES_PER_PARAM, padded_params
 from .timing import (collective_time, coverage, intra_bandwidth, p2p_time,  # noqa: F401
@@ -134,29 +130,23 @@ def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: i
                        dtype: str = "mixed", microbatches: int = 1, recompute: bool = False,
                        reduce_bytes: int | None = None,
                        gathers: int | None = None) -> list[Collective]:
-    """``zero_collectives`` as ``framework``'s engine issues them: each cut into calls and
-    given the compute it can hide behind.
-
-    * parameter gathers: one call per model unit (``units``: the layers of the stage plus
-      its ends), or ``gathers`` calls where the engine gathers module by module
-      (``frameworks.gather_calls``), each prefetched behind the one before it when the
-      engine prefetches, each paying the collective's latency;
-    * gradient reductions, per micro-batch (sharded gradients) or at the step (the step's
-      reduce-scatter and cross-replica all-reduce): in buckets of the framework's size, or
-      one call per unit; behind the backward pass when the engine starts them during
-      backward (all but the last call can hide), else exposed;
-    * the gather of updated parameters after the optimizer step: in the same pieces,
-      behind the next forward when the engine declares it, else exposed.
-    Counts are ``zero_collectives``'; bytes too, unless the engine reduces gradients in
-    another precision (``reduce_bytes`` per element: Megatron-LM's fp32 grad buffers).
-    """
-    from dataclasses import replace
+    """``zero_collectives`` as ``framework``'s engine issues them, each cut into calls
+    (``frameworks``) and given the compute it can hide behind (its ``window``): parameter
+    gathers one call per model unit (``units``: the stage's layers and ends) or ``gathers``
+    where the engine gathers module by module, prefetched behind the one before where it
+    prefetches; gradient reductions, per micro-batch or at the step, in the framework's
+    buckets or one call per unit, behind backward (all but the last call) where the engine
+    starts them during it; the gather after the optimizer step in the same pieces, behind
+    the next forward where the engine says so. Counts and bytes are ``zero_collectives``',
+    except gradients reduced in another precision (``reduce_bytes`` per element:
+    Megatron-LM's fp32 buffers)."""
+    w, g16 = BYTES_PER_PARAM[dtype][:2]
     bucket = framework.bucket_params(dp)
-    g = reduce_bytes or BYTES_PER_PARAM[dtype][1]
+    g = reduce_bytes or g16
     plain = tuple(shard) == (1, 1, 1)
     grad_overlap = framework.grad_overlap
     if plain and framework.dp_bucket_bytes:       # the engine's own plain-DP buckets
-        bucket = framework.dp_bucket_bytes / BYTES_PER_PARAM[dtype][1]
+        bucket = framework.dp_bucket_bytes / g16
     if plain and framework.dp_overlap is not None:
         grad_overlap = framework.dp_overlap
     out = []
@@ -166,9 +156,7 @@ def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: i
         elif bucket is None:
             calls = units
         else:
-            elements = c.nbytes / (BYTES_PER_PARAM[dtype][0] if c.kind.endswith("gather")
-                                   else BYTES_PER_PARAM[dtype][1])
-            calls = max(1, math.ceil(elements / bucket))
+            calls = max(1, math.ceil(c.nbytes / (w if c.kind.endswith("gather") else g16) / bucket))
         if c.kind == "gather":
             window = "prefetch" if framework.param_prefetch else "none"
         elif c.kind in ("grad", "step_reduce"):
@@ -176,8 +164,8 @@ def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: i
         else:
             window = "forward" if framework.gather_overlaps_forward else "none"
         nbytes = c.nbytes
-        if c.kind in ("grad", "step_reduce") and g != BYTES_PER_PARAM[dtype][1]:
-            nbytes = c.nbytes // BYTES_PER_PARAM[dtype][1] * g   # fp32 gradient buffers
+        if c.kind in ("grad", "step_reduce") and g != g16:
+            nbytes = c.nbytes // g16 * g                      # fp32 gradient buffers
         out.append(replace(c, nbytes=nbytes, calls=min(calls, max(1, nbytes)), window=window))
     return out
 

@@ -12,20 +12,16 @@ their own layers, embedding and head), so the peak is the largest of the stages'
   its layers x the micro-batches in flight, m under GPipe, min(m, p - r) under 1F1B, and
   interleaved with v chunks min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk-micro-batches of
   l/(p v) layers (Megatron-LM's warm-up count plus the one in flight; p (v + 1) - 1 on the
-  first stage). A framework that saves the all-gathered input of the column-parallel GEMMs
-  under sequence parallelism (``keeps_gathered_input``; none of the profiles now: the
-  Ultra-Scale Playbook's measured nanotron peaks say its sweep did not) keeps those two
-  inputs whole: + 2 x 2 s b h (1 - 1/t) bytes per layer and micro-batch;
+  first stage);
 * transient buffers, our accounting (each cites the code it follows):
   - on the stage with the head, the loss over one micro-batch's logits: b s V/t logits of
     the framework's ``logit_bytes`` each at the loss's peak (Megatron-LM casts the 16-bit
     logits to fp32 once and works in place: 2 + 4; nanotron subtracts the max out of place:
     4 + 4; ``torch.nn.functional.cross_entropy`` on a ``.float()`` copy keeps the 16-bit
-    logits, the fp32 copy and the fp32 log-softmax it saves: 2 + 4 + 4), 8 in fp32.
-    Measured for this issue on one H100 (torch 2.11, CUDA 13.0), 4,096 tokens x 128,256
-    logits, the three patterns written out: forward peaks of 6.0, 8.0 and 10.0 bytes per
-    logit; the backward adds the 16-bit gradient of the logits only while the 16-bit logits
-    are still referenced (torch's then peaks at 12);
+    logits, the fp32 copy and the fp32 log-softmax it saves: 2 + 4 + 4), 8 in fp32. On one
+    H100 (torch 2.11, CUDA 13.0), 4,096 tokens x 128,256 logits, the three peak at 6.0, 8.0
+    and 10.0 bytes per logit forward; the backward adds the logits' 16-bit gradient only
+    while the 16-bit logits are still referenced (torch's then peaks at 12);
   - the backward's working set: the gradients a layer's backward holds at once, the MLP's
     two F-wide ones and the layer input's, (4 F/h + 2) s b h / t bytes (x2 in fp32), and
     with full recomputation the complete activations of the layer being recomputed;
@@ -38,14 +34,14 @@ their own layers, embedding and head), so the peak is the largest of the stages'
     parameters, DeepSpeed's 5e8 elements; minipar and FSDP reduce one unit at a time, and
     PyTorch DDP's default 25 MiB stands in for them), or of the whole gradient, if smaller.
 
-What the device can give to all of this is ``Hardware.usable_bytes``: its memory less the
-runtime's share (context, the collective library's buffers, BLAS workspaces:
-``runtime_bytes``), less what the allocator holds beyond live tensors, (reserved - allocated)
-/ reserved: the hardware's ``fragmentation`` when the profile was fitted to measured runs
-(``capacity``), else the framework profile's measured ``memory_reserve``, else the
-hardware's hand-set ``fragmentation``. Layouts that public runs executed must fit (``published.executed_runs()``,
-tests/test_plan_grounded.py), and published peaks are held against ``device_memory``
-(``anchors``, docs/reference.md).
+What the device can give to all of this (``capacity``) is ``Hardware.usable_bytes``: its
+memory less the runtime's share (``runtime_bytes``: context, the collective library's
+buffers, BLAS workspaces), less what the allocator holds beyond live tensors, (reserved -
+allocated) / reserved: a fitted profile's ``fragmentation``, else the framework's measured
+``memory_reserve``, else the hardware's hand-set ``fragmentation``; less the margin a
+fitted ``memory_sigma`` asks for. Layouts that public runs executed must fit
+(``published.executed_runs()``), and published peaks are held against ``device_memory``
+(``anchors``).
 """
 from __future__ import annotations
 
@@ -89,31 +85,23 @@ def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
 
 
 def layer_bytes(shape: ModelShape, layout: Layout, flash: bool = False, dtype: str = "mixed",
-                framework=None, recompute: str | None = None) -> float:
+                recompute: str | None = None) -> float:
     """Bytes one layer keeps for one micro-batch on one rank of this layout (under cp a layer
-    of s/cp tokens, the scores never stored; a framework that keeps SP's gathered inputs
-    keeps them whole: module docstring)."""
+    of s/cp tokens, the scores never stored)."""
     recompute = layout.recompute if recompute is None else recompute
     if layout.cp > 1:
-        out = cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
-                                        layout.sp, recompute, flash, dtype)
-    else:
-        out = layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp,
-                                     recompute, flash, dtype)
-    t = layout.tp
-    if framework is not None and framework.keeps_gathered_input and layout.sp and t > 1 \
-            and recompute != "full":
-        tokens = layout.micro_batch * shape.seq_len // layout.cp
-        out += 2 * tokens * shape.hidden * ACTIVATION_BYTES[dtype] * (1 - 1 / t)
-    return out
+        return cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
+                                         layout.sp, recompute, flash, dtype)
+    return layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp, recompute,
+                                  flash, dtype)
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
-                     dtype: str = "mixed", stage: Stage | None = None, framework=None) -> float:
+                     dtype: str = "mixed", stage: Stage | None = None) -> float:
     """Stashed activations of ``stage`` (default: the first of equal stages)."""
     stage = stage or Stage(0, shape.layers // layout.pp, True, layout.pp == 1)
     held = in_flight(stage, layout.pp, layout.microbatches, layout.v, layout.schedule)
-    return layer_bytes(shape, layout, flash, dtype, framework) * held
+    return layer_bytes(shape, layout, flash, dtype) * held
 
 
 def logit_bytes(dtype: str, framework=None) -> float:
@@ -143,7 +131,7 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
     if stage.layers:       # backward's working set (module docstring)
         total += (4 * shape.ffn / shape.hidden + 2) * b * s * shape.hidden * act / 2 / t
     if stage.layers and layout.recompute == "full":
-        total += layer_bytes(shape, layout, flash, dtype, framework, recompute="none")
+        total += layer_bytes(shape, layout, flash, dtype, recompute="none")
     if layout.cp > 1:
         total += 4 * kv_block_bytes(b, shape.seq_len, shape.kv_hidden, layout.cp, t, act)
     total += gather_bytes(shape, t, layout.shard, dtype)
@@ -156,24 +144,16 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
     return total
 
 
-def grad_buffer_bytes(shape: ModelShape, layout: Layout, dtype: str, framework=None,
-                      stage: Stage | None = None) -> float:
-    """The gradient buffer in the framework's precision (4 bytes per parameter of the G
-    shard for fp32 buffers)."""
-    g = (framework.grad_bytes if framework and framework.grad_bytes
-         else BYTES_PER_PARAM[dtype][1])
-    phi = stage_params(shape, layout.tp, layout.pp, stage)
-    return g * math.ceil(phi / layout.shard[1])
-
-
 def state_bytes(shape: ModelShape, layout: Layout, dtype: str = "mixed", framework=None,
                 stage: Stage | None = None) -> dict[str, float]:
-    """Model states of ``stage`` on one device: {"params", "grads", "optimizer"}."""
+    """Model states of ``stage`` on one device: {"params", "grads", "optimizer"}, the
+    gradient buffer in the framework's precision (fp32 buffers: 4 bytes per parameter of
+    the G shard)."""
     phi = stage_params(shape, layout.tp, layout.pp, stage)
     states = model_state_bytes(phi, layout.replicas, shard=layout.shard, dtype=dtype)
     out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}
     if framework is not None and framework.grad_bytes:
-        out["grads"] = float(grad_buffer_bytes(shape, layout, dtype, framework, stage))
+        out["grads"] = float(framework.grad_bytes * math.ceil(phi / layout.shard[1]))
     return out
 
 
@@ -182,7 +162,7 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: Stage, flash: bool = 
     """Everything one device of ``stage`` holds at its peak (module docstring)."""
     _check_dtype(dtype)
     out = state_bytes(shape, layout, dtype, framework, stage)
-    out["activations"] = activation_bytes(shape, layout, flash, dtype, stage, framework)
+    out["activations"] = activation_bytes(shape, layout, flash, dtype, stage)
     out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage)
     out["total"] = sum(out.values())
     return out

@@ -32,10 +32,9 @@ from .layout import Layout
 from .shapes import ModelShape, training_flops
 
 COLUMNS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
-           "seq_len", "tied", "bias", "dropout", "nodes", "gpus_per_node", "dp", "tp", "pp", "cp", "shard", "mbs",
-           "grad_acc", "gbs", "recompute", "schedule", "chunks", "sp", "flash", "dtype", "framework",
-           "status",
-           "tokens_per_s_gpu", "peak_mem_gib", "mfu")
+           "seq_len", "tied", "bias", "dropout", "nodes", "gpus_per_node", "dp", "tp", "pp", "cp",
+           "shard", "mbs", "grad_acc", "gbs", "recompute", "schedule", "chunks", "sp", "flash",
+           "dtype", "framework", "status", "tokens_per_s_gpu", "peak_mem_gib", "mfu")
 STATUSES = ("ok", "oom", "crashed")
 
 # The Ultra-Scale Playbook's grid (nanotron's benchmark configs): Llama-style shapes by name,
@@ -109,10 +108,9 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
         shape = ModelShape(name, "llama", layers, hidden, heads, 131072, 4096, ffn,
                            tied_head=ffn < 10_000, bias=False)
         gpus_per_node, framework, recompute, sp, flash = 8, "nanotron", "none", None, True
-        dtype = "mixed"
+        dtype, cp, schedule, chunks = "mixed", 1, "1f1b", 1
         dp = _int(row, "dp", where)
         shard = (1, 1, dp) if _int(row, "zero", where) else (1, 1, 1)
-        cp, schedule, chunks = 1, "1f1b", 1
         tok, mem = _float(row, "tok_s_gpu"), _float(row, "mem_gb")
         status = "ok" if math.isfinite(tok) else "crashed"
     else:
@@ -124,7 +122,8 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
                            dropout=row["dropout"] == "1")
         gpus_per_node, framework = _int(row, "gpus_per_node", where), row["framework"]
         recompute, schedule = row["recompute"] or "none", row["schedule"] or "1f1b"
-        dp, cp, chunks = _int(row, "dp", where), _int(row, "cp", where, 1), _int(row, "chunks", where, 1)
+        dp, cp = _int(row, "dp", where), _int(row, "cp", where, 1)
+        chunks = _int(row, "chunks", where, 1)
         sp, flash, dtype = row["sp"] == "1", row["flash"] == "1", row["dtype"]
         if dtype not in ("mixed", "fp32"):
             raise PlanError(f"{where}: dtype must be mixed or fp32, got {dtype!r}")
@@ -137,7 +136,8 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
                             f"{row['shard']!r}")
         tok, mem, status = _float(row, "tokens_per_s_gpu"), _float(row, "peak_mem_gib"), row["status"]
         if status not in STATUSES:
-            raise PlanError(f"{where}: status must be one of {', '.join(STATUSES)}, got {status!r}")
+            raise PlanError(f"{where}: status must be one of {', '.join(STATUSES)}, got "
+                            f"{status!r}")
         if status == "ok" and not math.isfinite(tok):
             raise PlanError(f"{where}: a run with status ok needs tokens_per_s_gpu")
     tp, pp, mbs, acc = (_int(row, k, where) for k in ("tp", "pp", "mbs", "grad_acc"))

@@ -95,12 +95,10 @@ def rows() -> list[dict]:
         e = predict(row)
         compared = "MFU" if row["metric"] == "seconds" else row["metric"]
         published, predicted = _measured(row, e), _predicted(row, e)
-        r = dict(row, compared=compared, published=published, predicted=predicted,
-                 error=predicted / published - 1, layout=e.layout.describe(), estimate=e,
-                 fits=e.fits, memory_predicted=None)
-        if row["memory_gib"] is not None:
-            r["memory_predicted"] = reserved_gib(row, e)
-        out.append(r)
+        memory = None if row["memory_gib"] is None else reserved_gib(row, e)
+        out.append(dict(row, compared=compared, published=published, predicted=predicted,
+                        error=predicted / published - 1, layout=e.layout.describe(), estimate=e,
+                        fits=e.fits, memory_predicted=memory))
     return out
 
 

@@ -36,14 +36,12 @@ efficiency, TP and CP sharing the links), so ``max_cp`` opens that ranking, ``cp
 
 Ranking and ties: one key for every comparison, before and after the candidate pool is
 cut: (step time to 9 significant digits, bytes per device, the layout's degrees in a fixed
-order); under AMSP's objective (``amsp_key``, then step time, ...). So equal
-predictions go to the leaner layout, then to the smaller degrees, the same way whichever
-pass compares them.
+order); under AMSP's objective (``amsp_key``, then step time, ...). So equal predictions go
+to the leaner layout, then to the smaller degrees, whichever pass compares them.
 
 Pruning: model-state bytes depend only on (tp, pp, cp, spec), so each (tp, pp, cp)'s specs
 are sorted by bytes once; for each (v, b, recomputation) only the prefix that fits (found by
-bisection) is timed. The best candidates are then estimated in full
-(``estimate.estimate``), and that is what is returned.
+bisection) is timed. The best candidates are then estimated in full (``estimate``).
 """
 from __future__ import annotations
 
@@ -107,10 +105,11 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
 
     Fixing ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v`` (chunks), ``schedule``,
     ``recompute``, ``sp`` or the spec (``shard`` or ``zero``, over the dp x cp replicas)
-    narrows the search; ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v``, ``zero`` and
-    ``recompute`` also take a set of allowed values (an empty one is a PlanError); ``max_tp`` lets TP span nodes; ``max_cp`` ranks every cp up to it
-    (default: cp only where memory forces it, module docstring); ``framework`` limits it to
-    what that framework runs (and gives the rank order, unless ``order`` is given).
+    narrows the search; all but ``schedule``, ``sp`` and ``shard`` also take a set of allowed
+    values (an empty one is a PlanError); ``max_tp`` lets TP span nodes; ``max_cp`` ranks
+    every cp up to it (default: cp only where memory forces it, module docstring);
+    ``framework`` limits it to what that framework runs (and gives the rank order, unless
+    ``order`` is given).
     ``specs_per_layout``: how many shard specs to keep per parallel layout (tp, pp, v, b,
     recomputation); 1 lists different layouts, each with its best spec. ``objective``:
     "step" (time) or "amsp" (DP communication, nothing hidden).
@@ -134,11 +133,10 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(why)
     if isinstance(shard, str):
         shard = parse_shard(shard)
-    tps, pps, mbs, vs = (allowed(x, name) for x, name in ((tp, "tp"), (pp, "pp"),
-                                                         (micro_batch, "micro-batch"),
-                                                         (v, "chunks")))
-    zeros, recomputes = allowed(zero, "zero"), allowed(recompute, "recompute")
-    cps = allowed(cp, "cp")
+    tps, pps, mbs, vs, zeros, recomputes, cps = (
+        allowed(x, name) for x, name in ((tp, "tp"), (pp, "pp"), (micro_batch, "micro-batch"),
+                                         (v, "chunks"), (zero, "zero"),
+                                         (recompute, "recompute"), (cp, "cp")))
     for mode in recomputes or ():
         if mode not in RECOMPUTE_MODES:
             raise PlanError(f"unknown recomputation {mode!r}; use {', '.join(RECOMPUTE_MODES)}")
@@ -215,13 +213,12 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(f"nothing fits {shape.name} on {gpus} GPUs within "
                         f"{human_bytes(capacity)} usable per device; use more GPUs or a smaller "
                         f"micro-batch or batch")
-    if objective == "amsp":
-        def seconds(e):
-            return (*amsp_key(amsp_cost(shape, hw, e.layout, fw, order, dtype),
-                              e.layout.shard), e.step_time)
-    else:
-        def seconds(e):
+    def seconds(e):
+        if objective != "amsp":
             return e.step_time
+        return (*amsp_key(amsp_cost(shape, hw, e.layout, fw, order, dtype), e.layout.shard),
+                e.step_time)
+
     results.sort(key=lambda e: rank_key(seconds(e), e.memory["total"], e.layout))
     return results[:top]
 
@@ -344,7 +341,7 @@ def _state_table(shape, grid: Layout, specs, dtype, fw) -> dict:
 def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw) -> list:
     """[(bytes per device, spec)] sorted: for each spec the largest stage's peak (``peak``):
     its states (``_state_table``) and what this schedule holds on it."""
-    held = {st.index: (activation_bytes(shape, base, flash, dtype, st, fw)
+    held = {st.index: (activation_bytes(shape, base, flash, dtype, st)
                        + temporary_bytes(shape, base, flash, dtype, fw, st))
             for st in distinct(stage_list(shape, base, fw))}
     return sorted((max(state + held[st.index] for st, state in rows) + gather, spec)
@@ -365,13 +362,12 @@ def sp_rule(shape: ModelShape, sp: bool, given: bool):
 def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
              stage_rule: str = "even", cps: list[int] | None = None,
              max_cp: int | None = None, sp=lambda t, c: t > 1, refuse=lambda why: None):
-    """(tp, pp, cp, dp): tp splits the model as the trainer requires (``layout.
-    shape_tp_violation``; at most ``max_tp`` unless given), pp gives the framework a stage
-    split (``stages.split_violation``), cp cuts the sequence (``layout.cp_violation``; ``cps``
-    None: every such cp, at most ``max_cp``), dp the batch. A single value given for tp, pp
-    or cp that cannot work is a PlanError; from a set, such values are skipped, and
-    ``refuse`` is told why. ``sp(t, c)``: whether that layout runs sequence parallelism
-    (``sp_rule``)."""
+    """(tp, pp, cp, dp): tp splits the model as the trainer requires (``shape_tp_violation``;
+    at most ``max_tp`` unless given), pp gives the framework a stage split
+    (``split_violation``), cp cuts the sequence (``cp_violation``; ``cps`` None: every such
+    cp, at most ``max_cp``), dp the batch. A single value given for tp, pp or cp that cannot
+    work is a PlanError; from a set such values are skipped, ``refuse`` told why. ``sp(t,
+    c)``: whether that layout runs sequence parallelism (``sp_rule``)."""
     for axis, values in (("tp", tps), ("pp", pps)):
         if values is not None and len(values) == 1:
             x = values[0]
@@ -422,11 +418,9 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int
                stage_rule: str = "even"):
     """(b, m, v): micro-batch size (those in ``mbs``, else 1 to ``max_micro_batch``) dividing
     the ``per_replica`` sequences, micro-batch count, chunks per stage (those in ``vs``, else
-    those up to ``max_v`` that the framework's stages split into; only v >= 2 when
-    ``interleaved``) that the rules allow (``split_violation``: even chunks, pp v dividing
-    the layers, or Megatron-LM's uneven ones; ``interleave_violation``: interleaving needs
-    pp > 1 and m divisible by pp). ``refuse`` is told why a size or a given chunk count was
-    skipped."""
+    those up to ``max_v`` the framework's stages split into; only v >= 2 when
+    ``interleaved``) that ``split_violation`` and ``interleave_violation`` allow (pp > 1, m
+    divisible by pp). ``refuse`` is told why a size or a given chunk count was skipped."""
     sizes = mbs if mbs is not None else range(1, min(max_micro_batch, per_replica) + 1)
     chunk_counts = vs if vs is not None else [
         v for v in range(1, max_v + 1) if not split_violation(shape, pp, stage_rule, v)]
@@ -561,11 +555,9 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
         better = [k for k in deltas if deltas[k] < 0]
         slower = r["step"] / t["step"] - 1
         if slower < 1e-3:
-            line = (f"runner-up: {runner_up.layout.describe()}: ties within 0.1% "
-                    f"(the model sees no difference in time")
-            line += ("; the best needs less memory)" if runner_up.memory["total"] >
-                     mem["total"] else ")")
-            lines.append(line)
+            leaner = "; the best needs less memory" if runner_up.memory["total"] > mem["total"] else ""
+            lines.append(f"runner-up: {runner_up.layout.describe()}: ties within 0.1% (the model "
+                         f"sees no difference in time{leaner})")
             return "\n".join(lines)
         why = ", ".join(f"{_PARTS[k]} +{deltas[k]:.3g} s" for k in worse[:2])
         line = (f"runner-up: {runner_up.layout.describe()}: {slower:.2%} slower; it loses on "

@@ -214,17 +214,7 @@ def training_flops(shape: ModelShape, batch: int, recompute: str = "none",
     ``recompute="none"`` is the *model* FLOPs that MFU divides by (Chowdhery et al. 2022);
     the other modes add what the hardware recomputes (hardware FLOPs, HFU).
     """
-    if recompute not in RECOMPUTE_MODES:
-        raise PlanError(f"unknown recomputation {recompute!r}; "
-                        f"use one of {', '.join(RECOMPUTE_MODES)}")
-    f = forward_flops(shape, batch, seq_len)
-    per_layer = f["dense"] + f["attention"]
-    total = 3 * (shape.layers * per_layer + f["logits"])
-    if recompute == "full":
-        total += shape.layers * per_layer
-    elif recompute == "selective":
-        total += shape.layers * f["attention"]
-    return float(total)
+    return stage_flops(shape, batch, 1, recompute, seq_len)
 
 
 def stage_flops(shape: ModelShape, batch: int, pp: int = 1, recompute: str = "none",
@@ -235,8 +225,9 @@ def stage_flops(shape: ModelShape, batch: int, pp: int = 1, recompute: str = "no
     embedding, is a table lookup, no matmul). A pipeline runs at its slowest stage's pace,
     so this, not training_flops / pp, sets a stage's compute time. ``pp=1``: training_flops.
     """
-    if pp == 1:
-        return training_flops(shape, batch, recompute, seq_len)
+    if recompute not in RECOMPUTE_MODES:
+        raise PlanError(f"unknown recomputation {recompute!r}; "
+                        f"use one of {', '.join(RECOMPUTE_MODES)}")
     layers = -(-shape.layers // pp)
     f = forward_flops(shape, batch, seq_len)
     per_layer = f["dense"] + f["attention"]
@@ -302,10 +293,7 @@ def trainer_presets() -> dict[str, ModelShape]:
 def model_preset(name: str, seq_len: int | None = None) -> ModelShape:
     """A shape by preset name (planner presets first, then the trainer's), or from a JSON
     file (a name ending in .json: ``load_model``)."""
-    if str(name).endswith(".json"):
-        shape = load_model(name)
-        return with_seq_len(shape, seq_len) if seq_len else shape
-    shape = PRESETS.get(name)
+    shape = load_model(name) if str(name).endswith(".json") else PRESETS.get(name)
     if shape is None:
         try:
             shape = trainer_presets().get(name)

@@ -85,18 +85,15 @@ def _balanced(shape, pp: int) -> tuple[tuple[int, ...], int] | None:
 def _megatron(shape, pp: int, v: int = 1) -> tuple[int, ...] | None:
     """First and last stages' layer counts that make the slowest stage fastest, the p - 2
     middle stages equal, every count a multiple of the ``v`` chunks per stage (Megatron-LM's
-    rule for uneven interleaving, ``TransformerConfig.__post_init__``: the first, the last
-    and each middle stage's layers divisible by the virtual pipeline size), or None where no
-    counts do (the layers are no multiple of v); the head counted on the last stage in
-    layers' worth of work (``head_cost`` / ``layer_cost``). Ties go to a lighter first stage,
-    then to a lighter last one.
+    ``TransformerConfig.__post_init__``), or None where no counts do; the head counted on the
+    last stage in layers' worth of work (``head_cost`` / ``layer_cost``). Ties go to a
+    lighter first stage, then to a lighter last one.
 
-    For each first count f the middle stages take k layers each and the last the rest,
-    l - f - (p - 2) k, so the slowest stage is max(f, k, l - f - (p - 2) k + head): the
-    middle grows with k and the last shrinks, and the best k is where they cross, the
-    multiples of v either side of (l - f + head) / (p - 1), or an end of k's range, or, where
-    the first stage is the slowest anyway, the largest k it still leaves slowest. Those few
-    k per f are tried, not every one: O(l), not O(l^2)."""
+    For each first count f the middle stages take k layers each and the last the rest, so
+    the slowest stage is max(f, k, l - f - (p - 2) k + head): the best k is where the middle
+    and the last cross, the multiples of v either side of (l - f + head) / (p - 1), or an end
+    of k's range, or, where the first stage is the slowest anyway, the largest k it still
+    leaves slowest. Only those few k per f are tried: O(l), not O(l^2)."""
     l, head = shape.layers, head_cost(shape) / layer_cost(shape)
     best = None
     for first in range(v, l, v):

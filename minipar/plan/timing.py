@@ -1,31 +1,31 @@
 """How long one collective takes: NCCL's and RCCL's model, or a measured table.
 
-Time, per call, as NCCL's and RCCL's tuner model it (``src/graph/tuning.cc`` in both;
-the constants in the hardware presets cite the version): a base latency per call, a
-latency per ring step, and the bytes one rank sends over the slowest link the ring crosses.
-A ring over n ranks takes n-1 steps per phase (two phases for an all-reduce), of which the
-steps that cross nodes pay the network's latency (2 x nodes for an all-reduce, nodes - 1
-for a gather or reduce-scatter, as NCCL counts them) and the rest the intra-node link's.
-An all-reduce may also run as a tree, with log2(nodes) network levels and a chain inside
-each node (latency 2 ((per_node - 1) x intra + log2(nodes) x inter), bandwidth the ring's
-times a factor), taken when it is faster, as NCCL's tuner does; gathers, reduce-scatters
-and broadcasts only ring. Bandwidth: inside one node ``intra_node_bandwidth``, or a faster
-``local_links`` entry when the group stays inside one aligned block (the two GCDs of an
-MI250X). A group that spans nodes shares each node's NICs with every device of the node
-(all groups run at once in lockstep), so each device gets ``inter_node_bandwidth /
-gpus_per_node``; a ring visiting k of its members in a node crosses that node's boundary
-once, carrying their k shares, so its slowest link runs at k x that (capped by the
-intra-node link), times the measured fraction NCCL reaches over that many nodes
-(``network_efficiency``: a NIC's protocol overhead, and a fabric that delivers less as the
-group widens: costs that grow with width as measured, not as the line rate says). ``bandwidth_by_size`` derates medium messages (RCCL's correction table).
+Time, per call, as NCCL's and RCCL's tuner model it (``src/graph/tuning.cc`` in both; the
+constants in the hardware presets cite the version): a base latency per call, a latency per
+ring step, and the bytes one rank sends over the slowest link the ring crosses. A ring over
+n ranks takes n-1 steps per phase (two for an all-reduce), of which those that cross nodes
+pay the network's latency (2 x nodes for an all-reduce, nodes - 1 for a gather or
+reduce-scatter, as NCCL counts them) and the rest the intra-node link's. An all-reduce may
+also run as a tree, log2(nodes) network levels and a chain inside each node (latency
+2 ((per_node - 1) x intra + log2(nodes) x inter), bandwidth the ring's times a factor), taken
+when faster, as NCCL's tuner does; gathers, reduce-scatters and broadcasts only ring.
+Bandwidth: inside one node ``intra_node_bandwidth``, or a faster ``local_links`` entry when
+the group stays inside one aligned block (the two GCDs of an MI250X). A group that spans
+nodes shares each node's NICs with every device of the node (all groups run at once in
+lockstep), so each device gets ``inter_node_bandwidth / gpus_per_node``; a ring visiting k
+of its members in a node crosses that node's boundary once, carrying their k shares, so its
+slowest link runs at k x that (capped by the intra-node link), times the measured fraction
+NCCL reaches over that many nodes (``network_efficiency``: a NIC's protocol overhead, and a
+fabric that delivers less as the group widens, as measured, not as the line rate says).
+``bandwidth_by_size`` derates medium messages (RCCL's correction table).
 Where the hardware carries a measured ``collective_table`` with the op and placement, its
-interpolated time replaces all of this (``table_time``): between measured sizes (linearly in
-bytes) and between measured node counts (linearly in log2(nodes)), never below the smallest
+interpolated time replaces all of this (``table_time``): between measured sizes linearly in
+bytes, between measured node counts linearly in log2(nodes), never below the smallest
 measured size; beyond the widest measured group the model times it, but never faster than
-the widest measurement at that size (widening a group never makes a byte cheaper). A collective the table does not cover,
-that spans nodes, is wider than the table or smaller than its rows, is timed by the model
-above and named by ``coverage``: the estimate lists it under ``unvalidated``, and so does
-``search``'s output.
+the widest measurement at that size (widening a group never makes a byte cheaper). A
+collective the table does not cover (it spans nodes, is wider than the table or smaller
+than its rows) is timed by the model and named by ``coverage``: the estimate lists it under
+``unvalidated``, and so does ``search``'s output.
 
 ``ring_bytes`` is the byte count of ``network``'s table (what one rank sends); ``network``
 re-exports everything here.
@@ -128,13 +128,10 @@ def tree_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
 
 
 def _size_time(rows: list[tuple[float, float]], nbytes: float) -> float | None:
-    """Seconds for ``nbytes`` from (bytes, seconds) rows of one placement: time interpolated
-    linearly in bytes between the two rows around it (the alpha-beta line through the two
-    measurements, so never faster than the smaller nor slower than the larger, however far
-    apart they were measured); above the largest size its bandwidth (message size
-    extrapolates upward safely: the ring's bandwidth term is linear in it); below the
-    smallest None (latency dominates there, and a row measured at 64 MiB says nothing of a
-    64 KiB call: the caller falls back to the alpha-beta model and ``coverage`` flags it)."""
+    """Seconds for ``nbytes`` from (bytes, seconds) rows of one placement: linear in bytes
+    between the two rows around it (the alpha-beta line through them); above the largest,
+    its bandwidth (the ring's bandwidth term is linear in the size); below the smallest
+    None (latency dominates there: a row at 64 MiB says nothing of a 64 KiB call)."""
     rows = sorted(rows)
     if nbytes < rows[0][0]:
         return None
@@ -145,16 +142,12 @@ def _size_time(rows: list[tuple[float, float]], nbytes: float) -> float | None:
     for (b0, t0), (b1, t1) in zip(rows, rows[1:]):
         if b0 <= nbytes <= b1:
             return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
-    return rows[-1][1]
 
 
 def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float | None:
-    """Seconds from the measured ``collective_table``, or None where it does not cover this
-    op and placement. Rows of the same op and members per node are measured at some node
-    counts: an exact count is read off (``_size_time``), a count between two measured ones
-    is interpolated linearly in log2(nodes), and a count beyond them, or a size below the
-    smallest measured at either count, is *not* extrapolated (None: the caller falls back to
-    the alpha-beta model and ``coverage`` flags it)."""
+    """Seconds from the measured ``collective_table`` (module docstring), or None where it
+    does not cover this op and placement: a node count beyond the measured ones, or a size
+    below the smallest measured at either count around it, is not extrapolated."""
     rows = _bracket(op, size, stride, hw)
     if rows is None:
         return None
@@ -168,15 +161,22 @@ def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> 
     return (1 - w) * t0 + w * t1
 
 
+def _measured(op: str, per_node: int, hw: Hardware) -> dict[int, list]:
+    """The ``collective_table``'s (bytes, seconds) rows of ``op`` at ``per_node`` members per
+    node, by node count."""
+    by_nodes: dict[int, list] = {}
+    for r in hw.collective_table or []:
+        if r["op"] == op and r["per_node"] == per_node:
+            by_nodes.setdefault(r["nodes"], []).append((r["bytes"], r["seconds"]))
+    return by_nodes
+
+
 def _bracket(op: str, size: int, stride: int, hw: Hardware):
     """The measured (nodes, [(bytes, seconds)]) rows of ``op`` at this group's members per
     node that its node count is read from: the same count twice, or the two around it;
     None beyond them (or without any)."""
     per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    by_nodes: dict[int, list] = {}
-    for r in hw.collective_table or []:
-        if r["op"] == op and r["per_node"] == per_node:
-            by_nodes.setdefault(r["nodes"], []).append((r["bytes"], r["seconds"]))
+    by_nodes = _measured(op, per_node, hw)
     if nodes in by_nodes:
         return (nodes, by_nodes[nodes]), (nodes, by_nodes[nodes]), nodes
     below = [n for n in by_nodes if n < nodes]
@@ -246,13 +246,10 @@ def _widest_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -
     """The time the widest measured group of this op and placement took for ``nbytes``,
     where this group is wider still (a floor: module docstring); else None."""
     per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    counts = [r["nodes"] for r in hw.collective_table or []
-              if r["op"] == op and r["per_node"] == per_node]
-    if not counts or nodes <= max(counts):
+    by_nodes = _measured(op, per_node, hw)
+    if not by_nodes or nodes <= max(by_nodes):
         return None
-    rows = [(r["bytes"], r["seconds"]) for r in hw.collective_table
-            if r["op"] == op and r["per_node"] == per_node and r["nodes"] == max(counts)]
-    return _size_time(rows, nbytes)
+    return _size_time(by_nodes[max(by_nodes)], nbytes)
 
 
 def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware, job_nodes: int = 2) -> float:
