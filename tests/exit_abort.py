@@ -11,8 +11,12 @@ unwind through C++ calls std::terminate (SIGABRT). Ended by minipar's launcher (
 
     python tests/exit_abort.py spawn|launch RUNS  ->  "runs R aborted A failed F"
 
-(``launch``: each run a fresh ``python tests/exit_abort.py launch-once``, whose stderr, where
-every rank writes, must not say "terminate called".)
+(``launch``: one fresh ``python tests/exit_abort.py launch-runs RUNS`` launches the RUNS runs
+one after another, each a ``dist.launch`` of two fresh ranks forked from its forkserver, and
+writes a line after each to the stderr every rank writes to: no run's part may say
+"terminate called". The abort lives in a rank's own end, and every run's ranks are new
+processes, so one launcher serves all runs: a launcher process per run cost a Python start
+and two torch imports each, most of the test's time.)
 """
 import subprocess
 import sys
@@ -54,13 +58,20 @@ def _spawned(rank, folder):
 def main(how: str, runs: int) -> None:
     import torch.multiprocessing as mp
     aborted = failed = 0
+    if how == "launch":          # one launcher for every run; a rank's abort shows on stderr
+        r = subprocess.run([sys.executable, __file__, "launch-runs", str(runs)],
+                           capture_output=True, text=True, timeout=60 + 60 * runs)
+        parts = r.stderr.split(END_OF_RUN)
+        ended = parts[:-1]       # the text after the last marker belongs to no run
+        if len(ended) != runs or r.returncode != 0:
+            print(r.stderr[-2000:], file=sys.stderr)
+        for part in ended:
+            aborted += "terminate called" in part
+            failed += "terminate called" not in part and (RUN_FAILED in part)
+        failed += runs - len(ended)          # runs that never reached their marker
+        print(f"runs {runs} aborted {aborted} failed {failed}")
+        return
     for _ in range(runs):
-        if how == "launch":      # a fresh launcher each run; a rank's abort shows on stderr
-            r = subprocess.run([sys.executable, __file__, "launch-once"], capture_output=True,
-                               text=True, timeout=120)
-            aborted += "terminate called" in r.stderr
-            failed += r.returncode != 0 and "terminate called" not in r.stderr
-            continue
         ctx = mp.spawn(_spawned, args=(tempfile.mkdtemp(prefix="minipar_abort_"),), nprocs=2,
                        join=False)
         for p in ctx.processes:
@@ -71,9 +82,27 @@ def main(how: str, runs: int) -> None:
     print(f"runs {runs} aborted {aborted} failed {failed}")
 
 
+END_OF_RUN = "=== exit_abort: end of run ===\n"
+RUN_FAILED = "=== exit_abort: run failed ===\n"
+
+
+def launch_runs(runs: int) -> None:
+    """``runs`` launches in this one process; after each, a marker line on stderr (the ranks
+    have been joined by then, so whatever they wrote comes before it)."""
+    import traceback
+    from minipar.runtime import dist
+    for _ in range(runs):
+        try:
+            assert dist.launch(body, 2, timeout=60) == ["done", "done"]
+        except BaseException:  # noqa: BLE001 - a failed run is counted, the next one runs
+            traceback.print_exc()
+            sys.stderr.write(RUN_FAILED)
+        sys.stderr.write(END_OF_RUN)
+        sys.stderr.flush()
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "launch-once":
-        from minipar.runtime import dist
-        assert dist.launch(body, 2, timeout=60) == ["done", "done"]
+    if sys.argv[1] == "launch-runs":
+        launch_runs(int(sys.argv[2]))
     else:
         main(sys.argv[1], int(sys.argv[2]))

@@ -34,7 +34,8 @@ def test_a_delayed_gloo_worker_thread_cannot_abort_a_launched_rank():
     """tests/exit_abort.py: a sub-group kept past destroy_process_group, its worker thread
     delayed while it frees an op's tensor. A script ending by interpreter finalization aborts
     (SIGABRT, every run of 5 on the 2-core VM: the window docs/reference.md states); ranks of
-    minipar's launcher end through dist.finish and os._exit and never do."""
+    minipar's launcher end through dist.finish and os._exit and never do: 10 launches of two
+    fresh ranks each, from one launcher process (the abort is a rank's own end)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "exit_abort.py"),

@@ -51,10 +51,20 @@ def collectives(fn, *args) -> dict[str, int]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         out = fn(*args)
     counts = {}
-    for e in prof.events():
-        if e.name in OPS:
-            counts[e.name] = counts.get(e.name, 0) + 1
+    for name in _event_names(prof):
+        if name in OPS:
+            counts[name] = counts.get(name, 0) + 1
     return counts, out
+
+
+def _event_names(prof):
+    """The names of every op the profiler recorded, read from its raw results (what
+    ``prof.events()`` is built from: the same ops, without building torch's Python event tree,
+    which took 1.4 to 4.5 s a run here against 0.02 to 0.09 s, measured on the 2-core VM)."""
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is None:                        # another torch: the public, slower way
+        return [e.name for e in prof.events()]
+    return [e.name() for e in raw.events()]
 
 
 def _runs():
