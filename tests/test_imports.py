@@ -91,22 +91,6 @@ def test_layers_import_downwards_only():
             assert not bad, f"{name} imports {sorted(bad)}"
 
 
-# the lesson files, one paradigm each (the package face lists them), and what they stand on
-LESSONS = ("p2p_order", "dp", "tp", "schedules", "pp", "zero", "parallelize", "moe", "cp",
-           "comm", "mesh", "model", "data", "precision", "rules")
-
-
-def test_the_lessons_import_no_machinery():
-    """No arrow runs back up from a lesson into the drop-ins' surface, the trainer, the
-    planner, the benchmarks or the notebooks' code (lazy imports inside functions count)."""
-    g = graph()
-    machinery = tuple(f"minipar.{m}" for m in ("wrappers", "train", "plan", "bench", "lab",
-                                               "exercises", "fsdp", "scaling"))
-    for name in (f"minipar.{m}" for m in LESSONS):
-        bad = {d for d in g[name] if d.startswith(machinery)}
-        assert not bad, f"{name} imports {sorted(bad)}"
-
-
 def test_the_planner_is_torch_free_at_import():
     for p in (PKG / "plan").glob("*.py"):
         mods = imports(p, top_level_only=True)
