@@ -83,7 +83,7 @@ def describe(values: torch.Tensor, n: int) -> str:
     return f"chunk {c} summed over {'every rank' if len(ranks) == n else f'ranks {set(ranks)}'}"
 
 
-HANG_S = 10.0    # a ring of a few elements takes milliseconds: a rank still inside it is stuck
+HANG_S = 5.0     # a ring of a few elements takes milliseconds: a rank still inside it is stuck
 
 
 def _run(student, n, hang_dir):
