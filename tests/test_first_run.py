@@ -210,11 +210,10 @@ def test_bench_gpu_check_runs_pytest_with_its_own_options():
 @pytest.mark.slow     # a smoke run of a bench: the full suite runs it
 def test_bench_gpu_check_compares_two_fresh_deterministic_runs(monkeypatch):
     """--check's repeat: two fresh trainer processes, their losses compared bit for bit (on the
-    CPU here; on a GPU, tests/test_gpu.py), and a difference named by its first step."""
+    CPU here; on a GPU, tests/test_gpu.py): a difference is named by its first step. (Equal
+    runs reported bit-identical: test_bringup's smoke of ``bench gpu --check``, which runs it.)"""
     from types import SimpleNamespace
     args = SimpleNamespace(model="nano", batch_size=8, dtype="fp32", device="cpu", compile=False)
-    ok, text = bench_gpu.repeat_runs(args, steps=3, timeout=240)
-    assert ok and "losses bit-identical" in text, text
     runs = iter(["1", "2"])                       # the second run with another seed
     real = bench_gpu.subprocess.run
     monkeypatch.setattr(bench_gpu.subprocess, "run",
