@@ -7,7 +7,7 @@ rank sent and how long it waited.
 Convention: ``group=None`` means *a group of one rank* (the grid hands out ``None`` for an
 axis of size 1), so every op is then a no-op that records nothing. Pass ``WORLD`` for the
 whole world. Torch-style APIs whose default ``group=None`` means the world (``dp.DataParallel``,
-``wrappers.ShardedOptimizer``) take ``SOLO`` for an explicit group of one.
+``zero.ShardedOptimizer``) take ``SOLO`` for an explicit group of one.
 
 What "bytes sent" means. gloo and NCCL do not report wire traffic, so each call records the
 bytes this rank sends under the bandwidth-optimal ring algorithm for the tensor it was

@@ -40,8 +40,7 @@ buckets, fp32 reduction, Megatron-LM's default) each bucket is cast to an fp32 c
 its all-reduce (Psi = 4 bytes a gradient); the copies are kept in ``main_grads`` for the
 optimizer's fp32 masters, and the averaged values are rounded back into ``.grad``.
 
-Use it like torch's ``DistributedDataParallel``; ``minipar.wrappers.DataParallel`` is the
-drop-in that takes DDP's own constructor arguments (``device_ids``, ``process_group``, ...)::
+Use it like torch's ``DistributedDataParallel`` (``minipar.wrappers`` lists what carries over)::
 
     model = dp.DataParallel(Net())           # rank 0's weights everywhere; group: the world
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -61,6 +60,7 @@ import torch.nn as nn
 
 from . import comm
 from .mesh import ParamGroup
+from .wrappers import ddp_arguments
 
 MODES = ("naive", "bucketed", "overlapped")
 DEFAULT_BUCKET_MB = 25.0     # bucket_mb=None: DDP's bucket_cap_mb default
@@ -176,16 +176,20 @@ class DataParallel(nn.Module):
     """Average gradients over ``group`` (None: the whole world, as torch; ``comm.SOLO``: one
     rank), DDP's way. ``mode`` one of ``MODES``; ``bucket_mb`` the bucket size (None: DDP's 25);
     ``groups``: ``ParamGroup`` values (default: every trainable parameter over ``group``);
-    ``reduce_dtype``: the dtype gradients are summed in (None: their own);
-    ``find_unused_parameters``, ``init_sync`` (broadcast when built) and ``broadcast_buffers``
-    mean what they mean in DDP."""
+    ``reduce_dtype``: the dtype gradients are summed in (None: their own). The positional
+    arguments are DDP's: ``device_ids``/``output_device`` None on CPU, at most the module's one
+    GPU; ``init_sync``: broadcast when built; ``process_group``/``device_mesh``: ``group``;
+    ``bucket_cap_mb``: ``bucket_mb`` (``minipar.wrappers.ddp_arguments`` reads the rest)."""
 
-    def __init__(self, module: nn.Module, group=None, *, mode: str = "overlapped",
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, *args, group=None, mode: str = "overlapped",
                  bucket_mb: float | None = 4.0, groups: list[ParamGroup] | None = None,
-                 reduce_dtype=None, find_unused_parameters: bool = False, init_sync: bool = True,
-                 broadcast_buffers: bool = True):
+                 reduce_dtype=None, **ddp_kwargs):
         super().__init__()
-        self.find_unused = bool(find_unused_parameters)
+        group, bucket_mb, self.find_unused = ddp_arguments(
+            module, device_ids, output_device, process_group, group, bucket_cap_mb, bucket_mb,
+            args, ddp_kwargs)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         bucket_mb = DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb

@@ -39,8 +39,8 @@ Sent per step (Psi = 4 Phi', m micro-batches), summed over the groups::
 So with m = 1: plain DP and ZeRO-1/2 send 2 Psi (d-1)/d, ZeRO-3 3 Psi (d-1)/d; under a
 pipeline ZeRO-3 gathers again for every micro-batch (why Megatron-DeepSpeed pairs pipelines
 with ZeRO-1). Derivations per group: ``docs/reference.md`` (ZeRO). In your own loop:
-``ShardedEngine``; the drop-ins built on it are ``minipar.wrappers.ShardedOptimizer`` (ZeRO-1/2,
-torch's optimizer shape) and ZeRO-3 with FSDP2's contract (``minipar.fsdp``).
+``ShardedEngine``, ``ShardedOptimizer`` (ZeRO-1/2, torch's optimizer shape), and ZeRO-3 with
+FSDP2's contract (``minipar.fsdp``).
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ from .mesh import Axis, units_of  # noqa: F401 (FSDP's wrapping: zero.units_of)
 from .rules import shard_violation, zero_shard
 from .precision import PrecisionPolicy
 from .runtime.errors import UsageError
+from .wrappers.zero_optimizer import OptimizerSurface
 
 
 class Spec(NamedTuple):         # groups of s_p ranks split the parameters, of s_g the
@@ -438,3 +439,12 @@ class ShardedEngine(ShardedUnits):
         grads += sum(storage_bytes(p.grad) for p in self.whole)
         optimizer = self.policy.state_bytes(self.optimizer)
         return dict(params=params, grads=grads, optimizer=optimizer, total=params + grads + optimizer)
+
+
+class ShardedOptimizer(OptimizerSurface):
+    """ZeRO-1/2 shaped like a torch optimizer: ZeRO-1 (``stage=1``) or ZeRO-2 over ``group`` (None: the world) for
+    ``optimizer_class(params, **defaults)``: a ``ShardedEngine`` of one unit per parameter group
+    at (1, 1, d) or (1, d, d); its torch surface is ``minipar.wrappers.zero_optimizer``."""
+
+    engine_class = ShardedEngine
+    gather = staticmethod(gather_up)

@@ -27,8 +27,8 @@ TORCH_IMPORTS = (
     "from torch.distributed.fsdp import fully_shard",
 )
 MINIPAR_IMPORTS = (
-    "from minipar.wrappers import DataParallel as DDP",
-    "from minipar.wrappers import ShardedOptimizer as ZeroRedundancyOptimizer",
+    "from minipar.dp import DataParallel as DDP",
+    "from minipar.zero import ShardedOptimizer as ZeroRedundancyOptimizer",
     "from minipar.fsdp import fully_shard",
 )
 

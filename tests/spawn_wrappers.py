@@ -3,8 +3,8 @@
 No minipar launcher (which ends its ranks with ``os._exit``): each rank returns from its
 function and its interpreter shuts down as any Python program does, with whatever async
 work minipar might still hold. One run is a pair of ranks (2-rank gloo world) that trains a
-tiny model a few steps with ``wrappers.DataParallel`` (overlapped buckets),
-``wrappers.ShardedOptimizer`` (stage 2) and ``fsdp.fully_shard`` (per layer then the root: prefetching gathers, and torch's clip through
+tiny model a few steps with ``dp.DataParallel`` (overlapped buckets), ``zero.ShardedOptimizer``
+(stage 2) and ``fsdp.fully_shard`` (per layer then the root: prefetching gathers, and torch's clip through
 DTensor), then ends; ``PAIRS`` independent
 pairs share one spawn. Each rank ends with ``torch.distributed.destroy_process_group()``, the
 one finalizer a user calls (as with torch's DDP: in torch 2.13 on gloo, a DDP script that
@@ -40,7 +40,7 @@ def worker(i, folder):
 
 
 def train(pair, rank, folder):
-    from minipar import fsdp, wrappers
+    from minipar import dp, fsdp, zero
     torch.set_num_threads(1)
     # a file store per pair: no free port to pick and lose to another process in a race
     tdist.init_process_group("gloo", init_method=f"file://{folder}/pair{pair}",
@@ -52,10 +52,10 @@ def train(pair, rank, folder):
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                              nn.Linear(16, 4))
 
-    model = wrappers.DataParallel(net(), bucket_mb=0.0005)
+    model = dp.DataParallel(net(), bucket_mb=0.0005)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     bare = net()
-    zopt = wrappers.ShardedOptimizer(bare.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
+    zopt = zero.ShardedOptimizer(bare.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
     sharded = net()
     for layer in sharded[::2]:                # FSDP2's habit: each layer, then the root
         fsdp.fully_shard(layer)

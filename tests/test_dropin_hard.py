@@ -279,7 +279,7 @@ def _branch_runs():
     out = {"fully_shard": branch_train(net, torch.optim.SGD(net.parameters(), lr=0.1), r, d)
            and full_state(net)}
     # the trainer's engine at ZeRO-3 and ZeRO-2, and ShardedOptimizer at stage 2
-    from minipar import wrappers, zero
+    from minipar import zero
     from minipar.wrappers.zero_optimizer import full_parameters
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)           # noqa: E731
     for stage in (2, 3):
@@ -293,8 +293,8 @@ def _branch_runs():
     net = Branchy()
     net.branch_of(r)
     try:            # torch's optimizer skips a parameter without .grad; a flat slice cannot
-        branch_train(net, wrappers.ShardedOptimizer(net.parameters(), torch.optim.SGD, stage=2,
-                                                    lr=0.1), r, d)
+        branch_train(net, zero.ShardedOptimizer(net.parameters(), torch.optim.SGD, stage=2,
+                                                lr=0.1), r, d)
         out["ShardedOptimizer stage 2"] = {n: p.detach() for n, p in net.named_parameters()}
     except RuntimeError as e:
         out["ShardedOptimizer stage 2"] = str(e)
@@ -354,14 +354,14 @@ def train_zero(model, opt, clip, rank, d):
 def _zero_habit_runs():
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from minipar import wrappers
+    from minipar import dp, zero
     r, d = tdist.get_rank(), tdist.get_world_size()
     out = {}
     for clip in (False, True):
         for how in ZERO_HABITS + ("zro",):
             bare = mlp(SEED)
-            wrap = {"torch": DDP, "dp": wrappers.DataParallel}.get(how.split("-ddp")[0].split("-")[0])
-            optimizer = ZeroRedundancyOptimizer if how == "zro" else wrappers.ShardedOptimizer
+            wrap = {"torch": DDP, "dp": dp.DataParallel}.get(how.split("-ddp")[0].split("-")[0])
+            optimizer = ZeroRedundancyOptimizer if how == "zro" else zero.ShardedOptimizer
             make_opt = lambda ps: optimizer(ps, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)  # noqa: E731
             if how == "zro":
                 model = DDP(bare)
@@ -429,17 +429,17 @@ def adamw_steps(model, rank, d):
 
 def _unused_runs():
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from minipar import wrappers
+    from minipar import dp
     r, d = tdist.get_rank(), tdist.get_world_size()
     out = {}
-    for name, wrap in (("minipar", wrappers.DataParallel), ("ddp", DDP)):
+    for name, wrap in (("minipar", dp.DataParallel), ("ddp", DDP)):
         torch.manual_seed(SEED)
         model = Unused()
         model.net.branch_of(r)
         adamw_steps(wrap(model, find_unused_parameters=True), r, d)
         out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
     # a checkpoint of one loads into the other, both ways (DDP's names: module.<name>)
-    mine, twin = wrappers.DataParallel(make(None, 1)), DDP(make(None, 2))
+    mine, twin = dp.DataParallel(make(None, 1)), DDP(make(None, 2))
     saved = {k: v.clone() for k, v in mine.state_dict().items()}
     twin.load_state_dict(saved)
     mine.load_state_dict(DDP(make(None, 3)).state_dict())
@@ -451,7 +451,7 @@ def _unused_runs():
     model = Unused()
     model.net.branch_of(r)
     try:                                    # DDP's default: a parameter without gradient is an error
-        adamw_steps(wrappers.DataParallel(model), r, d)
+        adamw_steps(dp.DataParallel(model), r, d)
     except RuntimeError as e:
         out["default"] = str(e)
     return out

@@ -15,7 +15,7 @@ import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minipar import comm, dp, wrappers, zero
+from minipar import comm, dp, zero
 from minipar.wrappers.zero_optimizer import full_parameters
 from minipar.runtime import dist
 from minipar.runtime.errors import UsageError
@@ -97,8 +97,7 @@ def consolidated(opt):
 
 def params_of(module):
     """{name: parameter} in the plain model's names (DDP and DataParallel: their .module's)."""
-    wrapped = isinstance(module, (wrappers.DataParallel, nn.parallel.DistributedDataParallel))
-    module = module.module if wrapped else module
+    module = module.module if isinstance(module, (dp.DataParallel, nn.parallel.DistributedDataParallel)) else module
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
@@ -129,7 +128,7 @@ def _dp_runs():
     for kind in MODELS:
         for micro in (1, 2):
             for mode in dp.MODES:
-                model = wrappers.DataParallel(make(kind, SEED + r), mode=mode, bucket_mb=0.0005)
+                model = dp.DataParallel(make(kind, SEED + r), mode=mode, bucket_mb=0.0005)
                 assert model.d == d                     # group=None: the whole world
                 train(kind, model, adamw(model.parameters()), micro, r, d, model.no_sync)
                 out[(kind, micro, mode)] = params_of(model)
@@ -172,8 +171,8 @@ def _zero_runs():
         for micro in (1, 2):
             for stage in (1, 2):
                 model = make(kind, SEED + r)
-                opt = wrappers.ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
-                                                lr=1e-2, weight_decay=0.1)
+                opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                            lr=1e-2, weight_decay=0.1)
                 train(kind, model, opt, micro, r, d)
                 out[(kind, micro, f"zero{stage}")] = (params_of(model), consolidated(opt))
             model = make(kind, SEED + r)
@@ -186,12 +185,12 @@ def _zero_runs():
             out[(kind, micro, "zro")] = (params_of(ddp.module), None)
     # a checkpoint in torch's layout: saved at stage 1, loaded at stage 2, one more step on both
     a = make("mlp", SEED + r)
-    opt_a = wrappers.ShardedOptimizer(a.parameters(), torch.optim.AdamW, stage=1, lr=1e-2)
+    opt_a = zero.ShardedOptimizer(a.parameters(), torch.optim.AdamW, stage=1, lr=1e-2)
     train("mlp", a, opt_a, 1, r, d)
     saved = consolidated(opt_a)
     b = make("mlp", 0)
     b.load_state_dict(a.state_dict())
-    opt_b = wrappers.ShardedOptimizer(b.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    opt_b = zero.ShardedOptimizer(b.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
     opt_b.load_state_dict(saved)
     reloaded = consolidated(opt_b)
     for model, opt in ((a, opt_a), (b, opt_b)):
@@ -204,7 +203,7 @@ def _zero_runs():
     model = make("mlp", SEED + r)
     groups = [{"params": model.fc1.parameters(), "lr": 0.05},
               {"params": list(model.fc2.parameters()) + list(model.fc3.parameters())}]
-    opt = wrappers.ShardedOptimizer(groups, torch.optim.SGD, stage=2, lr=0.1, momentum=0.9)
+    opt = zero.ShardedOptimizer(groups, torch.optim.SGD, stage=2, lr=0.1, momentum=0.9)
     train("mlp", model, opt, 1, r, d)
     out[("mlp", 1, "sgd-groups")] = (params_of(model), consolidated(opt))
     return out
@@ -293,7 +292,7 @@ def _misuse():
 
     # 2. the engine's way, one more backward than begin_step announced, into a bucket in flight
     model = make("mlp", SEED + r)
-    engine = wrappers.DataParallel(model, mode="overlapped", bucket_mb=0.0005)
+    engine = dp.DataParallel(model, mode="overlapped", bucket_mb=0.0005)
     engine.zero_grad(); engine.begin_step(1)
     loss_fn("mlp", model(x), y).backward()
     out["extra micro-batch"] = _raises(lambda: loss_fn("mlp", model(x), y).backward(), RuntimeError)
@@ -301,33 +300,33 @@ def _misuse():
 
     # 3. ZeRO: a parameter without a gradient, a non-element-wise optimizer, DP + ZeRO
     model = make("mlp", SEED + r)
-    opt = wrappers.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     loss_fn("mlp", model.fc1(x).sum(-1, keepdim=True), y[:, :1]).backward()
     out["unused parameter"] = _raises(opt.step, RuntimeError)
     if hasattr(torch.optim, "Adafactor"):
-        out["adafactor"] = _raises(lambda: wrappers.ShardedOptimizer(
+        out["adafactor"] = _raises(lambda: zero.ShardedOptimizer(
             make("mlp", 0).parameters(), torch.optim.Adafactor), UsageError)
-    out["solo"] = wrappers.DataParallel(make("mlp", 0), group=comm.SOLO).d
+    out["solo"] = dp.DataParallel(make("mlp", 0), group=comm.SOLO).d
 
     # 4. torch's clip where .grad is not the average: stage 1 stops at step, stage 2 at once
     for stage in (1, 2):
         model = make("mlp", SEED + r)
-        opt = wrappers.ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+        opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
         loss_fn("mlp", model(x), y).backward()
         clip = _raises(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3), RuntimeError)
         out[f"torch clip, stage {stage}"] = clip or _raises(opt.step, RuntimeError)
     # 5. beside DataParallel: stage 2 refused, also when the DataParallel is built afterwards
-    model = wrappers.DataParallel(make("mlp", SEED + r))
-    out["stage 2 beside dp"] = _raises(lambda: wrappers.ShardedOptimizer(
+    model = dp.DataParallel(make("mlp", SEED + r))
+    out["stage 2 beside dp"] = _raises(lambda: zero.ShardedOptimizer(
         model.parameters(), torch.optim.AdamW, stage=2), UsageError)
     bare = make("mlp", SEED + r)
-    opt = wrappers.ShardedOptimizer(bare.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
-    late = wrappers.DataParallel(bare)
+    opt = zero.ShardedOptimizer(bare.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    late = dp.DataParallel(bare)
     loss_fn("mlp", late(x), y).backward()
     out["dp built after"] = _raises(opt.step, UsageError)
     # 6. state_dict on one rank: never a wait for the others, one line until consolidated
     model = make("mlp", SEED + r)
-    opt = wrappers.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     train("mlp", model, opt, 1, r, d)
     if r == 0:
         out["not consolidated"] = _raises(opt.state_dict, RuntimeError)
@@ -673,15 +672,14 @@ def test_fully_shard_on_one_process_and_ddp_arguments():
     train("mlp", model, adamw(model.parameters()), 1)
     assert_close(params_of(model), ref)
     net = make("mlp", 0)
-    assert wrappers.DataParallel(net, device_ids=None, output_device=None,
-                                 find_unused_parameters=True, gradient_as_bucket_view=True,
-                                 static_graph=False).d == 1
+    assert dp.DataParallel(net, device_ids=None, output_device=None, find_unused_parameters=True,
+                           gradient_as_bucket_view=True, static_graph=False).d == 1
     with pytest.raises(UsageError, match="leave them None on CPU"):
-        wrappers.DataParallel(net, device_ids=[0])
+        dp.DataParallel(net, device_ids=[0])
     with pytest.raises(UsageError, match="mixed_precision"):
-        wrappers.DataParallel(net, mixed_precision=object())
+        dp.DataParallel(net, mixed_precision=object())
     with pytest.raises(TypeError, match="unexpected keyword"):
-        wrappers.DataParallel(net, bucket_size=1)
+        dp.DataParallel(net, bucket_size=1)
 
 
 # --------------------------------------------------------------------------------------
@@ -721,19 +719,19 @@ def _clip_runs():
     out = {}
     for kind in MODELS:
         for how in ("torch", "method"):
-            model = wrappers.DataParallel(make(kind, SEED + r))
+            model = dp.DataParallel(make(kind, SEED + r))
             clip = {"torch": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
                     "method": lambda: model.clip_grad_norm_(MAX_NORM)}[how]
             norms = train_clipped(kind, model, sgd(model.parameters()), clip, r, d)
             out[(kind, f"dp-{how}")] = (params_of(model), norms)
         for stage in (1, 2):
             model = make(kind, SEED + r)
-            opt = wrappers.ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.5)
+            opt = zero.ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.5)
             norms = train_clipped(kind, model, opt, lambda: opt.clip_grad_norm_(MAX_NORM), r, d)
             out[(kind, f"zero{stage}")] = (params_of(model), norms)
         # ZeroRedundancyOptimizer's habit: beside DataParallel, torch's clip on the averages
-        model = wrappers.DataParallel(make(kind, SEED + r))
-        opt = wrappers.ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.5)
+        model = dp.DataParallel(make(kind, SEED + r))
+        opt = zero.ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.5)
         norms = train_clipped(kind, model, opt, lambda: torch.nn.utils.clip_grad_norm_(
             model.parameters(), MAX_NORM), r, d)
         out[(kind, "zero1-beside-dp-torch")] = (params_of(model), norms)

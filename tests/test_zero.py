@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import NANO, assert_same_training, cli, quick_tier, serial_state
-from minipar import wrappers, zero
+from minipar import dp, zero
 from minipar.runtime import dist
 from minipar.runtime.errors import UsageError
 from minipar.model import build
@@ -236,14 +236,14 @@ def test_invalid_spec_exits_2_with_one_line():
 def _sharded_beside_part_of_dp():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    wrappers.DataParallel(model[0])                      # the second layer is outside it
+    dp.DataParallel(model[0])                      # the second layer is outside it
     # beside a DataParallel over the whole model, a frozen weight is no reason to refuse
     whole = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     whole[0].weight.requires_grad_(False)
-    wrappers.DataParallel(whole)
-    wrappers.ShardedOptimizer(whole.parameters(), torch.optim.SGD, stage=1, lr=0.1)
+    dp.DataParallel(whole)
+    zero.ShardedOptimizer(whole.parameters(), torch.optim.SGD, stage=1, lr=0.1)
     try:
-        wrappers.ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=1, lr=0.1)
+        zero.ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=1, lr=0.1)
     except UsageError as e:
         return str(e)
     return None

@@ -1,11 +1,10 @@
-"""ZeRO-1/2 shaped like a torch optimizer: ``ShardedOptimizer`` stands where a script has
-``ZeroRedundancyOptimizer`` (or a plain optimizer): parameter groups and their hyper-parameters
-(an LR scheduler's), clipping where the averaged gradient exists, and state
+"""ZeRO-1/2's torch-optimizer surface: what lets ``minipar.zero.ShardedOptimizer`` stand where a
+script has ``ZeroRedundancyOptimizer`` (or a plain optimizer): parameter groups and their
+hyper-parameters (an LR scheduler's), clipping where the averaged gradient exists, and state
 dicts in torch's own layout (every parameter's whole state under torch's indices), so a
 checkpoint loads into a plain optimizer and back: ``consolidate_state_dict(to)`` on every
 rank, then ``state_dict()`` on rank ``to`` (ZeroRedundancyOptimizer's pair). The algorithm is
-the lesson's: ``minipar.zero``'s ``ShardedEngine`` of one unit per parameter group, at (1, 1, d)
-for ZeRO-1 or (1, d, d) for ZeRO-2.
+``minipar.zero``'s ``ShardedEngine``; ``ShardedOptimizer`` there names it as ``engine_class``.
 
 Beside ``minipar.dp.DataParallel`` or torch's ``DistributedDataParallel`` (as
 ZeroRedundancyOptimizer beside DDP, built before or after it: nanoGPT builds the optimizer
@@ -30,7 +29,6 @@ import math
 import torch
 
 from .. import comm
-from ..zero import ShardedEngine, gather_up
 from ..runtime.errors import UsageError
 
 # updates that read only each element's own parameter, gradient and state: a flat slice
@@ -41,11 +39,14 @@ ELEMENT_WISE = tuple(getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "
 SCALAR_STATE = ("step", "eta", "mu", "mu_product")
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1 (``stage=1``) or ZeRO-2 over ``group`` (None: the world) for
-    ``optimizer_class(params, **defaults)``: a ``ShardedEngine`` of one unit per parameter group.
+class OptimizerSurface(torch.optim.Optimizer):
+    """A torch optimizer whose work is a ZeRO engine (``engine_class``) of one unit per
+    parameter group; ``gather(x, groups)`` gathers OS chunks (for state dicts).
     ``process_group``, ``parameters_as_bucket_view`` and ``overlap_with_ddp`` are
     ZeroRedundancyOptimizer's (the units are flat buffers already; no DDP overlap)."""
+
+    engine_class = None
+    gather = None
 
     def __init__(self, params, optimizer_class, group=None, stage: int = 1,
                  element_wise: bool | None = None, *, process_group=None,
@@ -76,7 +77,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.beside = self._averager(comm.resolve_group(group))
         d = comm.size(comm.resolve_group(group))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        self.engine = ShardedEngine(
+        self.engine = self.engine_class(
             None, group, (1, 1, d) if stage == 1 else (1, d, d),
             lambda shards: optimizer_class([{**h, "params": [s]} for h, s in zip(hyper, shards)]),
             units=[(None, ps) for ps in groups])
@@ -259,15 +260,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             u.os_grad.copy_(u.flat_grad()[u.os_slice])
         self.optimizer.step()
         for u in self.units:                    # OS slices -> G slice -> P shard, in place
-            u.g_slice.copy_(gather_up(u.os_param, [self.mesh.os_group]))
-            u.p_shard.copy_(gather_up(u.g_slice, [self.mesh.g_group]))
+            u.g_slice.copy_(self.gather(u.os_param, [self.mesh.os_group]))
+            u.p_shard.copy_(self.gather(u.g_slice, [self.mesh.g_group]))
 
     # -- state dicts in torch's layout -------------------------------------------------------
     def _full_state_dict(self) -> dict:
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [self._index[id(p)] for p in g["params"]]} for g in self.param_groups]
-        return {"state": full_state(self.units, self.mesh, self.optimizer, self._index),
-                "param_groups": groups}
+        return {"state": full_state(self.units, self.mesh, self.optimizer, self._index,
+                                    self.gather), "param_groups": groups}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole state (torch's layout) onto the group's rank ``to``: a collective,
@@ -348,14 +349,14 @@ def _per_element(key, values, params) -> bool:
     return any(p.dim() > 0 for p in params) or key not in SCALAR_STATE
 
 
-def full_state(units, mesh, optimizer, index: dict[int, int]) -> dict[int, dict]:
+def full_state(units, mesh, optimizer, index: dict[int, int], gather) -> dict[int, dict]:
     """{torch index: whole state} of every parameter, gathered from the OS chunks (a collective
-    over the unit's groups)."""
+    over the unit's groups; ``gather(x, groups)``: ``minipar.zero.gather_up``)."""
     state = {}
     with comm.untracked():
         for u in units:
             mine = optimizer.state.get(u.os_param, {})
-            whole = {k: gather_up(v, [mesh.os_group, mesh.g_group, mesh.p_group])
+            whole = {k: gather(v, [mesh.os_group, mesh.g_group, mesh.p_group])
                      if torch.is_tensor(v) and v.dim() == 1 else v for k, v in mine.items()}
             offset = 0
             for p in u.params:
