@@ -366,8 +366,9 @@ def test_megatron_interleaves_uneven_stages_as_megatron_lm_runs_them():
     from minipar.plan.frameworks import load_framework
     from minipar.plan.peak import in_flight, stage_memory
     from minipar.plan.stages import split_violation, stages
-    from minipar.plan.anchors import _megatron_h100
-    shape = _megatron_h100("gpt-119b", 80, 10240, 92)      # 92 layers: pp 4 gives 23 each
+    from minipar.plan.anchors import all_rows
+    shape = next(r["shape"] for r in all_rows() if r["shape"].name == "gpt-119b")
+    assert shape.layers == 92                               # 92 layers: pp 4 gives 23 each
     assert [x.layers for x in stages(shape, 4, "megatron", 4)] == [24, 24, 24, 20]
     assert [x.layers for x in stages(shape, 4, "megatron", 2)] == [22, 24, 24, 22]
     assert "multiple of chunks=3" in split_violation(shape, 4, "megatron", 3)
