@@ -35,14 +35,21 @@ charge collectives the way that framework's engine issues them. A profile says:
 
 The profiles describe the frameworks as their documentation and source say; where a
 framework has a switch, the profile takes the setting its published large-scale recipes use
-and says so.
+and says so. They live in ``frameworks.json`` beside this module, as the hardware presets
+live in ``minipar/hardware/*.json``: one object per framework, keyed by its name, with the
+fields of ``Framework`` (those left out take its defaults) and ``sources``, where each
+setting comes from.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import PlanError
 from .sharding import Shard, shard_specs, zero_shard
+
+DATA = Path(__file__).resolve().parent / "frameworks.json"
 
 
 @dataclass(frozen=True)
@@ -96,156 +103,19 @@ class Framework:
         raise ValueError(self.spec_family)
 
 
-# Every GPU framework here allocates through PyTorch's CUDA caching allocator; one published
-# measurement of what it holds beyond live tensors in LLM training, shared by their profiles
-# until one is measured per framework (python -m minipar.bench gpu prints it):
-CACHING_ALLOCATOR_RESERVE = 0.115
-CACHING_ALLOCATOR_SOURCE = (
-    "memory_reserve 0.115, derived: GMLake (Guo et al., ASPLOS 2024, arXiv 2401.08156) "
-    "measured PyTorch's caching allocator holding 9.2 GB on average (up to 25 GB) of an "
-    "A100-80GB beyond the live tensors of eight LLM training workloads; 9.2 / 80")
+def _profiles() -> dict[str, Framework]:
+    """The profiles of ``frameworks.json``, in its order (``--framework``'s choices)."""
+    data = json.loads(DATA.read_text())
+    return {name: Framework(name, **{k: tuple(v) if isinstance(v, list) else v
+                                     for k, v in profile.items()})
+            for name, profile in data.items()}
 
-FRAMEWORKS: dict[str, Framework] = {
-    "minipar": Framework(
-        "minipar", "this package: every AMSP spec, interleaving, sequence parallelism",
-        order="tp,pp,dp", interleaving=True, sp=True, recompute=("none", "selective", "full"),
-        spec_family="amsp", grad_bucket=None, grad_overlap=False,
-        param_prefetch=True, gather_overlaps_forward=False,
-        dp_bucket_bytes=4 * 2**20, dp_overlap=True, cp=True,
-        sources=("minipar/cp.py: --cp N, ring attention with the causal load balance",
-                 "minipar/zero.py: per-unit flat buffers, gathers prefetched one unit "
-                 "ahead, each unit's gradient reduce-scattered when its backward ends "
-                 "(a blocking call), the step's collectives unit by unit after backward",
-                 "minipar/dp.py: plain DP all-reduces 4 MiB buckets (--bucket-mb) as "
-                 "backward fills them (--dp-mode overlapped, the default)")),
-    "megatron-lm": Framework(
-        "megatron-lm", "Megatron-LM (core DDP, distributed optimizer, overlapped grads and "
-        "param gathers)",
-        order="tp,dp,pp", interleaving=True, sp=True, recompute=("none", "selective", "full"),
-        spec_family="dist-opt", grad_bucket=40e6, grad_overlap=True, 
-        param_prefetch=True, gather_overlaps_forward=True, grad_bytes=4,
-        reduce_bytes=4, bucket_per_rank=1e6,
-        memory_reserve=CACHING_ALLOCATOR_RESERVE, cp=True, stage_rule="megatron",
-        logit_bytes=6, tp_overlap=True,
-        sources=(CACHING_ALLOCATOR_SOURCE, "rank order tp-cp-ep-dp-pp (megatron/core/parallel_state.py)",
-                 "uneven pipeline stages: --decoder-first-pipeline-num-layers and "
-                 "--decoder-last-pipeline-num-layers, the middle stages equal "
-                 "(megatron/core/transformer/transformer_block.py, get_num_layers_to_build)",
-                 "loss: the 16-bit logits cast to fp32 once, the max subtracted and the exp "
-                 "taken in place (megatron/core/tensor_parallel/cross_entropy.py): 2 + 4 "
-                 "bytes per logit",
-                 "--tp-comm-overlap assumed on, as the H100 scaling runs of its README used it "
-                 "(TransformerEngine userbuffers overlap TP's all-gathers and "
-                 "reduce-scatters with the GEMMs)",
-                 "--context-parallel-size: ring attention (TransformerEngine) with the causal "
-                 "load balance; the planner prices its ring as minipar's",
-                 "buckets of max(40M, 1M x dp) parameters, fp32 main_grad buffers "
-                 "(megatron/core/distributed/distributed_data_parallel.py); with bf16 they are "
-                 "accumulated and reduced in fp32 (accumulate_allreduce_grads_in_fp32)",
-                 "distributed optimizer: 6 + 12/d bytes per parameter with bf16 params and "
-                 "fp32 grads (Megatron-LM docs, 'Distributed Optimizer')",
-                 "--overlap-grad-reduce --overlap-param-gather assumed on, as in its "
-                 "published large-scale recipes")),
-    "megatron-deepspeed": Framework(
-        "megatron-deepspeed", "Megatron-DeepSpeed (the Frontier study's framework): 1F1B "
-        "pipelines without interleaving, no sequence parallelism, ZeRO-0/1 under pipelines "
-        "(2 and 3 only without)",
-        order="tp,dp,pp", interleaving=False, sp=False, recompute=("none", "full"),
-        spec_family="zero01", grad_bucket=5e8, grad_overlap=False,
-        param_prefetch=True, gather_overlaps_forward=False, grad_bytes=4,
-        gather_per_module=True, stage_rule="uniform", logit_bytes=6,
-        memory_reserve=CACHING_ALLOCATOR_RESERVE,
-        sources=(CACHING_ALLOCATOR_SOURCE, "topology axes pipe, data, model with model innermost "
-                 "(deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)",
-                 "the pipeline engine reduces gradients after the last micro-batch's "
-                 "backward (deepspeed/runtime/pipe/engine.py, ReduceGrads)",
-                 "ZeRO stages 2 and 3 are refused with pipeline parallelism (DeepSpeed "
-                 "pipeline docs); its ZeRO-3 gathers module by module as deepspeed-zero3's",
-                 "reduce/allgather bucket size 5e8 elements (DeepSpeed config docs, "
-                 "zero_optimization defaults)",
-                 "BF16_Optimizer accumulates gradients in fp32 "
-                 "(deepspeed/runtime/bf16_optimizer.py)",
-                 "no interleaved schedule in DeepSpeed's PipelineEngine; activation "
-                 "checkpointing is full (--checkpoint-activations)",
-                 "pipeline stages by PipelineModule(partition_method='type:transformer'): "
-                 "layers as evenly as whole layers allow (deepspeed/runtime/utils.py "
-                 "partition_uniform); Megatron's vocab-parallel loss (2 + 4 bytes per logit)")),
-    "fsdp": Framework(
-        "fsdp", "PyTorch FSDP: NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD over a node",
-        order="tp,dp,pp", interleaving=False, sp=True,
-        recompute=("none", "selective", "full"),
-        spec_family="fsdp", grad_bucket=None, grad_overlap=True, 
-        param_prefetch=True, gather_overlaps_forward=True,
-        memory_reserve=CACHING_ALLOCATOR_RESERVE,
-        sources=(CACHING_ALLOCATOR_SOURCE, "one all-gather and one reduce-scatter per wrapped unit (a transformer "
-                 "block), backward and forward prefetch (torch.distributed.fsdp docs)",
-                 "selective activation checkpointing as torchtitan applies it "
-                 "(torch.utils.checkpoint with a policy)",
-                 "loss: F.cross_entropy on a .float() copy of the logits (torchtitan): 2 + 4 "
-                 "+ 4 bytes per logit")),
-    "llm-foundry": Framework(
-        "llm-foundry", "MosaicML LLM Foundry on PyTorch FSDP (Composer), with its fused "
-        "cross-entropy",
-        order="tp,dp,pp", interleaving=False, sp=False, recompute=("none", "full"),
-        spec_family="fsdp", grad_bucket=None, grad_overlap=True,
-        param_prefetch=True, gather_overlaps_forward=True, logit_bytes=4,
-        memory_reserve=CACHING_ALLOCATOR_RESERVE,
-        sources=(CACHING_ALLOCATOR_SOURCE,
-                 "FSDP as the fsdp profile (its benchmark table's Sharding Strategy column)",
-                 "loss_fn defaults to fused_crossentropy, flash_attn.losses.cross_entropy."
-                 "CrossEntropyLoss (llm_foundry/models/mpt/modeling_mpt.py): the 16-bit "
-                 "logits and their 16-bit gradient, no fp32 copy: 2 + 2 bytes per logit")),
-    "deepspeed-zero3": Framework(
-        "deepspeed-zero3", "DeepSpeed ZeRO stages 0-3 without pipelines: ZeRO-3 gathers "
-        "parameters module by module, reduces gradients in buckets",
-        order="tp,dp,pp", interleaving=False, sp=False, recompute=("none", "full"),
-        spec_family="zero01", grad_bucket=5e8, grad_overlap=True, param_prefetch=True,
-        gather_overlaps_forward=False, gather_per_module=True,
-        memory_reserve=CACHING_ALLOCATOR_RESERVE,
-        sources=(CACHING_ALLOCATOR_SOURCE,
-                 "ZeRO-3 fetches each submodule's partitioned parameters in a pre-forward "
-                 "hook and prefetches the next ones "
-                 "(deepspeed/runtime/zero/partitioned_param_coordinator.py, fetch_sub_module)",
-                 "reduce_bucket_size 5e8 elements, overlap_comm on as its ZeRO-3 examples set "
-                 "it (DeepSpeed config docs, zero_optimization)")),
-    "amsp": Framework(
-        "amsp", "AMSP's executor: every (s_p, s_g, s_os) spec, gathers module by module with "
-        "prefetch, reduce-scatters overlapped with backward",
-        order="tp,pp,dp", interleaving=False, sp=False, recompute=("none", "full"),
-        spec_family="amsp", grad_bucket=None, grad_overlap=True, param_prefetch=True,
-        gather_overlaps_forward=False, gather_per_module=True,
-        memory_reserve=CACHING_ALLOCATOR_RESERVE,
-        sources=(CACHING_ALLOCATOR_SOURCE,
-                 "Chen et al. 2023 (arXiv 2311.00257), the executor: AllGather prefetching "
-                 "and ReduceScatter scheduling overlapped with computation; its gathers are "
-                 "issued per module as ZeRO-3's are (the paper compares against DeepSpeed's)")),
-    "nanotron": Framework(
-        "nanotron", "nanotron (Hugging Face): TP with sequence parallelism, 1F1B pipelines "
-        "balanced by cost, ZeRO-0/1, gradients accumulated and reduced in fp32",
-        order="tp,dp,pp", interleaving=False, sp=True, recompute=("none", "full"),
-        spec_family="dist-opt", grad_bucket=25 * 2**20 / 4, grad_overlap=True,
-        param_prefetch=False, gather_overlaps_forward=False, grad_bytes=4, reduce_bytes=4,
-        memory_reserve=CACHING_ALLOCATOR_RESERVE, stage_rule="balanced", logit_bytes=8,
-        sources=(CACHING_ALLOCATOR_SOURCE,
-                 "process grid view(pp, dp, tp), tp innermost (src/nanotron/parallel/"
-                 "context.py)",
-                 "pipeline stages balanced by cost, any pp that gives every stage a block "
-                 "(src/nanotron/models/base.py build_model; models/llama.py "
-                 "get_block_compute_costs); engines 1f1b and afab, no interleaving",
-                 "ZeRO-1 (optim/zero.py) or none; accumulate_grad_in_fp32 and DDP buckets of "
-                 "25 MB as the Ultra-Scale Playbook's sweep set them (huggingface/"
-                 "bench_cluster template/base_config.py: ddp_bucket_cap_mb 25, "
-                 "accumulate_grad_in_fp32, tp_mode REDUCE_SCATTER, "
-                 "tp_linear_async_communication false, recompute_layer false)",
-                 "SP's all-gathered GEMM inputs not kept whole: the sweep's measured peaks "
-                 "(its 1B rows, 526 runs) say so. Kept whole (2 x 2 s b h (1 - 1/t) per "
-                 "layer, as a reading of its column_linear suggested), the predicted peak "
-                 "runs 2.2x high at tp 32 and 1.3-2.4x at micro-batches of 32 and more; "
-                 "without, the median log error is within 0.17 at every tp and micro-batch "
-                 "(tests/test_plan_fit.py)",
-                 "loss: cast_to_fp32, then sharded_cross_entropy subtracts the max out of "
-                 "place and keeps the fp32 softmax (4 + 4 bytes per logit)")),
-}
+
+FRAMEWORKS: dict[str, Framework] = _profiles()
+# Every GPU framework here allocates through PyTorch's CUDA caching allocator; their profiles
+# share one published measurement of what it holds beyond live tensors in LLM training (GMLake,
+# in their sources) until one is measured per framework (python -m minipar.bench gpu prints it)
+CACHING_ALLOCATOR_RESERVE = FRAMEWORKS["megatron-lm"].memory_reserve
 
 
 MODULES_PER_LAYER = {"gpt": 6, "llama": 9}     # modules holding parameters, per layer
