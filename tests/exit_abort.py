@@ -72,10 +72,10 @@ def main(how: str, runs: int) -> None:
         print(f"runs {runs} aborted {aborted} failed {failed}")
         return
     for _ in range(runs):
-        ctx = mp.spawn(_spawned, args=(tempfile.mkdtemp(prefix="minipar_abort_"),), nprocs=2,
-                       join=False)
-        for p in ctx.processes:
-            p.join(60)
+        with tempfile.TemporaryDirectory(prefix="minipar_abort_") as folder:
+            ctx = mp.spawn(_spawned, args=(folder,), nprocs=2, join=False)
+            for p in ctx.processes:
+                p.join(60)
         codes = [p.exitcode for p in ctx.processes]
         aborted += any(c is not None and c < 0 for c in codes)
         failed += any(c is None or c > 0 for c in codes)

@@ -47,11 +47,17 @@ NOISE = 0.05
 def calibrated_hardware(timeout: float = 90.0, path: str | None = None) -> str:
     """Calibrate this machine (``python -m minipar.bench calibrate --quick``) at the sweeps'
     calibration point (one process of ``tiny``, batch 8); the file's path, or ``laptop-cpu``
-    (and one line saying why) when calibrating fails or takes longer than ``timeout``."""
+    (and one line saying why) when calibrating fails or takes longer than ``timeout``. With no
+    ``path`` the file lives in a temporary folder removed when the interpreter exits."""
+    import atexit
+    import shutil
     import subprocess
     import sys
     import tempfile
-    path = path or os.path.join(tempfile.mkdtemp(prefix="minipar-nb06-"), "this-machine.json")
+    if path is None:
+        folder = tempfile.mkdtemp(prefix="minipar-nb06-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)   # gone when the kernel stops
+        path = os.path.join(folder, "this-machine.json")
     cmd = [sys.executable, "-m", "minipar.bench", "calibrate", "--quick", "--out", path,
            "--model", "tiny", "--batch-size", "8"]
     try:

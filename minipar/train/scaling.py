@@ -249,7 +249,9 @@ def run_point(point: Point, launcher: str = "local", timeout: float = 600.0,
     """Run one point; return rank 0's metrics records (one per step)."""
     if launcher == "inprocess":
         return _run_inprocess(point, timeout)
-    workdir = workdir or tempfile.mkdtemp(prefix="minipar-scaling-")
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="minipar-scaling-") as workdir:
+            return run_point(point, launcher, timeout, workdir, srun_args, tasks_per_node, index)
     metrics = os.path.join(os.path.abspath(workdir), f"metrics-n{point.processes}.jsonl")
     cmd = command(point, launcher, metrics, srun_args, timeout, tasks_per_node)
     env = dict(os.environ)
