@@ -219,8 +219,19 @@ MUTANTS = [
 ]
 
 
-@pytest.mark.parametrize("ex_id,old,new,expected", MUTANTS,
-                         ids=[f"{m[0]}-{m[3][:40]}" for m in MUTANTS])
+def _quick_first(mutants):
+    """The first wrong answer of each exercise runs in the quick tier; the rest carry the slow
+    mark (the full suite tries every one)."""
+    seen = set()
+    out = []
+    for m in mutants:
+        marks = () if m[0] not in seen else (pytest.mark.slow,)
+        seen.add(m[0])
+        out.append(pytest.param(*m, marks=marks, id=f"{m[0]}-{m[3][:40]}"))
+    return out
+
+
+@pytest.mark.parametrize("ex_id,old,new,expected", _quick_first(MUTANTS))
 def test_checks_catch_wrong_answers_and_name_the_bug(tmp_path, ex_id, old, new, expected):
     failures = exercises._check_here(ex_id, str(_mutant(tmp_path, ex_id, old, new)), solution=False)
     assert failures, "the checker accepted a wrong answer"
@@ -340,6 +351,7 @@ def test_grader_waits_for_a_slow_check_that_makes_progress(tmp_path, monkeypatch
     assert failures and "calls sys.exit(0) when imported" in failures[0], failures
 
 
+@pytest.mark.slow     # the make CLI; the quick tier checks the committed files
 def test_make_into_a_folder_that_cannot_be_written(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -363,6 +375,7 @@ def test_check_cli_lists_what_passed():
     assert r.returncode == 0 and "PASS ex09" in r.stdout and "  + " in r.stdout, r
 
 
+@pytest.mark.slow     # the make CLI; the quick tier checks the committed files
 def test_make_never_destroys_a_students_work(tmp_path):
     written = exercises.make(["ex01"], tmp_path)                # with its harder track
     path = written[0]

@@ -587,6 +587,7 @@ def test_nothing_fits_is_a_plan_error():
     assert search("gpt-175b", 1024, "frontier-mi250x", tp=1, pp=1, top=1)[0].layout.cp > 1
 
 
+@pytest.mark.slow     # a search at 3,072 devices (seconds)
 def test_search_work_is_bounded_at_scale(monkeypatch):
     """The search prices few layouts in full (time_parts) at 3,072 devices: a count, not a
     timing (speed lives in benchmarks; a wall-clock bound failed under a loaded CI machine).

@@ -72,6 +72,7 @@ def test_compute_splits_by_cp_and_the_ring_is_priced_message_by_message():
     assert inside["send"] < ring_step_times(LONG, H100, 2, tp=8, flash=True)["send"]
 
 
+@pytest.mark.slow     # searches at scale (seconds each)
 def test_search_weighs_cp_only_where_memory_forces_it():
     long = search("llama-7b", 64, H100, seq_len=131072, flash=True,
                   global_batch_tokens=32 * 131072, top=3)
@@ -243,6 +244,7 @@ def test_128k_tokens_on_thousands_of_h100s_price_the_lessons_ring(model, gpus):
     assert len(set(work)) == 1 and sum(work) == 64 * 65 // 2
 
 
+@pytest.mark.slow     # searches at scale (seconds each)
 def test_cp_is_searched_where_only_it_divides_the_batch():
     # 128 sequences of 128k tokens on 8,192 GPUs: even stages of 126 layers allow pp 1 or 2,
     # so tp x pp reaches 16 and dp = 512 > 128 sequences; only cp divides the batch (the

@@ -9,10 +9,7 @@
 """
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -110,9 +107,13 @@ def test_unfitted_presets_say_so_and_fitted_ones_do_not():
     assert not any("unfitted" in n for n in estimate(shape, "playbook-h100", lay).notes)
 
 
-def _plan(*args):
-    return subprocess.run([sys.executable, "-m", "minipar.plan", *args], capture_output=True,
-                          text=True, timeout=120)
+def _plan(capsys, *args):
+    """``python -m minipar.plan ARGS`` in this process (its ``main`` is what the module runs):
+    the exit status and stderr."""
+    from types import SimpleNamespace
+    from minipar.plan.__main__ import main
+    code = main(list(args))
+    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
 
 def _one_line_exit_2(r, *words):
@@ -121,7 +122,7 @@ def _one_line_exit_2(r, *words):
     assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
 
 
-def test_bad_runs_files_exit_2_with_one_line(tmp_path):
+def test_bad_runs_files_exit_2_with_one_line(tmp_path, capsys):
     good = tmp_path / "good.csv"
     write_runs(good, synthetic_runs()[:6])
     text = good.read_text().splitlines()
@@ -129,17 +130,17 @@ def test_bad_runs_files_exit_2_with_one_line(tmp_path):
     missing = tmp_path / "missing.csv"
     missing.write_text("\n".join(",".join(c for i, c in enumerate(line.split(","))
                                           if header[i] != "mbs") for line in text) + "\n")
-    _one_line_exit_2(_plan("fit", str(missing), "--hardware", "dgx-h100"), "missing column", "mbs")
+    _one_line_exit_2(_plan(capsys, "fit", str(missing), "--hardware", "dgx-h100"), "missing column", "mbs")
     bad = tmp_path / "contradicts.csv"
     row = text[1].split(",")
     row[header.index("gbs")] = str(int(row[header.index("gbs")]) + 1)
     bad.write_text("\n".join([text[0], ",".join(row)]) + "\n")
-    _one_line_exit_2(_plan("fit", str(bad), "--hardware", "dgx-h100"), "line 2", "gbs")
-    _one_line_exit_2(_plan("fit", str(good), "--hardware", "dgx-h100", "--holdout", "model=8B"),
+    _one_line_exit_2(_plan(capsys, "fit", str(bad), "--hardware", "dgx-h100"), "line 2", "gbs")
+    _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--holdout", "model=8B"),
                      "names no run")
     two = tmp_path / "two.csv"
     two.write_text("\n".join(text[:3]) + "\n")
-    _one_line_exit_2(_plan("fit", str(two), "--hardware", "dgx-h100"), "too few")
+    _one_line_exit_2(_plan(capsys, "fit", str(two), "--hardware", "dgx-h100"), "too few")
 
 
 def test_a_fit_that_does_not_converge_is_refused(monkeypatch):

@@ -77,25 +77,6 @@ def _sweep_cli(args, env=None):
 
 
 @pytest.mark.slow
-def test_weak_sweep_prints_measured_and_predicted_efficiency(tmp_path):
-    records = _sweep_cli(["weak", "--nproc-list", "1,2", *NANO, "--json",
-                          "--out", str(tmp_path / "r.jsonl")])
-    assert [r["processes"] for r in records] == [1, 2]
-    assert [r["layout"]["batch_size"] for r in records] == [16, 32]
-    assert records[0]["efficiency"] == 1.0 and records[0]["predicted_efficiency"] == 1.0
-    for r in records:
-        assert 0 < r["efficiency"] and 0 < r["predicted_efficiency"] <= 1.0
-        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
-        assert r["comm_s"] is None or 0 <= r["comm_s"] <= r["step_time_s"]
-    # the bytes measured at 2 processes are the planner's closed form for a DP all-reduce
-    n_params = plan.model_preset("nano").params
-    assert records[1]["comm_bytes"] == plan.zero_comm_bytes(n_params, dp=2, zero=0,
-                                                            dtype="fp32")["total"]
-    assert records[0]["comm_bytes"] == 0
-    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
-
-
-@pytest.mark.slow
 def test_inside_slurm_each_point_is_an_srun_step(tmp_path):
     """A stand-in srun (no cluster here) logs its arguments, then runs the trainer locally."""
     log = tmp_path / "srun.log"
@@ -137,10 +118,24 @@ def test_the_smallest_point_rerun_keeps_its_fastest_run(monkeypatch):
 
 @pytest.mark.slow
 def test_runs_csv_holds_every_point_and_plan_fit_reads_it(tmp_path):
-    """Two sweeps append three rows to one runs CSV; the planner reads them back and fits."""
+    """Two sweeps append three rows to one runs CSV; the planner reads them back and fits.
+    The first sweep's records: measured and predicted efficiency, and the bytes measured at
+    2 processes are the planner's closed form."""
     csv = tmp_path / "runs.csv"
     first = _sweep_cli(["weak", "--nproc-list", "1,2", *NANO, "--zero", "1", "--json",
-                        "--runs", str(csv)])
+                        "--runs", str(csv), "--out", str(tmp_path / "r.jsonl")])
+    assert [r["processes"] for r in first] == [1, 2]
+    assert [r["layout"]["batch_size"] for r in first] == [16, 32]
+    assert first[0]["efficiency"] == 1.0 and first[0]["predicted_efficiency"] == 1.0
+    for r in first:
+        assert 0 < r["efficiency"] and 0 < r["predicted_efficiency"] <= 1.0
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["comm_s"] is None or 0 <= r["comm_s"] <= r["step_time_s"]
+    n_params = plan.model_preset("nano").params
+    assert first[1]["comm_bytes"] == plan.zero_comm_bytes(n_params, dp=2, zero=1,
+                                                          dtype="fp32")["total"]
+    assert first[0]["comm_bytes"] == 0
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
     second = _sweep_cli(["strong", "--nproc-list", "2", *NANO, "--tp", "2", "--batch-size", "8",
                          "--microbatches", "2", "--seq-len", "8", "--json", "--runs", str(csv)])
     runs, notes = read_runs(csv)
