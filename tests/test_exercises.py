@@ -185,8 +185,8 @@ MUTANTS = [
     ("ex06", "u.os_grad.copy_(summed).div_(mesh.d)", "u.os_grad.add_(summed / mesh.d)",
      "write it with `copy_`, do not accumulate"),
     ("ex06", "comm.all_reduce(summed, mesh.rep_group)", "pass", "all-reduce it over mesh.rep_group"),
-    ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.copy_(shard)", NAMED["not accumulated"]),
     ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard = u.grad_shard + shard", NAMED["rebound buffer"]),
+    ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.copy_(shard)", NAMED["not accumulated"]),
     ("ex07", "u.grad_shard.add_(shard)", "u.grad_shard.add_(shard / mesh.d)", "ZeRO-2 only sums"),
     ("ex07", "        p.grad = None\n", "        pass\n", "set p.grad = None"),
     # ex08
