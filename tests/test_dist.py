@@ -17,6 +17,7 @@ def _grid_coords(dp, pp, tp):
                                                     comm.size(g.group("tp"))))
 
 
+@pytest.mark.slow     # 8 ranks; test_mesh's 8-rank check of the same view is quick
 def test_grid_layout_matches_arange_view():
     out = dist.launch(_grid_coords, 8, dp=2, pp=2, tp=2)
     ranks = torch.arange(8).view(2, 2, 2)

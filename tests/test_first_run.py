@@ -367,6 +367,7 @@ def test_a_run_logging_every_k_steps_with_mfu_ends_with_its_summary():
     assert peak.endswith("): 5.00 GiB"), peak
 
 
+@pytest.mark.slow     # a trainer process under torchrun's environment
 def test_torchrun_rank_ends_with_exit_0_after_logging_every_k_steps(tmp_path):
     # the rank joins a store this process hosts, as torchrun's ranks join its agent's (and as
     # dist.launch does): a port the OS gave while bound, never one picked to be bound later.
