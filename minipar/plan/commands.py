@@ -12,9 +12,9 @@ from ..runtime.cli import emit, text_table
 from .sharding import resolve_shard
 from .errors import PlanError
 from .estimate import estimate
-from .frameworks import FRAMEWORKS, check_framework
+from .frameworks import FRAMEWORKS
 from .hardware import load_hardware
-from .layout import Layout, check_layout, dp_per_node, layout_violation, schedule_violation
+from .layout import Layout, check_layout, layout_violation, schedule_violation
 from .memory import model_state_bytes
 from .search import amsp_reasons, explain, human_bytes, search
 from .arguments import SHAPE_FLAGS, shape_from_args
@@ -237,9 +237,8 @@ def cmd_estimate(args) -> None:
                     v=args.chunks, sp=args.sp, schedule=schedule, cp=args.cp)
     fw = FRAMEWORKS[args.framework]
     order = args.order or fw.order
-    check_layout(shape, layout, gpus=args.gpus, order=order,
+    check_layout(shape, layout, gpus=args.gpus, order=order,     # estimate checks the rest
                  gpus_per_node=hw.gpus_per_node, stage_rule=fw.stage_rule)
-    check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order), shape)
     e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
                  flash=args.flash_attention, dtype=args.dtype, framework=fw,
                  reserve=args.reserve)

@@ -55,6 +55,7 @@ from .network import collective_time, coverage, engine_collectives, p2p_time, pl
 from .shapes import ModelShape, training_flops
 
 DEFAULT_FRAMEWORK = "minipar"
+STEP_PARTS = ("compute", "tp_comm", "cp_exposed", "bubble", "pp_comm", "dp_exposed")  # step's sum
 
 
 @dataclass
@@ -117,6 +118,15 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def tp_call_time(msg: float, layout: Layout, stride: int, hw: Hardware) -> float:
+    """One of a layer's TP all-reduces of ``msg`` bytes; with sequence parallelism the
+    all-gather and reduce-scatter it becomes (``moe.adjust`` prices the MLP's with it)."""
+    if layout.sp:
+        return (collective_time("all_gather", msg, layout.tp, stride, hw)
+                + collective_time("reduce_scatter", msg, layout.tp, stride, hw))
+    return collective_time("all_reduce", msg, layout.tp, stride, hw)
+
+
 def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: str,
                dtype: str, flash: bool, fw: Framework) -> dict:
     """One stage's compute parts (``compute.compute_parts``), its TP traffic (hidden behind
@@ -129,11 +139,7 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
     msg = b * s * h * ACTIVATION_BYTES[dtype]
     calls = m * (stage.layers * (6 if layout.recompute == "full" else 4)
                  + stage.embedding + stage.head)       # + the embedding's g, the head's f
-    if layout.sp:     # each all-reduce becomes an all-gather and a reduce-scatter
-        per_call = (collective_time("all_gather", msg, t, tp_stride, hw)
-                    + collective_time("reduce_scatter", msg, t, tp_stride, hw))
-    else:
-        per_call = collective_time("all_reduce", msg, t, tp_stride, hw)
+    per_call = tp_call_time(msg, layout, tp_stride, hw)
     tp_comm = calls * per_call + (3 * m * collective_time("all_reduce", b * s * 4, t,
                                                           tp_stride, hw) if stage.head else 0)
     hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
@@ -280,8 +286,7 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     times.update(dp_exposure(profile, layout.microbatches, times, overlap, hw.overlap_slowdown,
                              hw.overlap_exposed))
     times["compute"] += times.pop("interference")
-    times["step"] = sum(times[k] for k in ("compute", "tp_comm", "cp_exposed", "bubble",
-                                           "pp_comm", "dp_exposed"))
+    times["step"] = sum(times[k] for k in STEP_PARTS)
     notes = [] if hw.fitted else [unfitted_note(hw)]
     slower = hw.oversubscription(layout.gpus)
     if slower > 1:

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 from . import shapes
 from .errors import PlanError
+from .estimate import STEP_PARTS, tp_call_time
 from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
 from .network import collective_time, placement, ring_bytes, zero_collectives
 from .shapes import ModelShape
@@ -272,11 +273,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
         t, stride = lay.tp, strides["tp"]
         act = lay.micro_batch * seq * shape.hidden * elem
         full = lay.recompute == "full"
-        if lay.sp:
-            dense_mlp = (3 if full else 2) * (collective_time("all_gather", act, t, stride, hw)
-                                              + collective_time("reduce_scatter", act, t, stride, hw))
-        else:
-            dense_mlp = (3 if full else 2) * collective_time("all_reduce", act, t, stride, hw)
+        dense_mlp = (3 if full else 2) * tp_call_time(act, lay, stride, hw)   # as estimate's
         moe_tp = (collective_time("all_gather", choices, t, stride, hw)
                   + (0 if lay.sp else (3 if full else 2) * collective_time("all_gather", act, t,
                                                                            stride, hw))
@@ -298,8 +295,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     hidden_share = 1 - e.times["dp_exposed"] / e.times["dp_comm"] if e.times.get("dp_comm") else 0.0
     times["dp_comm"] = dp_comm
     times["dp_exposed"] = dp_comm * (1 - hidden_share)
-    times["step"] = sum(times.get(k, 0.0) for k in ("compute", "tp_comm", "cp_exposed", "bubble",
-                                                    "pp_comm", "dp_exposed", "ep_comm"))
+    times["step"] = sum(times.get(k, 0.0) for k in (*STEP_PARTS, "ep_comm"))
     model_flops = training_flops(shape, moe, lay.global_batch, "none")
     hw_flops = training_flops(shape, moe, lay.global_batch, lay.recompute)
     peak = times["step"] * lay.gpus * hw.peak_flops

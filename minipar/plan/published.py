@@ -21,13 +21,15 @@ no framework profile) is fitted to them.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from .estimate import Estimate, estimate
 from .hardware import load_hardware
 from .layout import Layout
 from .search import search
-from .shapes import ModelShape, model_preset, with_seq_len
+from .shapes import model_from_dict, model_preset
 
 FRONTIER = {"gpt-22b": (512, 38.38), "gpt-175b": (1024, 36.14), "gpt-1t": (3072, 31.96)}
 STUDY_LAYOUTS = {
@@ -58,45 +60,31 @@ def amsp_rows(objective: str = "step", framework: str = "minipar",
 # --------------------------------------------------------------------------------------
 # Layouts that public runs executed: each must fit (tests/test_plan_grounded.py)
 # --------------------------------------------------------------------------------------
-MPT_7B = ModelShape("mpt-7b", "gpt", 32, 4096, 32, 50368, 2048, tied_head=True, bias=False,
-                    dropout=False)
+EXECUTED = Path(__file__).resolve().parent / "executed.json"
 
 
 def executed_runs() -> list[dict]:
     """Published training runs that ran, with the layout they ran: the planner's memory
     model must fit each one on its hardware and framework profile. Each names its source.
 
+    They live in ``executed.json`` beside this module: each run's model is a preset's name
+    (with the ``seq_len`` it ran, where that differs) or the fields of a model file
+    (``shapes.model_from_dict``), its layout the fields of ``Layout``.
+
     AMSP's own 13B spec (Chen et al. 2023) belongs here too; its (s_p, s_g, s_os) was not
     found in the public material searched for this table (the arXiv abstract and reviews
     give only the MFU), so it is left out rather than guessed.
     """
-    return [
-        dict(name="MPT-7B on 8 x H100, no activation checkpointing", shape=MPT_7B,
-             hardware="dgx-h100", framework="llm-foundry", flash=True, mfu=46.44,
-             layout=Layout(tp=1, pp=1, dp=8, micro_batch=6, microbatches=1, shard=(8, 8, 8),
-                           recompute="none"),
-             source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit "
-                    "061f2c7c), 'H100 80GB BF16' table, row 7b / 2048 / 8 GPUs: micro-batch 6, "
-                    "grad accum 1, FULL_SHARD, activation checkpointing False, MFU 46.44; "
-                    "shape from MPT-7B's config (32 layers, d_model 4096, 32 heads, vocab "
-                    "50368, no biases, FlashAttention)"),
-        dict(name="MPT-7B on 8 x A100-80GB, no activation checkpointing", shape=MPT_7B,
-             hardware="dgx-a100", framework="llm-foundry", flash=True, mfu=64.23,
-             layout=Layout(tp=1, pp=1, dp=8, micro_batch=6, microbatches=2, shard=(8, 8, 8),
-                           recompute="none"),
-             source="mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit "
-                    "061f2c7c), 'A100 80GB' table, row 7b / 2048 / 8 GPUs: micro-batch 6, "
-                    "grad accum 2, FULL_SHARD, activation checkpointing False, MFU 64.23"),
-        dict(name="Llama-2-13B on 64 x A100-80GB (torchtitan), no activation checkpointing",
-             shape=with_seq_len(model_preset("llama-13b"), 4096), hardware="dgx-a100",
-             framework="fsdp", flash=True, mfu=61.1,
-             layout=Layout(tp=1, pp=1, dp=64, micro_batch=2, microbatches=1,
-                           shard=(64, 64, 64), recompute="none"),
-             source="pytorch/torchtitan docs/performance.md, LLaMa 2 table: 13B, batch size 2, "
-                    "activation checkpointing 'no', FSDP2 on 64 A100 (80GB), MFU 61.1%; "
-                    "seq_len 4096 from train_configs/llama2_13b.toml (the 64-A100 preset, "
-                    "commit 0c355e6f); attention by scaled_dot_product_attention (fused)"),
-    ]
+    out = []
+    for r in json.loads(EXECUTED.read_text()):
+        model = r["model"]
+        shape = (model_preset(model, r.get("seq_len")) if isinstance(model, str)
+                 else model_from_dict(model))
+        layout = Layout(**{**r["layout"], "shard": tuple(r["layout"]["shard"])})
+        out.append(dict(name=r["name"], shape=shape, hardware=r["hardware"],
+                        framework=r["framework"], flash=r["flash"], mfu=r["mfu"],
+                        layout=layout, source=r["source"]))
+    return out
 
 
 def _cells(row: dict) -> tuple[str, str, str]:

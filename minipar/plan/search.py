@@ -52,7 +52,7 @@ from dataclasses import replace
 
 from .errors import PlanError
 from .estimate import (Estimate, dp_collectives, dp_exposure, dp_profile, estimate,
-                       time_parts)
+                       STEP_PARTS, time_parts)
 from .frameworks import Framework, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_violation,
@@ -282,8 +282,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                 if not fitting:
                     continue
                 parts = time_parts(shape, hw, base, order, dtype, flash, fw)
-                fixed = sum(parts[k] for k in ("compute", "tp_comm", "cp_exposed", "bubble",
-                                               "pp_comm"))
+                fixed = sum(parts[k] for k in STEP_PARTS if k != "dp_exposed")
                 keys = []
                 for total, spec in table[:fitting]:
                     layout = replace(base, shard=spec)

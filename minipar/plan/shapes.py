@@ -27,6 +27,12 @@ With grouped-query attention the K and V projections are h x h_kv, so the attent
 included. Any shape can be given as a JSON file (``load_model``: the fields of
 ``ModelShape``; name, arch, layers, hidden, heads, vocab and seq_len required).
 
+The planner's presets (``PRESETS``) live in ``presets.json`` beside this module: one such
+object per model, keyed by its name, with a ``source``. Their ``global_batch_tokens`` is the
+batch the family trained with: 3,145,728 for the GPT shapes, GPT-3 175B's 1,536 sequences of
+2,048 tokens (Brown et al. 2020, Table 2.1); 4,194,304 for LLaMA, 2,048 x 2,048 (Touvron et
+al. 2023, Table 2), and for Llama 3, 512 x 8,192 (Dubey et al. 2024).
+
 Training FLOPs per iteration
 ----------------------------
 Megatron-LM (Narayanan et al. 2021, section 5.1), counting matmuls only, with full activation
@@ -242,38 +248,16 @@ def stage_flops(shape: ModelShape, batch: int, pp: int = 1, recompute: str = "no
 # --------------------------------------------------------------------------------------
 # Presets
 # --------------------------------------------------------------------------------------
-_GPT3_BATCH = 1536 * 2048      # GPT-3 175B's 3.2M-token batch (Brown et al. 2020, Table 2.1)
-_LLAMA_BATCH = 2048 * 2048     # LLaMA's 4M-token batch (Touvron et al. 2023, Table 2)
-_LLAMA3_BATCH = 512 * 8192     # Llama 3's 4M-token batch at 8,192 tokens (Dubey et al. 2024)
+PRESETS_DATA = Path(__file__).resolve().parent / "presets.json"
 
-PRESETS: dict[str, ModelShape] = {
-    # The Frontier study's shapes (Dash et al. 2023). Vocabulary 51200 is our choice: GPT-2's
-    # 50257 padded, as Megatron pads it for TP=8, to a multiple of 128 x 8; sequence 2048.
-    "gpt-22b": ModelShape("gpt-22b", "gpt", 48, 6144, 48, 51200, 2048,
-                          global_batch_tokens=_GPT3_BATCH),
-    "gpt-175b": ModelShape("gpt-175b", "gpt", 96, 12288, 96, 51200, 2048,
-                           global_batch_tokens=_GPT3_BATCH),
-    "gpt-1t": ModelShape("gpt-1t", "gpt", 128, 25600, 160, 51200, 2048,
-                         global_batch_tokens=_GPT3_BATCH),
-    # LLaMA (Touvron et al. 2023, Table 2), the models AMSP trains (Chen et al. 2023)
-    "llama-7b": ModelShape("llama-7b", "llama", 32, 4096, 32, 32000, 2048, 11008,
-                           tied_head=False, bias=False, global_batch_tokens=_LLAMA_BATCH),
-    "llama-13b": ModelShape("llama-13b", "llama", 40, 5120, 40, 32000, 2048, 13824,
-                            tied_head=False, bias=False, global_batch_tokens=_LLAMA_BATCH),
-    "llama-30b": ModelShape("llama-30b", "llama", 60, 6656, 52, 32000, 2048, 17920,
-                            tied_head=False, bias=False, global_batch_tokens=_LLAMA_BATCH),
-    # Llama 3.1 (Dubey et al. 2024, Table 3; the released config.json files): grouped-query
-    # attention with 8 key/value heads, vocabulary 128,256, sequence 8,192, untied head
-    "llama3-8b": ModelShape("llama3-8b", "llama", 32, 4096, 32, 128256, 8192, 14336,
-                            tied_head=False, bias=False, global_batch_tokens=_LLAMA3_BATCH,
-                            kv_heads=8),
-    "llama3-70b": ModelShape("llama3-70b", "llama", 80, 8192, 64, 128256, 8192, 28672,
-                             tied_head=False, bias=False, global_batch_tokens=_LLAMA3_BATCH,
-                             kv_heads=8),
-    "llama3-405b": ModelShape("llama3-405b", "llama", 126, 16384, 128, 128256, 8192, 53248,
-                              tied_head=False, bias=False,
-                              global_batch_tokens=_LLAMA3_BATCH, kv_heads=8),
-}
+
+def _presets() -> dict[str, ModelShape]:
+    """The shapes of ``presets.json``, in its order (``model_from_dict``; "source" says
+    where each comes from)."""
+    data = json.loads(PRESETS_DATA.read_text())
+    return {name: model_from_dict({"name": name, **{k: v for k, v in entry.items()
+                                                    if k != "source"}}, where=name)
+            for name, entry in data.items()}
 
 
 def trainer_presets() -> dict[str, ModelShape]:
@@ -353,3 +337,6 @@ def with_seq_len(shape: ModelShape, seq_len: int) -> ModelShape:
     number of sequences."""
     sequences = shape.global_batch_tokens // shape.seq_len
     return replace(shape, seq_len=seq_len, global_batch_tokens=sequences * seq_len)
+
+
+PRESETS: dict[str, ModelShape] = _presets()   # here: model_from_dict builds them
