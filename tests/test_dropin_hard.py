@@ -17,6 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from test_wrappers import launched         # one launch per family, cached
 
+pytestmark = pytest.mark.slow     # against torch's twins; test_wrappers' twins are quick
+
 D, STEPS, BATCH, SEED = 2, 3, 8, 100
 CKPT = ("inside-reentrant", "inside-non-reentrant", "around-non-reentrant", "around-reentrant",
         "checkpoint_wrapper")

@@ -20,6 +20,8 @@ import torch.distributed as tdist
 
 from minipar.runtime import dist
 
+pytestmark = pytest.mark.slow     # nanoGPT's port against torch's own, on 2 ranks
+
 SCRIPT = Path(__file__).with_name("nanogpt_like.py")
 FAMILIES = ("ddp", "zero", "fsdp")
 OPS = ("c10d::allreduce_", "c10d::_allgather_base_", "c10d::_reduce_scatter_base_",
