@@ -87,9 +87,9 @@ STILL_RUNNING_S = 20.0   # a test still running after this long is named, and ev
 # on the 2-core VM at load 4 to 9, with test_clean_exit's and test_porting's costs as after
 # their speed-ups; every file of 10 s or more). pytest-xdist hands whole files to its two
 # workers in this order, so the run does not end with one worker busy on a long file while
-# the other waits; the order also balances the quick tier (its share of each file,
-# simulated: 283 s a worker each, against 302 and 264 in the previous order). Order only:
-# every file runs, and a file missing here runs after these.
+# the other waits; it was also simulated to balance the quick tier as it then was (283 s a
+# worker each, before part of it moved to the slow mark). Order only: every file runs, and a
+# file missing here runs after these.
 HEAVY_FIRST = [
     "tests/test_dist.py", "tests/test_compose.py", "tests/test_exercises.py", "tests/test_plan.py",
     "tests/test_scaling.py", "tests/test_train.py", "notebooks/06_scaling_experiments.ipynb",
