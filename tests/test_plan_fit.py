@@ -27,7 +27,8 @@ from minipar.plan.shapes import ModelShape
 GRID = PRESET_DIR / "runs" / "playbook-grid-1B-8B.csv"
 TRUE = dict(compute_efficiency=0.55, gemm_half_flops=4e10, intra_node_efficiency=0.8,
             inter_node_efficiency=[[2, 0.6], [8, 0.3]], collective_latency=3e-5,
-            intra_node_latency=8e-6, inter_node_latency=4e-5, layer_overhead=2e-4, p2p_latency=1e-3,
+            layer_overhead=2e-4,
+            p2p_latency=[[2, 2e-3], [8, 8e-3]],
             overlap_slowdown=0.15, overlap_exposed=0.2, runtime_bytes=2.0 * 2**30,
             fragmentation=0.1)
 SHAPE = ModelShape("syn", "llama", 8, 1024, 16, 32000, 2048, 4096, tied_head=False, bias=False)
@@ -63,9 +64,12 @@ def test_a_fit_recovers_the_parameters_a_synthetic_grid_was_made_from(tmp_path):
     runs, _ = read_runs(path)                        # through the schema, both ways
     assert len(runs) == 90
     hw, report = fit(runs, load_hardware("dgx-h100"))
-    truth = dict(TRUE, **{"inter@lo": 0.6, "inter@hi": 0.3})
+    truth = dict(TRUE, **{"inter_node_efficiency@2": 0.6, "inter_node_efficiency@8": 0.3,
+                          "p2p_latency@2": 2e-3, "p2p_latency@8": 8e-3,
+                          "fabric_efficiency@2": 1.0, "fabric_efficiency@8": 1.0})
     identified = {k: v[:2] for k, v in report["parameters"].items() if v[2] == "fitted"}
-    for name in ("compute_efficiency", "intra_node_efficiency", "inter@lo", "inter@hi",
+    for name in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency@2",
+                 "inter_node_efficiency@8",
                  "layer_overhead", "runtime_bytes", "fragmentation"):
         assert name in identified, f"{name} not identified by a grid that varies it"
     for name, (value, sigma) in identified.items():

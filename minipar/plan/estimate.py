@@ -118,13 +118,19 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def job_nodes(layout: Layout, hw: Hardware) -> int:
+    """Nodes the job spans: where the fabric's share and the p2p cost are read."""
+    return -(-layout.gpus // hw.gpus_per_node)
+
+
 def tp_call_time(msg: float, layout: Layout, stride: int, hw: Hardware) -> float:
     """One of a layer's TP all-reduces of ``msg`` bytes; with sequence parallelism the
     all-gather and reduce-scatter it becomes (``moe.adjust`` prices the MLP's with it)."""
+    job = job_nodes(layout, hw)
     if layout.sp:
-        return (collective_time("all_gather", msg, layout.tp, stride, hw)
-                + collective_time("reduce_scatter", msg, layout.tp, stride, hw))
-    return collective_time("all_reduce", msg, layout.tp, stride, hw)
+        return (collective_time("all_gather", msg, layout.tp, stride, hw, job)
+                + collective_time("reduce_scatter", msg, layout.tp, stride, hw, job))
+    return collective_time("all_reduce", msg, layout.tp, stride, hw, job)
 
 
 def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: str,
@@ -140,8 +146,8 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
     calls = m * (stage.layers * (6 if layout.recompute == "full" else 4)
                  + stage.embedding + stage.head)       # + the embedding's g, the head's f
     per_call = tp_call_time(msg, layout, tp_stride, hw)
-    tp_comm = calls * per_call + (3 * m * collective_time("all_reduce", b * s * 4, t,
-                                                          tp_stride, hw) if stage.head else 0)
+    tp_comm = calls * per_call + (3 * m * collective_time(
+        "all_reduce", b * s * 4, t, tp_stride, hw, job_nodes(layout, hw)) if stage.head else 0)
     hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
     ring = ring_times(shape, hw, layout, order, dtype, flash, layers=stage.layers)
     exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown
@@ -170,8 +176,7 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
         b, s = layout.micro_batch, shape.seq_len // layout.cp
         msg = b * s * shape.hidden * ACTIVATION_BYTES[dtype]
         _, nodes = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)
-        job_nodes = -(-layout.gpus // hw.gpus_per_node)
-        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw, job_nodes)
+        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw, job_nodes(layout, hw))
     parts = worst["parts"]
     out = {"compute": parts["total"], "tp_comm": worst["tp_comm"],
            "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,
@@ -206,7 +211,8 @@ def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     stride = layout.replica_stride(order, hw.gpus_per_node)
     one = replace(layout, microbatches=1)
     return [(c.count, c.kind in ("gather", "grad"), c.calls,
-             collective_time(c.op, c.nbytes / c.calls, c.size, c.stride * stride, hw), c.window)
+             collective_time(c.op, c.nbytes / c.calls, c.size, c.stride * stride, hw,
+                             job_nodes(layout, hw)), c.window)
             for c in dp_collectives(shape, one, framework, dtype)]
 
 

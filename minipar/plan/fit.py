@@ -7,10 +7,11 @@ few efficiencies the planner cannot know from a datasheet:
     time     compute_efficiency      large GEMMs' fraction of peak            (0, 1]
              gemm_half_flops         GEMM size at half that efficiency        (compute)
              intra_node_efficiency   collectives' fraction of the node links  (0, 1]
-             inter_node_efficiency   the NICs' fraction at 2 nodes and at the widest run
-             collective_latency      per call;  inter_node_latency: per ring step across nodes
+             inter_node_efficiency   the NICs' fraction over each node count the runs span
+             fabric_efficiency       the share of it left in a job of each of those widths
+             collective_latency      per call: NCCL's base latency and the framework's own
              layer_overhead          seconds a layer costs per micro-batch beyond its kernels
-             p2p_latency             seconds a message between nodes costs per node of the job
+             p2p_latency             seconds a message between nodes costs, at each job width
              overlap_slowdown        compute slowed by the traffic hidden beside it
              overlap_exposed         the share of hideable traffic that stays exposed
     memory   runtime_bytes           per rank, before the model
@@ -19,7 +20,10 @@ few efficiencies the planner cannot know from a datasheet:
 Time: least squares of log(predicted / measured tokens/s) over the runs that ran (the whole
 estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of
 it), each parameter bounded by physics (no efficiency above 1, so no bandwidth above its
-datasheet) and fitted in log space where it spans decades. Memory: least squares of
+datasheet) and fitted in log space where it spans decades. The latencies per ring step stay
+NCCL's (``tuning.cc``, cited by BASE): fitted, they took the framework's cost per TP call
+(ten times NCCL's per step, on the Playbook grid), which then priced a reduce-scatter over 128
+ranks at four times the all-reduce of the same bytes. Memory: least squares of
 log(predicted / measured peak) over the runs that logged one. Each value comes with its
 standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a parameter the
 runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), and with no more
@@ -46,19 +50,19 @@ from .estimate import estimate
 from .frameworks import load_framework
 from .hardware import Hardware, load_hardware
 from .runs import Run, digest, read_runs, select
-from .timing import network_efficiency
+from .timing import by_nodes
 
-# (field, lower, upper, log-scaled?)  inter@lo, inter@hi: the two rows of inter_node_efficiency
+# (field, lower, upper, log-scaled?); a field ending in "@" is a table by node count: one
+# parameter per node count above 1 that the runs span ("p2p_latency@16"), the table's rows,
+# read between them as the planner reads them (``timing.by_nodes``)
 TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
                    ("gemm_half_flops", 1e6, 1e13, True),
                    ("intra_node_efficiency", 0.02, 1.0, False),
-                   ("inter@lo", 1e-3, 1.0, True),
-                   ("inter@hi", 1e-4, 1.0, True),
+                   ("inter_node_efficiency@", 1e-4, 1.0, True),
+                   ("fabric_efficiency@", 1e-3, 1.0, True),
                    ("collective_latency", 1e-7, 1e-2, True),
-                   ("intra_node_latency", 1e-7, 1e-2, True),
-                   ("inter_node_latency", 1e-7, 1e-2, True),
                    ("layer_overhead", 1e-7, 0.1, True),
-                   ("p2p_latency", 1e-8, 0.1, True),
+                   ("p2p_latency@", 1e-8, 10.0, True),
                    ("overlap_slowdown", 0.0, 0.95, False),
                    ("overlap_exposed", 0.0, 0.95, False))
 # A robust loss (Cauchy's, scale 0.2 in log units, a 22% error): some runs in any sweep are
@@ -87,24 +91,33 @@ def predictions(runs: list[Run], hw: Hardware) -> list:
     return out
 
 
-def _widest(runs: list[Run]) -> int:
-    return max([r.nodes for r in runs] + [2])
+def _expand(spec, runs: list[Run]) -> tuple:
+    """``spec`` with each table field ("name@") made one parameter per node count above 1
+    among ``runs``."""
+    widths = sorted({r.nodes for r in runs if r.nodes > 1})
+    return tuple((f"{name}{n}" if name.endswith("@") else name, lo, hi, log)
+                 for name, lo, hi, log in spec
+                 for n in (widths if name.endswith("@") else [None]))
 
 
-def _get(hw: Hardware, name: str, widest: int) -> float:
-    if name.startswith("inter@"):
-        return network_efficiency(2 if name == "inter@lo" else widest, hw)
+def _get(hw: Hardware, name: str) -> float:
+    field, _, nodes = name.partition("@")
+    if nodes:
+        return by_nodes(getattr(hw, field), int(nodes), 1.0 if field.endswith("efficiency")
+                        else 0.0)
     return float(getattr(hw, name))
 
 
-def _with(hw: Hardware, values: dict, widest: int) -> Hardware:
-    lo, hi = values.get("inter@lo"), values.get("inter@hi")
-    plain = {k: v for k, v in values.items() if not k.startswith("inter@")}
-    if lo is not None or hi is not None:
-        lo = _get(hw, "inter@lo", widest) if lo is None else lo
-        hi = _get(hw, "inter@hi", widest) if hi is None else hi
-        plain["inter_node_efficiency"] = [[2, lo], [widest, hi]] if widest > 2 else [[2, lo]]
-    return replace(hw, **plain)
+def _with(hw: Hardware, values: dict) -> Hardware:
+    """``hw`` with ``values``; a table's parameters ("field@nodes") become its rows."""
+    plain, tables = {}, {}
+    for name, v in values.items():
+        field, _, nodes = name.partition("@")
+        if nodes:
+            tables.setdefault(field, []).append([int(nodes), v])
+        else:
+            plain[name] = v
+    return replace(hw, **plain, **{k: sorted(rows) for k, rows in tables.items()})
 
 
 def _least_squares(residuals, bounds, x0):
@@ -128,10 +141,10 @@ def _least_squares(residuals, bounds, x0):
     return sol.x, sigma, moved, float(np.sqrt(s2))
 
 
-def _pack(spec, hw, widest):
+def _pack(spec, hw):
     x0, bounds = [], []
     for name, lo, hi, log in spec:
-        value = _get(hw, name, widest)
+        value = _get(hw, name)
         hi = hi if hi is not None else hw.memory_bytes / 2
         x0.append(math.log10(max(value, lo)) if log else value)
         bounds.append((math.log10(lo), math.log10(hi)) if log else (lo, hi))
@@ -142,7 +155,7 @@ def _unpack(spec, x):
     return {name: (10 ** v if log else float(v)) for (name, _, _, log), v in zip(spec, x)}
 
 
-def _fit(spec, base: Hardware, widest: int, residuals_of) -> tuple[Hardware, dict, float]:
+def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
     """Fit ``spec``'s parameters of ``base`` to ``residuals_of(hardware)`` (an array); a
     parameter the data does not move at all keeps ``base``'s value. Returns the fitted
     hardware, {name: [value, standard error or None, "fitted" | "kept": not moved |
@@ -150,10 +163,10 @@ def _fit(spec, base: Hardware, widest: int, residuals_of) -> tuple[Hardware, dic
     parameters (a large-GEMM efficiency against a fixed cost per layer) can trade against
     each other: their standard errors say so, and the table marks a value whose error
     exceeds it."""
-    kept = {name: _get(base, name, widest) for name, *_ in spec}
-    x0, bounds = _pack(spec, base, widest)
+    kept = {name: _get(base, name) for name, *_ in spec}
+    x0, bounds = _pack(spec, base)
     x, sigma, moved, s = _least_squares(
-        lambda v: residuals_of(_with(base, _unpack(spec, v), widest)), bounds, x0)
+        lambda v: residuals_of(_with(base, _unpack(spec, v))), bounds, x0)
     report = {}
     for (name, _, _, log), v, e, m in zip(spec, x, sigma, moved):
         value = 10 ** v if log else float(v)
@@ -163,7 +176,7 @@ def _fit(spec, base: Hardware, widest: int, residuals_of) -> tuple[Hardware, dic
             report[name] = [value, None, "undetermined"]
         else:
             report[name] = [value, value * math.log(10) * e if log else float(e), "fitted"]
-    return _with(base, {k: v[0] for k, v in report.items()}, widest), report, s
+    return _with(base, {k: v[0] for k, v in report.items()}), report, s
 
 
 def fit_time(runs: list[Run], base: Hardware) -> tuple[Hardware, dict, float]:
@@ -176,7 +189,7 @@ def fit_time(runs: list[Run], base: Hardware) -> tuple[Hardware, dict, float]:
                         f"fit; give at least 3 (more, varied in tp, pp, dp and micro-batch, "
                         f"pin down more parameters: the report says which it could not)")
     measured = np.log([r.tokens_per_s_gpu * r.layout.gpus for r in usable])
-    return _fit(TIME_PARAMETERS, base, _widest(ran), lambda hw: np.log(
+    return _fit(_expand(TIME_PARAMETERS, ran), base, lambda hw: np.log(
         [_estimate(r, hw).tokens_per_s for r in usable]) - measured)
 
 
@@ -195,7 +208,7 @@ def fit_memory(runs: list[Run], hw: Hardware) -> tuple[Hardware, dict, float]:
     def residuals_of(h):
         return np.log(h.runtime_bytes + live / (1 - h.fragmentation)) - measured
 
-    hw, report, s = _fit(MEMORY_PARAMETERS, hw, 2, residuals_of)
+    hw, report, s = _fit(MEMORY_PARAMETERS, hw, residuals_of)
     r = residuals_of(hw)
     return replace(hw, memory_sigma=float(1.4826 * np.median(np.abs(r - np.median(r))))), \
         report, s
@@ -307,9 +320,7 @@ def fold_hardware(profile: Hardware, holdout: str) -> Hardware:
     """The hardware a fold of ``profile``'s cross-validation fitted (without ``holdout``'s
     runs), rebuilt from the values it recorded: the fit the holdout scores belong to."""
     fold = next(f for f in profile.fitted["holdout"] if f["holdout"] == holdout)
-    base = replace(profile, memory_sigma=fold["memory_sigma"])
-    rows = profile.inter_node_efficiency                   # the widest fitted row's nodes
-    return _with(base, fold["parameters"], int(rows[-1][0]) if rows else 2)
+    return _with(replace(profile, memory_sigma=fold["memory_sigma"]), fold["parameters"])
 
 
 def _value(v: float) -> str:
@@ -326,7 +337,7 @@ def cmd_fit(args) -> None:
     where = f"{fitted['data']} (sha256 {fitted['sha256'][:12]}..., {len(runs)} runs)"
     sources, done = dict(base.sources), set()
     for name, (value, error, status) in report["parameters"].items():
-        key = "inter_node_efficiency" if name.startswith("inter@") else name
+        key = name.partition("@")[0]
         said = {"fitted": f"{name} fitted to {where}: {value:.4g} +- {error or 0:.2g}",
                 "kept": f"{name} not moved by {where}: {base.name}'s value kept",
                 "undetermined": f"{name} fitted to {where}: {value:.4g}, its error "

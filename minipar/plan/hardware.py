@@ -24,7 +24,9 @@ bandwidths per direction.
 * ``inter_node_bandwidth``: the node's NICs together, shared by the node's devices when a
   group spans nodes; ``inter_node_efficiency`` ([[nodes, fraction], ...]): the fraction of
   it NCCL's ring reaches over that many nodes, measured (``timing.network_efficiency``; 1
-  without rows).
+  without rows); ``fabric_efficiency`` (the same form): the share of that the fabric leaves
+  any group crossing nodes in a job of that many nodes, fitted where a sweep measured it
+  (``timing``); none unless fitted.
 * latencies (NCCL's ``src/graph/tuning.cc``, ``timing``): ``collective_latency`` once per
   call (its baseLat), ``intra_node_latency`` per ring step inside a node and
   ``inter_node_latency`` per step across nodes (its hwLat); ``tree`` ({"base_latency",
@@ -32,10 +34,11 @@ bandwidths per direction.
   ``bandwidth_by_size`` ([[bytes, factor], ...]) derates medium messages (RCCL's
   ringCorrectionFactor); ``collective_table`` (measured rows {"op", "bytes", "per_node",
   "nodes", "seconds"}, or a path to a JSON file of them, e.g. from nccl-tests/rccl-tests)
-  replaces the model where it has the op and placement. ``p2p_latency``: seconds a
-  point-to-point message between nodes costs per node of the job, an empirical term fitted
+  replaces the model where it has the op and placement. ``p2p_latency`` ([[nodes,
+  seconds], ...], read like ``inter_node_efficiency``): what a point-to-point message
+  between nodes costs beyond its bytes in a job of that many nodes, an empirical term fitted
   where pipelines slow with the job's width far more than their bytes say (the Playbook
-  grid's at 32 and 64 nodes); 0 unless fitted.
+  grid's at 32 and 64 nodes); none unless fitted.
 * ``runtime_bytes``: memory the runtime and libraries take before the model (context,
   communication buffers, workspaces); ``fragmentation``: the fraction of the rest an
   allocator loses. Together they set the usable memory (``peak``).
@@ -58,9 +61,10 @@ bandwidths per direction.
   (``Hardware.oversubscription``), and the estimate says so. 0 (GPUs): one engine each.
 
 Every peak, bandwidth and latency must be finite and positive (those whose 0 means "left
-out" may be 0), and the two-column tables (``bandwidth_by_size``, ``inter_node_efficiency``)
-pairs of such numbers by strictly increasing first column: a file with a NaN, a zero, a
-negative, a malformed or an out-of-order one is refused with one line.
+out" may be 0), and the two-column tables (``bandwidth_by_size``, ``inter_node_efficiency``,
+``fabric_efficiency``, ``p2p_latency``) pairs of such numbers by strictly increasing first
+column: a file with a NaN, a zero, a negative, a malformed or an out-of-order one is refused
+with one line.
 """
 from __future__ import annotations
 
@@ -105,7 +109,8 @@ class Hardware:
     gemm_half_flops: float = 0.0
     intra_node_efficiency: float = 1.0
     layer_overhead: float = 0.0
-    p2p_latency: float = 0.0
+    p2p_latency: list = field(default_factory=list)
+    fabric_efficiency: list = field(default_factory=list)
     memory_sigma: float = 0.0
     fitted: dict = field(default_factory=dict, compare=False)
     cores: int = 0                  # CPU cores a node's devices share; 0: one engine each
@@ -188,7 +193,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
                  "inter_node_latency", "step_calibration", "intra_node_efficiency"):
         _positive(getattr(hw, name), name, where)
     for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency", "runtime_bytes",
-                 "cores", "gemm_half_flops", "layer_overhead", "p2p_latency", "memory_sigma"):
+                 "cores", "gemm_half_flops", "layer_overhead", "memory_sigma"):
         _positive(getattr(hw, name), name, where, zero_ok=True)
     for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency"):
         if getattr(hw, name) > 1:
@@ -207,10 +212,11 @@ def check_numbers(hw: Hardware, where: str) -> None:
         _positive(link.get("bandwidth"), "local_links bandwidth", where)
     _pairs(hw.bandwidth_by_size, "bandwidth_by_size", where, "bytes", "factor")
     _pairs(hw.inter_node_efficiency, "inter_node_efficiency", where, "nodes", "fraction")
-    for row in hw.inter_node_efficiency:
-        if row[1] > 1:
-            raise PlanError(f"{where}: inter_node_efficiency fractions are at most 1, got "
-                            f"{row[1]!r}")
+    _pairs(hw.p2p_latency, "p2p_latency", where, "nodes", "seconds")
+    _pairs(hw.fabric_efficiency, "fabric_efficiency", where, "nodes", "fraction")
+    for name in ("inter_node_efficiency", "fabric_efficiency"):
+        if any(row[1] > 1 for row in getattr(hw, name)):
+            raise PlanError(f"{where}: {name} fractions are at most 1")
     _objects(hw.matmul_table, "matmul_table", where)
     for row in hw.matmul_table:
         for key in ("m", "n", "k", "flops_per_s"):

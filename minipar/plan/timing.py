@@ -16,7 +16,10 @@ lockstep), so each device gets ``inter_node_bandwidth / gpus_per_node``; a ring 
 of its members in a node crosses that node's boundary once, carrying their k shares, so its
 slowest link runs at k x that (capped by the intra-node link), times the measured fraction
 NCCL reaches over that many nodes (``network_efficiency``: a NIC's protocol overhead, and a
-fabric that delivers less as the group widens, as measured, not as the line rate says).
+fabric that delivers less as the group widens, as measured, not as the line rate says), and
+the share the fabric leaves any group in a job ``job_nodes`` wide (the hardware's
+``fabric_efficiency``, 1 without rows: on the Playbook grid the 8B's best layout with TP over
+2 nodes measures 3,459 tokens/s per GPU in a 32-node job and 840 in a 64-node one).
 ``bandwidth_by_size`` derates medium messages (RCCL's correction table).
 Where the hardware carries a measured ``collective_table`` with the op and placement, its
 interpolated time replaces all of this (``table_time``): between measured sizes linearly in
@@ -75,13 +78,12 @@ def size_factor(nbytes: float, hw: Hardware) -> float:
     return factor
 
 
-def network_efficiency(nodes: int, hw: Hardware) -> float:
-    """The fraction of ``inter_node_bandwidth`` a ring over ``nodes`` nodes reaches: the
-    hardware's measured ``inter_node_efficiency`` rows, linear in log2(nodes) between
-    them, held beyond the first and the last; 1 without rows."""
-    rows = hw.inter_node_efficiency           # by node count, as loading checked
+def by_nodes(rows: list, nodes: int, default: float) -> float:
+    """A table's value at ``nodes`` from its [[nodes, value], ...] rows (by node count, as
+    loading checked): linear in log2(nodes) between two rows, held beyond the first and the
+    last; ``default`` without rows."""
     if not rows:
-        return 1.0
+        return default
     if nodes <= rows[0][0]:
         return rows[0][1]
     for (n0, e0), (n1, e1) in zip(rows, rows[1:]):
@@ -91,20 +93,29 @@ def network_efficiency(nodes: int, hw: Hardware) -> float:
     return rows[-1][1]
 
 
-def link_bandwidth(per_node: int, nodes: int, stride: int, hw: Hardware) -> float:
+def network_efficiency(nodes: int, hw: Hardware) -> float:
+    """The fraction of ``inter_node_bandwidth`` a ring over ``nodes`` nodes reaches: the
+    hardware's measured ``inter_node_efficiency`` rows (``by_nodes``); 1 without rows."""
+    return by_nodes(hw.inter_node_efficiency, nodes, 1.0)
+
+
+def link_bandwidth(per_node: int, nodes: int, stride: int, hw: Hardware,
+                   job_nodes: int = 0) -> float:
     """The slowest link a ring over ``per_node`` members per node on ``nodes`` nodes crosses:
     inside a node ``intra_bandwidth``, across nodes the node's share of the NICs times
     their measured efficiency at that width (module docstring)."""
     beta = intra_bandwidth(per_node, stride, hw)
     if nodes > 1:
         beta = min(beta, hw.inter_node_bandwidth * per_node / hw.gpus_per_node
-                   * network_efficiency(nodes, hw))
+                   * network_efficiency(nodes, hw)
+                   * by_nodes(hw.fabric_efficiency, max(nodes, job_nodes), 1.0))
     return beta
 
 
-def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware,
+              job_nodes: int = 0) -> float:
     per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    beta = link_bandwidth(per_node, nodes, stride, hw)
+    beta = link_bandwidth(per_node, nodes, stride, hw, job_nodes)
     phases = 2 if op == "all_reduce" else 1
     steps = phases * (size - 1)
     if nodes == 1:
@@ -117,11 +128,11 @@ def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> f
     return latency + ring_bytes(op, int(nbytes), size) / (beta * size_factor(nbytes, hw))
 
 
-def tree_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+def tree_time(nbytes: float, size: int, stride: int, hw: Hardware, job_nodes: int = 0) -> float:
     """A tree all-reduce (NCCL's double binary tree across nodes, a chain inside)."""
     tree = hw.tree
     per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    beta = link_bandwidth(per_node, nodes, stride, hw)
+    beta = link_bandwidth(per_node, nodes, stride, hw, job_nodes)
     latency = tree["base_latency"] + 2 * ((per_node - 1) * tree["intra_latency"]
                                           + math.ceil(math.log2(nodes)) * tree["inter_latency"])
     return latency + 2 * nbytes / (beta * tree["bandwidth_factor"])
@@ -226,18 +237,20 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware,
+                    job_nodes: int = 0) -> float:
     """Seconds for one call of ``op`` on an ``nbytes`` buffer over ``size`` ranks ``stride``
     devices apart: the measured table where it covers the case, else NCCL's alpha-beta
-    model (ring, or tree for an all-reduce when faster)."""
+    model (ring, or tree for an all-reduce when faster), the fabric's share read at
+    ``job_nodes``, the job's width (the group's own when not given)."""
     if size <= 1:
         return 0.0
     measured = table_time(op, nbytes, size, stride, hw)
     if measured is not None:
         return measured
-    t = ring_time(op, nbytes, size, stride, hw)
+    t = ring_time(op, nbytes, size, stride, hw, job_nodes)
     if op == "all_reduce" and hw.tree:
-        t = min(t, tree_time(nbytes, size, stride, hw))
+        t = min(t, tree_time(nbytes, size, stride, hw, job_nodes))
     widest = _widest_time(op, nbytes, size, stride, hw)
     return t if widest is None else max(t, widest)
 
@@ -254,10 +267,11 @@ def _widest_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -
 
 def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware, job_nodes: int = 2) -> float:
     """One point-to-point send; across nodes every device of the node sends at once, at the
-    NICs' measured efficiency between two nodes, plus ``p2p_latency`` per node of the job
-    (``job_nodes``: what a fitted profile measured, module docstring of ``hardware``)."""
+    NICs' measured efficiency between two nodes, plus ``p2p_latency`` at the job's width
+    (``job_nodes``: rows a fitted profile measured, module docstring of ``hardware``)."""
     if across_nodes:
-        return (hw.collective_latency + hw.inter_node_latency + hw.p2p_latency * job_nodes
+        return (hw.collective_latency + hw.inter_node_latency
+                + by_nodes(hw.p2p_latency, job_nodes, 0.0)
                 + nbytes / (hw.inter_node_bandwidth / hw.gpus_per_node
                             * network_efficiency(2, hw)))
     return (hw.collective_latency + hw.intra_node_latency
