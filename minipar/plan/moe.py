@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 from . import shapes
 from .errors import PlanError
-from .estimate import STEP_PARTS, tp_call_time
+from .estimate import STEP_PARTS, job_nodes, tp_call_time
 from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
 from .network import collective_time, placement, ring_bytes, zero_collectives
 from .shapes import ModelShape
@@ -258,7 +258,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     times["compute"] += extra_stage / (lay.dp * lay.tp * lay.cp) / hw.achievable_flops
     times["bubble"] *= (times["compute"] + times["tp_comm"]) / busy    # the bubble scales with it
 
-    strides = lay.strides(order)
+    strides, job = lay.strides(order), job_nodes(lay, hw)
     seq = shape.seq_len // lay.cp                       # this cp rank's tokens of a sequence
     tokens = lay.micro_batch * seq // lay.tp            # each TP rank routes its share
     elem = ACTIVATION_BYTES[dtype]
@@ -266,7 +266,8 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     times["ep_comm"] = all_to_all_time(a2a, 4 * calls, ep, strides["dp"], hw)
     choices = lay.micro_batch * seq * moe.top_k * COUNT_BYTES     # this cp rank's, int64
     if lay.cp > 1:      # the whole sequence's choices, gathered over cp before capacity
-        gather = calls * collective_time("all_gather", choices * lay.cp, lay.cp, strides["cp"], hw)
+        gather = calls * collective_time("all_gather", choices * lay.cp, lay.cp, strides["cp"], hw,
+                                         job)
         times["cp_comm"] = times.get("cp_comm", 0.0) + gather
         times["cp_exposed"] = times.get("cp_exposed", 0.0) + gather
     if lay.tp > 1:     # the MoE layer's TP collectives in place of the dense MLP's
@@ -274,23 +275,23 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
         act = lay.micro_batch * seq * shape.hidden * elem
         full = lay.recompute == "full"
         dense_mlp = (3 if full else 2) * tp_call_time(act, lay, stride, hw)   # as estimate's
-        moe_tp = (collective_time("all_gather", choices, t, stride, hw)
+        moe_tp = (collective_time("all_gather", choices, t, stride, hw, job)
                   + (0 if lay.sp else (3 if full else 2) * collective_time("all_gather", act, t,
-                                                                           stride, hw))
+                                                                           stride, hw, job))
                   + collective_time("all_reduce", (shape.hidden * moe.experts + moe.experts // ep
                                                    * expert_params(shape)) * BYTES_PER_PARAM[dtype][1],
-                                    t, stride, hw))
+                                    t, stride, hw, job))
         times["tp_comm"] += calls * (moe_tp - dense_mlp)
 
     collectives = zero_collectives(states["non_expert_params"], lay.replicas, lay.shard, dtype,
                                    lay.microbatches, recompute=lay.recompute == "full")
     replica = lay.replica_stride(order, hw.gpus_per_node)
     dp_comm = sum(c.count * c.calls * collective_time(c.op, c.nbytes / c.calls, c.size,
-                                                      c.stride * replica, hw)
+                                                      c.stride * replica, hw, job)
                   for c in collectives)
     dp_comm += collective_time("all_reduce", states["expert_params"] * BYTES_PER_PARAM[dtype][1],
                                lay.dp // ep * lay.cp, edp_stride(lay, order, hw.gpus_per_node, ep),
-                               hw)
+                               hw, job)
     # the same share of it hides behind compute as in the dense estimate
     hidden_share = 1 - e.times["dp_exposed"] / e.times["dp_comm"] if e.times.get("dp_comm") else 0.0
     times["dp_comm"] = dp_comm
