@@ -163,6 +163,34 @@ def test_data_parallel_time_per_gigabyte_grows_with_the_nodes():
     assert per_gb[2] > 1.7 * per_gb[0]              # half the NICs' rate at 32 nodes
 
 
+def test_tables_by_node_count_are_read_linear_in_log2_nodes_and_held_beyond():
+    from minipar.plan.timing import by_nodes
+    rows = [[2, 0.8], [8, 0.2], [32, 0.1]]
+    assert by_nodes([], 4, 0.5) == 0.5                       # no rows: the default
+    assert by_nodes(rows, 1, 0.5) == by_nodes(rows, 2, 0.5) == 0.8      # held below
+    assert by_nodes(rows, 4, 0.5) == pytest.approx(0.5)      # halfway in log2 between 2, 8
+    assert by_nodes(rows, 16, 0.5) == pytest.approx(0.15)
+    assert by_nodes(rows, 8, 0.5) == 0.2 and by_nodes(rows, 512, 0.5) == 0.1
+
+
+def test_the_fabric_slows_a_group_by_the_width_of_the_job_it_runs_in():
+    """``fabric_efficiency`` is read at the job's width, the group's own when wider: a TP
+    group over 2 nodes is slower in a 64-node job than alone, and a group inside a node never
+    crosses the fabric."""
+    from minipar.plan.network import collective_time
+    from minipar.plan.timing import link_bandwidth, network_efficiency
+    hw = replace(load_hardware("dgx-h100"), fabric_efficiency=[[2, 1.0], [64, 0.25]])
+    nics = hw.inter_node_bandwidth * network_efficiency(2, hw)   # a node's, at 2 nodes
+    alone = link_bandwidth(8, 2, 1, hw)                # the group's own width: 2 nodes, 1.0
+    assert link_bandwidth(8, 2, 1, hw, 64) == pytest.approx(0.25 * nics)
+    assert link_bandwidth(8, 2, 1, hw, 8) == pytest.approx(   # 2/5 of the way in log2 to 64
+        min(alone, (1 - 0.75 * 2 / 5) * nics))
+    times = [collective_time("all_reduce", 1 << 36, 16, 1, hw, job) for job in (0, 64)]
+    assert times[1] / times[0] == pytest.approx(alone / (0.25 * nics), rel=1e-3)
+    inside = [collective_time("all_reduce", 1 << 30, 8, 1, hw, job) for job in (0, 64)]
+    assert inside[0] == inside[1]
+
+
 def test_hidden_traffic_slows_compute_by_the_measured_contention():
     lay = Layout(dp=64, micro_batch=2, microbatches=1, shard=(64, 64, 64))
     hw = load_hardware("dgx-h100")
@@ -299,6 +327,7 @@ def test_a_huge_range_is_refused_in_one_line(capsys):
     ("inter_node_efficiency", [[4, 0.9], [2, 0.95]], "strictly increasing nodes"),
     ("inter_node_efficiency", [[2, "0.9"]], "fraction must be finite"),
     ("inter_node_efficiency", {"2": 0.9}, "must be a list"),
+    ("p2p_latency", 0.01, "from an older minipar: fit it again"),
     ("bandwidth_by_size", [[4096, 0.5, 1]], "is a pair [bytes, factor]"),
     ("bandwidth_by_size", [[8192, 0.5], [4096, 0.4]], "strictly increasing bytes"),
     ("local_links", [[2, 1e11]], "must be a list of objects"),

@@ -118,15 +118,10 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def job_nodes(layout: Layout, hw: Hardware) -> int:
-    """Nodes the job spans: where the fabric's share and the p2p cost are read."""
-    return -(-layout.gpus // hw.gpus_per_node)
-
-
 def tp_call_time(msg: float, layout: Layout, stride: int, hw: Hardware) -> float:
     """One of a layer's TP all-reduces of ``msg`` bytes; with sequence parallelism the
     all-gather and reduce-scatter it becomes (``moe.adjust`` prices the MLP's with it)."""
-    job = job_nodes(layout, hw)
+    job = hw.nodes(layout.gpus)
     if layout.sp:
         return (collective_time("all_gather", msg, layout.tp, stride, hw, job)
                 + collective_time("reduce_scatter", msg, layout.tp, stride, hw, job))
@@ -147,7 +142,7 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
                  + stage.embedding + stage.head)       # + the embedding's g, the head's f
     per_call = tp_call_time(msg, layout, tp_stride, hw)
     tp_comm = calls * per_call + (3 * m * collective_time(
-        "all_reduce", b * s * 4, t, tp_stride, hw, job_nodes(layout, hw)) if stage.head else 0)
+        "all_reduce", b * s * 4, t, tp_stride, hw, hw.nodes(layout.gpus)) if stage.head else 0)
     hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
     ring = ring_times(shape, hw, layout, order, dtype, flash, layers=stage.layers)
     exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown
@@ -176,7 +171,7 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
         b, s = layout.micro_batch, shape.seq_len // layout.cp
         msg = b * s * shape.hidden * ACTIVATION_BYTES[dtype]
         _, nodes = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)
-        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw, job_nodes(layout, hw))
+        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw, hw.nodes(layout.gpus))
     parts = worst["parts"]
     out = {"compute": parts["total"], "tp_comm": worst["tp_comm"],
            "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,
@@ -212,7 +207,7 @@ def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     one = replace(layout, microbatches=1)
     return [(c.count, c.kind in ("gather", "grad"), c.calls,
              collective_time(c.op, c.nbytes / c.calls, c.size, c.stride * stride, hw,
-                             job_nodes(layout, hw)), c.window)
+                             hw.nodes(layout.gpus)), c.window)
             for c in dp_collectives(shape, one, framework, dtype)]
 
 

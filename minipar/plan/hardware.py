@@ -134,6 +134,11 @@ class Hardware:
             return 1.0
         return max(1.0, min(devices, self.gpus_per_node) / self.cores)
 
+    def nodes(self, devices: int) -> int:
+        """Nodes a job of ``devices`` spans: where the fabric's share and the p2p cost are
+        read (``timing.link_bandwidth``, ``timing.p2p_time``)."""
+        return -(-devices // self.gpus_per_node)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -164,7 +169,8 @@ def _pairs(rows, what: str, where: str, first: str, second: str) -> None:
     size or width, no duplicates)."""
     if not isinstance(rows, list):
         raise PlanError(f"{where}: {what} must be a list of [{first}, {second}] pairs, got "
-                        f"{rows!r}")
+                        f"{rows!r} (a profile from an older minipar: fit it again with "
+                        f"python -m minipar.plan fit)")
     previous = None
     for row in rows:
         if not isinstance(row, (list, tuple)) or len(row) != 2:

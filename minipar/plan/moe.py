@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 from . import shapes
 from .errors import PlanError
-from .estimate import STEP_PARTS, job_nodes, tp_call_time
+from .estimate import STEP_PARTS, tp_call_time
 from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
 from .network import collective_time, placement, ring_bytes, zero_collectives
 from .shapes import ModelShape
@@ -258,7 +258,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     times["compute"] += extra_stage / (lay.dp * lay.tp * lay.cp) / hw.achievable_flops
     times["bubble"] *= (times["compute"] + times["tp_comm"]) / busy    # the bubble scales with it
 
-    strides, job = lay.strides(order), job_nodes(lay, hw)
+    strides, job = lay.strides(order), hw.nodes(lay.gpus)
     seq = shape.seq_len // lay.cp                       # this cp rank's tokens of a sequence
     tokens = lay.micro_batch * seq // lay.tp            # each TP rank routes its share
     elem = ACTIVATION_BYTES[dtype]
