@@ -9,6 +9,8 @@ few efficiencies the planner cannot know from a datasheet:
              intra_node_efficiency   collectives' fraction of the node links  (0, 1]
              inter_node_efficiency   the NICs' fraction over each node count the runs span
              fabric_efficiency       the share of it left in a job of each of those widths
+             all_gather_efficiency,  those ops' share of the all-reduce's rate per byte
+             reduce_scatter_efficiency
              collective_latency      per call: NCCL's base latency and the framework's own
              layer_overhead          seconds a layer costs per micro-batch beyond its kernels
              p2p_latency             seconds a message between nodes costs, at each job width
@@ -60,6 +62,8 @@ TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
                    ("intra_node_efficiency", 0.02, 1.0, False),
                    ("inter_node_efficiency@", 1e-4, 1.0, True),
                    ("fabric_efficiency@", 1e-3, 1.0, True),
+                   ("all_gather_efficiency", 0.05, 1.0, False),
+                   ("reduce_scatter_efficiency", 0.05, 1.0, False),
                    ("collective_latency", 1e-7, 1e-2, True),
                    ("layer_overhead", 1e-7, 0.1, True),
                    ("p2p_latency@", 1e-8, 10.0, True),

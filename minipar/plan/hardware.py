@@ -26,7 +26,10 @@ bandwidths per direction.
   it NCCL's ring reaches over that many nodes, measured (``timing.network_efficiency``; 1
   without rows); ``fabric_efficiency`` (the same form): the share of that the fabric leaves
   any group crossing nodes in a job of that many nodes, fitted where a sweep measured it
-  (``timing``); none unless fitted.
+  (``timing``); none unless fitted. ``all_gather_efficiency`` and
+  ``reduce_scatter_efficiency``: the share of the all-reduce's rate per byte a ring
+  all-gather and reduce-scatter reach (NCCL runs them as one phase each of the same ring;
+  an engine's coalesced calls may not), 1 unless fitted.
 * latencies (NCCL's ``src/graph/tuning.cc``, ``timing``): ``collective_latency`` once per
   call (its baseLat), ``intra_node_latency`` per ring step inside a node and
   ``inter_node_latency`` per step across nodes (its hwLat); ``tree`` ({"base_latency",
@@ -111,6 +114,8 @@ class Hardware:
     layer_overhead: float = 0.0
     p2p_latency: list = field(default_factory=list)
     fabric_efficiency: list = field(default_factory=list)
+    all_gather_efficiency: float = 1.0
+    reduce_scatter_efficiency: float = 1.0
     memory_sigma: float = 0.0
     fitted: dict = field(default_factory=dict, compare=False)
     cores: int = 0                  # CPU cores a node's devices share; 0: one engine each
@@ -196,12 +201,14 @@ def check_numbers(hw: Hardware, where: str) -> None:
     ones that mean "left out" at 0 may be 0."""
     for name in ("gpus_per_node", "memory_bytes", "peak_flops", "compute_efficiency",
                  "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency",
-                 "inter_node_latency", "step_calibration", "intra_node_efficiency"):
+                 "inter_node_latency", "step_calibration", "intra_node_efficiency",
+                 "all_gather_efficiency", "reduce_scatter_efficiency"):
         _positive(getattr(hw, name), name, where)
     for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency", "runtime_bytes",
                  "cores", "gemm_half_flops", "layer_overhead", "memory_sigma"):
         _positive(getattr(hw, name), name, where, zero_ok=True)
-    for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency"):
+    for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency",
+                 "all_gather_efficiency", "reduce_scatter_efficiency"):
         if getattr(hw, name) > 1:
             raise PlanError(f"{where}: {name} is a fraction of peak, at most 1, got "
                             f"{getattr(hw, name)!r}")

@@ -20,7 +20,8 @@ fabric that delivers less as the group widens, as measured, not as the line rate
 the share the fabric leaves any group in a job ``job_nodes`` wide (the hardware's
 ``fabric_efficiency``, 1 without rows: on the Playbook grid the 8B's best layout with TP over
 2 nodes measures 3,459 tokens/s per GPU in a 32-node job and 840 in a 64-node one).
-``bandwidth_by_size`` derates medium messages (RCCL's correction table).
+``bandwidth_by_size`` derates medium messages (RCCL's correction table), and a fitted
+profile's ``all_gather_efficiency`` and ``reduce_scatter_efficiency`` those ops' rate.
 Where the hardware carries a measured ``collective_table`` with the op and placement, its
 interpolated time replaces all of this (``table_time``): between measured sizes linearly in
 bytes, between measured node counts linearly in log2(nodes), never below the smallest
@@ -125,7 +126,9 @@ def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware,
     inter = min(inter, steps)
     latency = (hw.collective_latency + (steps - inter) * hw.intra_node_latency
                + inter * hw.inter_node_latency)
-    return latency + ring_bytes(op, int(nbytes), size) / (beta * size_factor(nbytes, hw))
+    share = {"all_gather": hw.all_gather_efficiency,
+             "reduce_scatter": hw.reduce_scatter_efficiency}.get(op, 1.0)
+    return latency + ring_bytes(op, int(nbytes), size) / (beta * share * size_factor(nbytes, hw))
 
 
 def tree_time(nbytes: float, size: int, stride: int, hw: Hardware, job_nodes: int = 0) -> float:
