@@ -169,10 +169,7 @@ def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> 
     t0, t1 = _size_time(r0, nbytes), _size_time(r1, nbytes)
     if t0 is None or t1 is None:
         return None
-    if n0 == n1:
-        return t0
-    w = (math.log2(nodes) - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
-    return (1 - w) * t0 + w * t1
+    return by_nodes([[n0, t0], [n1, t1]], nodes, t0)       # t0 when n0 == n1
 
 
 def _measured(op: str, per_node: int, hw: Hardware) -> dict[int, list]:
