@@ -10,7 +10,7 @@ from __future__ import annotations
 from . import moe as moe_plan
 from ..runtime.cli import emit, text_table
 from .sharding import resolve_shard
-from .errors import PlanError
+from .errors import PlanError, raise_if
 from .estimate import estimate
 from .frameworks import FRAMEWORKS
 from .hardware import load_hardware
@@ -103,10 +103,8 @@ def cmd_memory(args) -> None:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
     dp = args.gpus // inner
     if shape is not None:     # the rules estimate applies; even stages, as this prices them
-        why = layout_violation(shape, Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=dp),
-                               hint=False)
-        if why:
-            raise PlanError(why)
+        raise_if(layout_violation(shape, Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=dp),
+                                  hint=False))
     spec = resolve_shard(dp * args.cp, args.shard, args.zero)      # over the dp x cp ranks
     out = model_state_bytes(n if shape is None else shape, dp * args.cp, shard=spec, tp=args.tp,
                             pp=args.pp, dtype=args.dtype)
@@ -228,9 +226,7 @@ def cmd_estimate(args) -> None:
                             f"the two, or values that agree")
         notes.append(f"micro-batches: {microbatches} per step (given), so a global batch of "
                      f"{dp * args.micro_batch * microbatches} sequences")
-    why = schedule_violation(args.schedule, args.chunks)
-    if why:
-        raise PlanError(why)
+    raise_if(schedule_violation(args.schedule, args.chunks))
     schedule = "1f1b" if args.schedule == "interleaved" else args.schedule   # v > 1 interleaves
     layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
                     microbatches=microbatches, shard=spec, recompute=args.recompute,

@@ -64,7 +64,7 @@ import math
 from dataclasses import dataclass
 
 from . import shapes
-from .errors import PlanError
+from .errors import PlanError, raise_if
 from .estimate import STEP_PARTS, tp_call_time
 from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
 from .network import collective_time, placement, ring_bytes, zero_collectives
@@ -87,10 +87,8 @@ class MoE:
 
 def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> None:
     """PlanError (one line) for an MoE/EP that cannot be laid out."""
-    reason = (rules.moe_violation(0, ep=ep) if moe is None else
-              rules.moe_violation(moe.experts, moe.top_k, moe.every, ep, dp))
-    if reason:
-        raise PlanError(reason)
+    raise_if(rules.moe_violation(0, ep=ep) if moe is None else
+             rules.moe_violation(moe.experts, moe.top_k, moe.every, ep, dp))
 
 
 # --------------------------------------------------------------------------------------
@@ -239,9 +237,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     lay = e.layout
     dtype = dtype or hw.dtype
     check(moe, ep, lay.dp, lay.tp)
-    why = tp_violation(shape.seq_len, lay.tp, lay.cp)
-    if why:
-        raise PlanError(why)
+    raise_if(tp_violation(shape.seq_len, lay.tp, lay.cp))
     memory = dict(e.memory)
     states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,
                          dtype=dtype, cp=lay.cp)

@@ -50,7 +50,7 @@ import heapq
 import math
 from dataclasses import replace
 
-from .errors import PlanError
+from .errors import PlanError, raise_if
 from .estimate import (Estimate, dp_collectives, dp_exposure, dp_profile, estimate,
                        STEP_PARTS, time_parts)
 from .frameworks import Framework, load_framework
@@ -128,9 +128,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     if not 1 <= gpus <= MAX_GPUS:
         raise PlanError(f"--gpus must be from 1 to {MAX_GPUS:,} (the search's bound on its "
                         f"work), got {gpus:,}")
-    why = spec_flags_violation(shard, zero)
-    if why:
-        raise PlanError(why)
+    raise_if(spec_flags_violation(shard, zero))
     if isinstance(shard, str):
         shard = parse_shard(shard)
     tps, pps, mbs, vs, zeros, recomputes, cps = (
@@ -154,9 +152,8 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     if (schedule == "interleaved" or min(vs or [1]) > 1) and not fw.interleaving:
         raise PlanError(f"{fw.name} has no interleaved schedule; leave out --chunks and "
                         f"--schedule interleaved, or choose another --framework")
-    why = vs and schedule_violation(schedule, max(vs) if schedule == "interleaved" else min(vs))
-    if why:                # a set of chunks is refused only when none of them can run
-        raise PlanError(why)
+    # a set of chunks is refused only when none of them can run
+    raise_if(vs and schedule_violation(schedule, max(vs) if schedule == "interleaved" else min(vs)))
     tokens = global_batch_tokens or shape.global_batch_tokens
     if not tokens:
         raise PlanError(f"model {shape.name} has no default batch; give --global-batch-tokens")

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from ..rules import (Shard, contiguous, divisors, parse_shard, resolve_shard,  # noqa: F401
                      shard_violation, spec_flags_violation, zero_shard)
-from ..runtime.errors import PlanError
+from .errors import raise_if
 
 
 def check_shard(shard: Shard, dp: int, per_node: int | None = None,
                 amsp: bool = False) -> Shard:
     """``shard`` as a tuple, or PlanError saying which rule it breaks (``shard_violation``)."""
-    reason = shard_violation(tuple(shard), dp, per_node, amsp)
-    if reason:
-        raise PlanError(reason)
+    raise_if(shard_violation(tuple(shard), dp, per_node, amsp))
     return tuple(shard)  # type: ignore[return-value]
 
 
