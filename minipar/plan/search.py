@@ -101,19 +101,12 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
            dtype: str | None = None, reserve: float | None = None,
            specs_per_layout: int = 1, framework: Framework | str = "minipar",
            schedule: str | None = None, objective: str = "step") -> list[Estimate]:
-    """Ranked layouts (best first) of ``model`` on ``gpus`` devices of ``hardware``.
-
-    Fixing ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v`` (chunks), ``schedule``,
-    ``recompute``, ``sp`` or the spec (``shard`` or ``zero``, over the dp x cp replicas)
-    narrows the search; all but ``schedule``, ``sp`` and ``shard`` also take a set of allowed
-    values (an empty one is a PlanError); ``max_tp`` lets TP span nodes; ``max_cp`` ranks
-    every cp up to it (default: cp only where memory forces it, module docstring);
-    ``framework`` limits it to what that framework runs (and gives the rank order, unless
-    ``order`` is given).
-    ``specs_per_layout``: how many shard specs to keep per parallel layout (tp, pp, v, b,
-    recomputation); 1 lists different layouts, each with its best spec. ``objective``:
-    "step" (time) or "amsp" (DP communication, nothing hidden).
-    """
+    """Ranked layouts (best first) of ``model`` on ``gpus`` devices of ``hardware`` (module
+    docstring), as ``framework`` runs them (its rank order unless ``order`` is given). Fixing
+    an axis (``v``: chunks; ``shard`` or ``zero``: the spec) narrows the search; all but
+    ``schedule``, ``sp`` and ``shard`` also take a set of allowed values (an empty one is a
+    PlanError); ``max_tp`` lets TP span nodes. ``specs_per_layout``: how many shard specs to
+    keep per parallel layout (1 lists different layouts, each with its best)."""
     shape = model_preset(model) if isinstance(model, str) else model
     if seq_len:
         shape = with_seq_len(shape, seq_len)
@@ -168,35 +161,36 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     use_sp = sp_rule(shape, fw.sp if sp is None else sp, given=sp is not None)
 
     keep = max(4 * top, 20)
-    if not fw.cp:
-        tries = [[1]]
-    elif cps is not None:
-        tries = [list(cps)]
-    elif max_cp is not None:
-        tries = [None]
-    else:                      # cp where memory forces it (module docstring)
-        tries = [[1], None]
+    # the cp to scan, in turn; [1] then all of them: cp where memory forces it (module docstring)
+    tries = ([[1]] if not fw.cp else [list(cps)] if cps is not None
+             else [None] if max_cp is not None else [[1], None])
+    def seconds(step: float, layout: Layout):        # what ``rank_key`` ranks by
+        if objective != "amsp":
+            return step
+        return (*amsp_key(amsp_cost(shape, hw, layout, fw, order, dtype), layout.shard), step)
+
     results: list[Estimate] = []
     rejected: list = []                # (depth, why): the deepest first refusal (``_scan``)
     for tried in tries:
-        candidates, leanest = _scan(shape, gpus, hw, fw, batch, capacity, modes, tried,
-                                    rejected,
-                                    tps=tps, pps=pps, max_cp=max_cp, max_tp=max_tp,
-                                    shard=shard, zeros=zeros, mbs=mbs, vs=vs, max_v=max_v,
-                                    max_micro_batch=max_micro_batch, schedule=schedule,
-                                    use_sp=use_sp, order=order, overlap=overlap, flash=flash,
-                                    dtype=dtype, specs_per_layout=specs_per_layout,
-                                    objective=objective)
+        candidates, leanest = _scan(
+            shape, gpus, hw, fw, batch, capacity, modes, tried, rejected, tps=tps, pps=pps,
+            max_cp=max_cp, max_tp=max_tp, shard=shard, zeros=zeros, mbs=mbs, vs=vs, max_v=max_v,
+            max_micro_batch=max_micro_batch, schedule=schedule, use_sp=use_sp, order=order,
+            overlap=overlap, flash=flash, dtype=dtype, specs_per_layout=specs_per_layout,
+            seconds=seconds)
         pool = heapq.nsmallest(keep, candidates, key=lambda x: x[0])
         # the pruned scan ranked candidates; the full model has the last word, same key
-        found = [estimate(shape, hw, layout, order=order, overlap=overlap, flash=flash,
-                          dtype=dtype, reserve=reserve, check=False, framework=fw)
-                 for _, layout in pool]
-        found = [e for e in found if e.fits]
+        found = [e for e in (estimate(shape, hw, layout, order=order, overlap=overlap,
+                                      flash=flash, dtype=dtype, reserve=reserve, check=False,
+                                      framework=fw) for _, layout in pool) if e.fits]
         if found:          # the wider scan's ranking includes cp = 1's
             results = found
-        if found and not _memory_forced(found, modes):
-            break              # cp = 1 fits at ease (else cp may fit, or divide the batch)
+        # cp = 1 fits at ease (else cp may fit, or divide the batch) unless its fastest layout
+        # pays for its activations with full recomputation where the search allowed less (so
+        # cp, the other way to pay, is weighed against it)
+        if found and (min(found, key=lambda e: e.step_time).layout.recompute != "full"
+                      or modes == ["full"]):
+            break
     if not results and not pool:
         need, lean = leanest
         if lean is None:         # every candidate was refused: say why (``_scan``)
@@ -210,20 +204,9 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(f"nothing fits {shape.name} on {gpus} GPUs within "
                         f"{human_bytes(capacity)} usable per device; use more GPUs or a smaller "
                         f"micro-batch or batch")
-    def seconds(e):
-        if objective != "amsp":
-            return e.step_time
-        return (*amsp_key(amsp_cost(shape, hw, e.layout, fw, order, dtype), e.layout.shard),
-                e.step_time)
-
-    results.sort(key=lambda e: rank_key(seconds(e), e.memory["total"], e.layout))
+    results.sort(key=lambda e: rank_key(seconds(e.step_time, e.layout), e.memory["total"],
+                                        e.layout))
     return results[:top]
-
-
-def _memory_forced(found: list[Estimate], modes: list[str]) -> bool:
-    """Whether the fastest layout without cp pays for its activations with full recomputation
-    where the search allowed less (so cp, the other way to pay, is weighed against it)."""
-    return min(found, key=lambda e: e.step_time).layout.recompute == "full" and modes != ["full"]
 
 
 def allowed(value, name: str) -> tuple | None:
@@ -241,7 +224,7 @@ def allowed(value, name: str) -> tuple | None:
 
 def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pps, max_cp,
           max_tp, shard, zeros, mbs, vs, max_v, max_micro_batch, schedule, use_sp, order,
-          overlap, flash, dtype, specs_per_layout, objective):
+          overlap, flash, dtype, specs_per_layout, seconds):
     """The pruned scan (module docstring) over ``cps`` (None: every cp that cuts the
     sequence, at most ``max_cp``): ([(key, layout)], the leanest (bytes, layout) seen).
     ``rejected`` holds [(depth, why)]: why the first candidate refused at the deepest step
@@ -288,11 +271,8 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                         profiles[key] = dp_profile(shape, hw, layout, order, dtype, fw)
                     dp = dp_exposure(profiles[key], m, parts, overlap, hw.overlap_slowdown,
                                      hw.overlap_exposed)
-                    seconds = fixed + dp["dp_exposed"] + dp["interference"]
-                    if objective == "amsp":
-                        seconds = (*amsp_key(amsp_cost(shape, hw, layout, fw, order, dtype),
-                                             spec), seconds)
-                    keys.append((rank_key(seconds, total, layout), layout))
+                    step = fixed + dp["dp_exposed"] + dp["interference"]
+                    keys.append((rank_key(seconds(step, layout), total, layout), layout))
                 candidates += heapq.nsmallest(specs_per_layout, keys, key=lambda x: x[0])
     return candidates, leanest
 
