@@ -22,6 +22,7 @@ Read top to bottom, one module per question:
     anchors     published multi-node runs with their layouts, as data
     scorecard   the planner held to them like for like (docs/reference.md's table)
     arguments   the command line's model flags and sets of allowed values
+    __main__    the command line, python -m minipar.plan SUB-COMMAND (``commands``: each one)
 
 ``python -m minipar.bench calibrate|validate`` (``minipar.bench.calibrate``, ``.validate``)
 measures this machine into a hardware file (per-shape GEMM rates, copy bandwidth, a gloo
@@ -99,9 +100,6 @@ trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
 ``model_state_bytes(shape, ..., step_counters=...)`` directly, and they agree byte for byte,
 under TP, SP and PP too (tests/test_plan_measured.py, tests/test_zero.py). Step times agree
 only roughly (``python -m minipar.bench validate``).
-
-The command line, ``python -m minipar.plan memory|params|flops|search|estimate``, prints
-tables, or JSON with ``--json``; bad input exits with status 2 and one line.
 
 These are predictions from first-order models: they count matmuls by shape, memory-bound
 bytes, ring and tree collectives call by call (at the measured fraction of the links' rate),

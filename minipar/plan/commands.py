@@ -1,9 +1,6 @@
-"""What each of the planner's sub-commands computes and prints (``python -m minipar.plan``).
-
-``cmd_memory``, ``cmd_params``, ``cmd_flops``, ``cmd_search`` and ``cmd_estimate`` take the
-parsed flags (``minipar.plan.__main__.build_parser``) and print a readable table, or with
-``--json`` one JSON document. Bad input raises ``PlanError`` (a ``UsageError``): the command
-line turns it into exit status 2 and one line.
+"""What each of the planner's sub-commands computes and prints (``python -m minipar.plan``):
+each ``cmd_*`` takes the parsed flags (``__main__.build_parser``); bad input raises
+``PlanError`` (a ``UsageError``), which ``__main__`` turns into exit status 2 and one line.
 """
 from __future__ import annotations
 

@@ -71,10 +71,8 @@ class Framework:
     dp_bucket_bytes: float | None = None  # plain DP (1,1,1) all-reduce buckets, in bytes,
                                           # when its engine differs from the sharded one
     dp_overlap: bool | None = None        # plain DP buckets overlap backward (None: as grads)
-    gather_per_module: bool = False       # one parameter gather per module with parameters
-                                          # (DeepSpeed ZeRO-3, AMSP), not one per layer
-    memory_reserve: float | None = None   # (reserved - allocated) / reserved of its allocator at
-                                          # the peak, measured; None: the hardware's fragmentation
+    gather_per_module: bool = False       # one parameter gather per module (module docstring)
+    memory_reserve: float | None = None   # its allocator's measured reserve (module docstring)
     cp: bool = False                      # context parallelism (ring attention)
     stage_rule: str = "even"              # how pipeline stages are cut (plan.stages)
     logit_bytes: float = 10               # bytes per logit at the loss's peak (plan.peak)

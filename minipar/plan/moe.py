@@ -229,11 +229,8 @@ def edp_stride(lay, order: str, gpus_per_node: int, ep: int) -> int:
 
 def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
            overlap: float | None = None, dtype: str | None = None):
-    """The dense ``Estimate`` of ``shape`` turned into the MoE model's: model states (experts
-    split by ep), compute (active parameters), the all-to-alls (blocking), under cp the
-    choices' all-gather (blocking), and the expert gradients' all-reduce over their replicas.
-    Under cp a rank routes b s/(tp cp) tokens and the experts' replicas span cp. Returns a new
-    Estimate (``times['ep_comm']`` added) and its MoE figures in ``notes``."""
+    """The dense ``Estimate`` of ``shape`` turned into the MoE model's (module docstring): a
+    new Estimate, ``times['ep_comm']`` added and its MoE figures in ``notes``."""
     lay = e.layout
     dtype = dtype or hw.dtype
     check(moe, ep, lay.dp, lay.tp)
@@ -333,12 +330,9 @@ def summary(shape: ModelShape, moe: MoE) -> dict:
 
 def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
            order: str = "tp,pp,dp", overlap: float | None = None, dtype: str | None = None) -> list:
-    """The dense search's candidates as MoE layouts: adjusted, those that fit, fastest first.
-
-    The search itself ranks dense layouts; ``cmd_search`` asks it for many candidates and
-    this keeps the MoE's best ``top``. Layouts whose dp is not a multiple of ep, or whose TP
-    ranks cannot split a cp rank's tokens (``tp_violation``), are skipped.
-    """
+    """The dense search's candidates (``cmd_search`` asks it for many) as MoE layouts:
+    adjusted, those that fit, the ``top`` fastest first. Layouts whose dp is not a multiple of
+    ep, or whose TP ranks cannot split a cp rank's tokens (``tp_violation``), are skipped."""
     out = [adjust(e, shape, moe, ep, hw, order, overlap, dtype) for e in results
            if e.layout.dp % ep == 0
            and tp_violation(shape.seq_len, e.layout.tp, e.layout.cp) is None]
