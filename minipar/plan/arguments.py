@@ -106,7 +106,8 @@ def _values(text: str, flag: str, parse, ranges: bool = False) -> tuple:
             out += range(lo, hi + 1)
         else:
             out.append(parse(item))
-    return tuple(sorted(set(out)))
+    values = tuple(sorted(set(out)))
+    return values[0] if "," not in text and "-" not in text else values   # one: kept a value
 
 
 def int_set(flag: str, low: int = 1, high: int | None = None):
@@ -123,10 +124,7 @@ def int_set(flag: str, low: int = 1, high: int | None = None):
                 bound = f">= {low}" if high is None else f"from {low} to {high}"
                 raise argparse.ArgumentTypeError(f"{flag} values must be {bound}, got {v}")
             return v
-        values = _values(text, flag, one, ranges=True)
-        if len(values) == 1 and "," not in text and "-" not in text:
-            return values[0]
-        return values
+        return _values(text, flag, one, ranges=True)
     return parse
 
 
@@ -137,5 +135,4 @@ def mode_set(text: str):
             raise argparse.ArgumentTypeError(f"unknown recomputation {x!r}; use "
                                              f"{', '.join(RECOMPUTE_MODES)} or a set of them")
         return x
-    values = _values(text, "--recompute", one)
-    return values[0] if len(values) == 1 and "," not in text else values
+    return _values(text, "--recompute", one)

@@ -47,12 +47,10 @@ def cmd_flops(args) -> None:
     else:
         raise PlanError(f"model {shape.name} has no default batch; give --batch or "
                         f"--global-batch-tokens")
-    model_f = training_flops(shape, batch, "none")
-    hardware_f = training_flops(shape, batch, args.recompute)
     moe = moe_plan.from_args(args)                      # MoE: FLOPs follow the active params
-    if moe is not None:
-        model_f = moe_plan.training_flops(shape, moe, batch, "none")
-        hardware_f = moe_plan.training_flops(shape, moe, batch, args.recompute)
+    model_f, hardware_f = (training_flops(shape, batch, r) if moe is None
+                           else moe_plan.training_flops(shape, moe, batch, r)
+                           for r in ("none", args.recompute))
     data = {"batch": batch, "seq_len": shape.seq_len, "recompute": args.recompute,
             "model_flops": model_f, "hardware_flops": hardware_f}
     rows = [["global batch (sequences)", batch],

@@ -173,12 +173,11 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
         _, nodes = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)
         pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw, hw.nodes(layout.gpus))
     parts = worst["parts"]
-    out = {"compute": parts["total"], "tp_comm": worst["tp_comm"],
-           "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,
-           "stage": slow.index, **worst["ring"]}
-    out.update({f"compute_{k}": parts[k] for k in ("matmul", "attention", "memory_bound",
-                                                    "optimizer", "forward_mb", "backward_mb")})
-    return out
+    return {"compute": parts["total"], "tp_comm": worst["tp_comm"],
+            "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,
+            "stage": slow.index, **worst["ring"],
+            **{f"compute_{k}": parts[k] for k in ("matmul", "attention", "memory_bound",
+                                                  "optimizer", "forward_mb", "backward_mb")}}
 
 
 def dp_collectives(shape: ModelShape, layout: Layout, framework: Framework | str,
@@ -288,7 +287,9 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
                              hw.overlap_exposed))
     times["compute"] += times.pop("interference")
     times["step"] = sum(times[k] for k in STEP_PARTS)
-    notes = [] if hw.fitted else [unfitted_note(hw)]
+    notes = [] if hw.fitted else [
+        f"hardware {hw.name} is unfitted: its efficiencies are set by hand, not fitted to "
+        f"measured runs (python -m minipar.plan fit RUNS.csv --hardware {hw.name})"]
     slower = hw.oversubscription(layout.gpus)
     if slower > 1:
         per_node = min(layout.gpus, hw.gpus_per_node)
@@ -312,11 +313,6 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
                                ACTIVATION_BYTES[dtype], layout.recompute))
 
 
-def unfitted_note(hw: Hardware) -> str:
-    return (f"hardware {hw.name} is unfitted: its efficiencies are set by hand, not fitted to "
-            f"measured runs (python -m minipar.plan fit RUNS.csv --hardware {hw.name})")
-
-
 # --------------------------------------------------------------------------------------
 # Scaling
 # --------------------------------------------------------------------------------------
@@ -338,11 +334,8 @@ def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
     if layout.v > 1 and m % layout.pp:
         return None
     replicas = dp * layout.cp                  # ZeRO shards over dp x cp
-    if layout.replicas == 1:
-        shard = (1, 1, 1)
-    else:
-        shard = tuple(replicas if s == layout.replicas else gcd(s, replicas)
-                      for s in layout.shard)
+    shard = (1, 1, 1) if layout.replicas == 1 else tuple(
+        replicas if s == layout.replicas else gcd(s, replicas) for s in layout.shard)
     return replace(layout, dp=dp, microbatches=m, shard=shard)
 
 

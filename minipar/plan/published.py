@@ -87,14 +87,6 @@ def executed_runs() -> list[dict]:
     return out
 
 
-def _cells(row: dict) -> tuple[str, str, str]:
-    """A row's published and predicted percentages and its signed error, "-" where absent."""
-    pub = "-" if row["published"] is None else f"{row['published']:.2f}%"
-    pred = "-" if row["predicted"] is None else f"{row['predicted']:.1f}%"
-    err = "-" if row["error"] is None else f"{row['error']:+.0%}"
-    return pub, pred, err
-
-
 def table_vs_model(presets=("frontier-mi250x", "a800-ib")) -> list[dict]:
     """Each preset's shipped ``collective_table`` against the alpha-beta model it replaces,
     per (op, ranks per node, nodes): the range of measured / modelled time over the sizes
@@ -179,8 +171,10 @@ def points_table(rows: list[dict] | None = None) -> str:
     rows = points() if rows is None else rows
     lines = ["| published run | metric | published | predicted | error | layout from |",
              "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        pub, pred, err = _cells(r)
+    for r in rows:        # "-" where a figure is absent
+        pub = "-" if r["published"] is None else f"{r['published']:.2f}%"
+        pred = "-" if r["predicted"] is None else f"{r['predicted']:.1f}%"
+        err = "-" if r["error"] is None else f"{r['error']:+.0%}"
         lines.append(f"| {r['case']} | {r['metric']} | {pub} | {pred} | "
                      f"{err} | {r['layout_source']} |")
     return "\n".join(lines)

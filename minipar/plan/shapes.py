@@ -89,16 +89,12 @@ class ModelShape:
     dropout: bool = True       # GPT: dropout after attention and MLP (masks kept); LLaMA: none
 
     def __post_init__(self):
-        for what in ("layers", "hidden", "heads", "vocab", "seq_len"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"model {self.name}: {what} must be a whole number >= 1, got "
-                                f"{value!r}")
-        for what in ("ffn_hidden", "kv_heads", "global_batch_tokens"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise PlanError(f"model {self.name}: {what} must be a whole number >= 0 "
-                                f"(0: the default), got {value!r}")
+        optional = ("ffn_hidden", "kv_heads", "global_batch_tokens")    # 0: the default
+        for what in ("layers", "hidden", "heads", "vocab", "seq_len", *optional):
+            value, low = getattr(self, what), int(what not in optional)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise PlanError(f"model {self.name}: {what} must be a whole number >= {low}"
+                                f"{' (0: the default)' if low == 0 else ''}, got {value!r}")
         if self.hidden % self.heads:
             raise PlanError(f"model {self.name}: {self.heads} heads do not divide the hidden "
                             f"size {self.hidden}; choose heads that divide it")
