@@ -25,6 +25,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from . import scorecard
 from .estimate import Estimate, estimate
 from .hardware import load_hardware
 from .layout import Layout
@@ -113,16 +114,14 @@ def table_vs_model_table(rows: list[dict] | None = None) -> str:
         return f"{b / 2**30:g} GiB" if b >= 2**30 else (
             f"{b / 2**20:g} MiB" if b >= 2**20 else f"{b / 2**10:g} KiB")
     rows = table_vs_model() if rows is None else rows
-    lines = ["| preset | op | ranks per node x nodes | sizes | measured / modelled |",
-             "| --- | --- | --- | --- | --- |"]
+    cells = []
     for r in rows:
-        lo, hi = r["ratio"]
-        ratio = f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}"
-        sizes = size(r["sizes"][0]) + ("" if r["sizes"][0] == r["sizes"][1]
-                                       else f"-{size(r['sizes'][1])}")
-        lines.append(f"| {r['hardware']} | {r['op']} | {r['per_node']} x {r['nodes']} | "
-                     f"{sizes} | {ratio} |")
-    return "\n".join(lines)
+        (lo, hi), (small, large) = r["ratio"], r["sizes"]
+        cells.append([r["hardware"], r["op"], f"{r['per_node']} x {r['nodes']}",
+                      size(small) + ("" if small == large else f"-{size(large)}"),
+                      f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}"])
+    return scorecard.markdown_table(
+        ["preset", "op", "ranks per node x nodes", "sizes", "measured / modelled"], cells)
 
 
 # --------------------------------------------------------------------------------------
@@ -169,12 +168,8 @@ def points_table(rows: list[dict] | None = None) -> str:
     """``points()`` as the Markdown table docs/reference.md carries (tests/test_docs.py
     checks that they agree)."""
     rows = points() if rows is None else rows
-    lines = ["| published run | metric | published | predicted | error | layout from |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:        # "-" where a figure is absent
-        pub = "-" if r["published"] is None else f"{r['published']:.2f}%"
-        pred = "-" if r["predicted"] is None else f"{r['predicted']:.1f}%"
-        err = "-" if r["error"] is None else f"{r['error']:+.0%}"
-        lines.append(f"| {r['case']} | {r['metric']} | {pub} | {pred} | "
-                     f"{err} | {r['layout_source']} |")
-    return "\n".join(lines)
+    return scorecard.markdown_table(       # "-" where a figure is absent
+        ["published run", "metric", "published", "predicted", "error", "layout from"],
+        [[r["case"], r["metric"], "-" if r["published"] is None else f"{r['published']:.2f}%",
+          "-" if r["predicted"] is None else f"{r['predicted']:.1f}%",
+          "-" if r["error"] is None else f"{r['error']:+.0%}", r["layout_source"]] for r in rows])
