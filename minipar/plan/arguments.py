@@ -61,7 +61,7 @@ def shape_from_args(args, need_heads: bool = True) -> ModelShape:
     ``need_heads=False``: --heads may be left out, as ``params`` and ``flops`` need none)."""
     given = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k, None) is not None}
     if args.model:
-        shape = model_preset(args.model)
+        shape = model_preset(args.model, given.pop("seq_len", None))   # same sequence count
         arch = args.arch or shape.arch
         if arch != shape.arch:
             given.update(arch=arch, tied_head=arch != "llama", bias=arch != "llama")
@@ -81,9 +81,6 @@ def shape_from_args(args, need_heads: bool = True) -> ModelShape:
         given["bias"] = False
     if args.no_dropout:
         given["dropout"] = False
-    if "seq_len" in given and shape.global_batch_tokens:   # keep the number of sequences
-        sequences = shape.global_batch_tokens // shape.seq_len
-        given["global_batch_tokens"] = sequences * given["seq_len"]
     return replace(shape, **given) if given else shape
 
 

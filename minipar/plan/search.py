@@ -108,8 +108,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     PlanError); ``max_tp`` lets TP span nodes. ``specs_per_layout``: how many shard specs to
     keep per parallel layout (1 lists different layouts, each with its best)."""
     shape = model_preset(model) if isinstance(model, str) else model
-    if seq_len:
-        shape = with_seq_len(shape, seq_len)
+    shape = with_seq_len(shape, seq_len) if seq_len else shape
     hw = load_hardware(hardware)
     fw = load_framework(framework)
     order = order or fw.order
