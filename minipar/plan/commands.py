@@ -111,16 +111,14 @@ def cmd_memory(args) -> None:
         out = moe_plan.state_bytes(shape, moe, dp, args.ep, shard=spec, tp=args.tp, pp=args.pp,
                                    dtype=args.dtype, cp=args.cp)
         n = moe_plan.params(shape, moe)["total"]
-    data = {"params_bytes": out["params"], "grads_bytes": out["grads"],
-            "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
-            "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
-            "dtype": args.dtype,
+    parts = ("params", "grads", "optimizer", "total")
+    data = {**{f"{k}_bytes": out[k] for k in parts}, "n_params": n, "dp": dp, "tp": args.tp,
+            "pp": args.pp, "cp": args.cp, "dtype": args.dtype,
             "shard": {"p": spec[0], "g": spec[1], "os": spec[2]}}
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep,
                            expert_params_per_device=out["expert_params"])
-    rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"]
-            for k in ("params", "grads", "optimizer", "total")]
+    rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"] for k in parts]
     cp = f" cp={args.cp}" if args.cp > 1 else ""
     text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp}{cp} dp={dp}, "
             f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
@@ -158,10 +156,10 @@ def cmd_search(args) -> None:
                      flash=args.flash_attention, dtype=args.dtype, framework=args.framework,
                      sp=args.sp, v=args.chunks, schedule=args.schedule,
                      objective=args.objective, reserve=args.reserve)
+    hw, fw = load_hardware(args.hardware), FRAMEWORKS[args.framework]
+    order = args.order or fw.order
     if moe is not None:                                 # MoE: re-rank the dense candidates
-        results = moe_plan.rerank(results, shape, moe, args.ep,
-                                  load_hardware(args.hardware), args.top,
-                                  args.order or FRAMEWORKS[args.framework].order,
+        results = moe_plan.rerank(results, shape, moe, args.ep, hw, args.top, order,
                                   args.overlap, args.dtype)
     why = explain(results[0], results[1] if len(results) > 1 else None)
     if moe is not None:
@@ -173,10 +171,9 @@ def cmd_search(args) -> None:
     if args.objective == "amsp":
         ranked = ("AMSP's data-parallel communication time, nothing hidden, each group on the "
                   "fastest links its size allows")
-        hw, fw = load_hardware(args.hardware), FRAMEWORKS[args.framework]
         why += "".join(f"\n  AMSP's partitioner, {line}" for line in amsp_reasons(
-            shape, hw, results[0], fw, args.order or fw.order, args.dtype or hw.dtype,
-            args.flash_attention, args.reserve))
+            shape, hw, results[0], fw, order, args.dtype or hw.dtype, args.flash_attention,
+            args.reserve))
     header = (f"{shape.name} on {args.gpus} x {args.hardware} with {args.framework}, global "
               f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
     if args.cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):

@@ -87,11 +87,9 @@ def layer_gemms(shape: ModelShape, tokens: int, tp: int) -> list[tuple[int, int,
     """(m, n, k) of one layer's forward GEMMs on one of ``tp`` ranks (QKV is h + 2 h_kv
     wide: 3h without grouped-query attention)."""
     h, f, t = shape.hidden, shape.ffn, tp
-    if shape.arch == "llama":
-        mlp = [(tokens, f // t, h), (tokens, f // t, h), (tokens, h, f // t)]
-    else:
-        mlp = [(tokens, f // t, h), (tokens, h, f // t)]
-    return [(tokens, (h + 2 * shape.kv_hidden) // t, h), (tokens, h, h // t), *mlp]
+    up = [(tokens, f // t, h)] * (2 if shape.arch == "llama" else 1)    # LLaMA: gate and up
+    return [(tokens, (h + 2 * shape.kv_hidden) // t, h), (tokens, h, h // t), *up,
+            (tokens, h, f // t)]
 
 
 def _fwd_bwd(gemms, hw, e) -> tuple[float, float]:

@@ -79,9 +79,8 @@ class Layout:
         s = self.strides(order)
         if self.cp == 1:
             return s["dp"]
-        if self.dp == 1 or s["dp"] == s["cp"] * self.cp or not gpus_per_node:
-            return s["cp"]
-        if s["cp"] >= gpus_per_node:
+        if (self.dp == 1 or s["dp"] == s["cp"] * self.cp or not gpus_per_node
+                or s["cp"] >= gpus_per_node):
             return s["cp"]
         blocks = max(1, gpus_per_node // s["dp"])            # replica blocks per node
         per_node = min(self.replicas, blocks * min(self.cp, gpus_per_node // s["cp"]))

@@ -243,8 +243,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                                fw.stage_rule, cps, max_cp, use_sp, refuser(0)):
         grid = Layout(tp=t, pp=p, cp=c, dp=d)
         per_node = dp_per_node(grid, hw.gpus_per_node, order)
-        replicas = grid.replicas                   # ZeRO shards over dp x cp
-        specs = _specs(fw, replicas, p, per_node, shard, zeros, refuser(1))
+        specs = _specs(fw, grid.replicas, p, per_node, shard, zeros, refuser(1))   # dp x cp
         if not specs:
             continue
         states = _state_table(shape, grid, specs, dtype, fw)
@@ -301,16 +300,13 @@ def _specs(fw, replicas: int, pp: int, per_node: int, shard, zeros, refuse) -> l
 
 
 def _state_table(shape, grid: Layout, specs, dtype, fw) -> dict:
-    """{spec: [(stage, model-state bytes of that stage)]}, and the gathered layers' bytes
-    under "gather": what depends on the spec, computed once per grid (the micro-batch,
-    the recomputation and the schedule do not change it)."""
-    stage_rows = distinct(stage_list(shape, grid, fw))
-    out = {}
-    for spec in specs:
-        lay = replace(grid, shard=spec)
-        out[spec] = ([(st, sum(state_bytes(shape, lay, dtype, fw, st).values()))
-                      for st in stage_rows], gather_bytes(shape, grid.tp, spec, dtype))
-    return out
+    """{spec: ([(stage, model-state bytes of that stage)], the gathered layers' bytes)}: what
+    depends on the spec, computed once per grid (the micro-batch, the recomputation and the
+    schedule do not change it)."""
+    rows = distinct(stage_list(shape, grid, fw))
+    return {spec: ([(st, sum(state_bytes(shape, lay, dtype, fw, st).values())) for st in rows],
+                   gather_bytes(shape, grid.tp, spec, dtype))
+            for spec, lay in ((spec, replace(grid, shard=spec)) for spec in specs)}
 
 
 def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw) -> list:
@@ -420,10 +416,9 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int
 # among the specs that fit memory, the least data-parallel communication time, nothing
 # hidden, each of P, G and OS on the fastest links its group allows: a group of at most a
 # node's devices (contiguous) inside one node on its links, a wider one on each device's
-# share of the NICs, at datasheet rates. That is AMSP's cost model,
-# not the planner's (which lets a ring carry a node's shares over its boundary at once and
-# slows as a group widens): it is what AMSP's partitioner picks by (``amsp_key``), and the
-# step time ranks the rest.
+# share of the NICs, at datasheet rates. That is AMSP's cost model, not the planner's (which
+# lets a ring carry a node's shares over its boundary at once and slows as a group widens):
+# it is what AMSP's partitioner picks by (``amsp_key``), and the step time ranks the rest.
 # --------------------------------------------------------------------------------------
 def amsp_seconds(collectives, microbatches: int, stride: int, hw) -> float:
     """AMSP's objective for one step: ``collectives`` (``estimate.dp_collectives`` of one
@@ -515,28 +510,26 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
         lines.append(f"  DP traffic: {t['dp_comm']:.3g} s in {t['dp_calls']:,} calls, "
                      f"{t['dp_hidden']:.3g} s hidden behind compute, "
                      f"{t['dp_exposed']:.3g} s exposed")
-    lines.append(f"  memory: {human_bytes(mem['total'])} of {human_bytes(best.capacity)} usable "
-                 f"(params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, optimizer "
-                 f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])}, "
-                 f"temporary {human_bytes(mem['temporary'])})")
+    lines.append(f"  memory: {human_bytes(mem['total'])} of {human_bytes(best.capacity)} usable ("
+                 + ", ".join(f"{k} {human_bytes(mem[k])}" for k in ("params", "grads", "optimizer",
+                                                                  "activations", "temporary"))
+                 + ")")
     if best.unvalidated:
         lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
                      "alpha-beta model at the measured network efficiency, never faster "
                      "than the widest measured row)")
     if runner_up is not None:
-        r = runner_up.times
-        deltas = {k: r[k] - t[k] for k in _PARTS}
+        deltas = {k: runner_up.times[k] - t[k] for k in _PARTS}
         worse = sorted((k for k in deltas if deltas[k] > 0), key=lambda k: -deltas[k])
         better = [k for k in deltas if deltas[k] < 0]
-        slower = r["step"] / t["step"] - 1
+        slower = runner_up.step_time / t["step"] - 1
         if slower < 1e-3:
             leaner = "; the best needs less memory" if runner_up.memory["total"] > mem["total"] else ""
             lines.append(f"runner-up: {runner_up.layout.describe()}: ties within 0.1% (the model "
                          f"sees no difference in time{leaner})")
             return "\n".join(lines)
-        why = ", ".join(f"{_PARTS[k]} +{deltas[k]:.3g} s" for k in worse[:2])
         line = (f"runner-up: {runner_up.layout.describe()}: {slower:.2%} slower; it loses on "
-                f"{why}")
+                + ", ".join(f"{_PARTS[k]} +{deltas[k]:.3g} s" for k in worse[:2]))
         if better:
             line += " and gains on " + ", ".join(f"{_PARTS[k]} {deltas[k]:.3g} s" for k in better)
         if runner_up.memory["total"] < mem["total"]:
