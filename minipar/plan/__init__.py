@@ -52,10 +52,7 @@ Python API (sizes in bytes, times in seconds)::
     model_state_bytes(shape or n_params or [unit sizes], dp=1, shard=(s_p, s_g, s_os) or
                       zero=Z, tp=1, pp=1, dtype="mixed" | "fp32", step_counters=0)
         -> {"params", "grads", "optimizer", "total"}
-        # a ModelShape is split exactly (stage_params); a bare count as n_params / (tp pp);
-        # a list: minipar.zero's units, each padded to a multiple of s_os (padded_params)
-    stage_params(shape, tp=1, pp=1) -> int   # one TP rank of the heaviest stage, exactly:
-        # norms, row biases, positions replicated; vocabulary padded to a multiple of tp
+    stage_params(shape, tp=1, pp=1) -> int   # one TP rank of the heaviest stage, exactly
     tp_rank_params(shape, tp=1) -> {"layer", "embedding", "head", "tied_copy"}
     layer_activation_bytes(shape, micro_batch, tp=1, sp=False, recompute="none", flash=False)
     device_memory(shape, layout)
@@ -69,19 +66,16 @@ Python API (sizes in bytes, times in seconds)::
     zero_group_span(group, dp, shard) -> consecutive ranks one such group spans
     tp_comm_bytes(micro_batch, seq_len, hidden, tp, layers, microbatches=1,
                   recompute=False, sp=False, ends=False, arch="gpt", bias=True) -> same keys
-        # sp=True: + the replicated parameters' gradient all-reduces, per micro-batch
     tp_block_comm_bytes(tokens, hidden, tp, sp=False, arch="gpt", bias=True)
         -> {"forward": {op: bytes}, "backward": {op: bytes}}   # one layer, one micro-batch
     pp_comm_bytes(micro_batch, seq_len, hidden, pp, microbatches=1, v=1, stage=0, tp=1,
                   split=False) -> {"send", "total"}
     collective_time(op, nbytes, size, stride, hardware) -> float   # one call
     engine_collectives(n_params, dp, shard, framework, units, ...) -> [Collective]
-        # zero_collectives cut into the calls an engine issues, each with its overlap window
     bubble_fraction(p, m, v=1) -> (p-1)/(v m + p - 1)   # idle share of an ideal pipeline
 
     load_hardware(name_or_path) -> Hardware
     Layout(tp, pp, dp, micro_batch, microbatches, shard, recompute, v, sp, schedule, cp)
-        # cp: context parallelism; .replicas = dp x cp, what ZeRO shards and gradients span
     load_framework(name) -> Framework   # minipar, megatron-lm, megatron-deepspeed, fsdp,
                                         # deepspeed-zero3, amsp (per-module gathers)
     estimate(shape, hardware, layout, order=None, overlap=None, framework="minipar")

@@ -161,10 +161,7 @@ class ModelShape:
 
 
 def megatron_params(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
-    """Narayanan et al. 2021, section 5.1: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)).
-
-    Written as the integer it expands to, 12 l h^2 + 13 l h + (V + s) h.
-    """
+    """Megatron's closed form (module docstring), as the integer it expands to."""
     l, h = layers, hidden
     return 12 * l * h * h + 13 * l * h + (vocab + seq_len) * h
 
@@ -187,12 +184,9 @@ def llama_params(layers: int, hidden: int, vocab: int, ffn_hidden: int = 0) -> i
 # --------------------------------------------------------------------------------------
 def megatron_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
                    recompute: bool = True) -> float:
-    """Narayanan et al. 2021, section 5.1: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
-
-    With ``recompute=False`` the factor 4 (forward, backward x2, recomputed forward) becomes
-    3: 72 B s l h^2 (same bracket), exactly as Megatron-DeepSpeed reports TFLOP/s (and so, we
-    take it, the Frontier study's percent of peak).
-    """
+    """Megatron-LM's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (module docstring); with
+    ``recompute=False`` 72 B s l h^2 (same bracket), as Megatron-DeepSpeed reports TFLOP/s (and
+    so, we take it, the Frontier study's percent of peak)."""
     b, s, l, h, v = batch, seq_len, layers, hidden, vocab
     factor = 4 if recompute else 3
     return 24 * factor * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
