@@ -230,10 +230,9 @@ def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | 
         elif window == "backward":
             hideable = occurrence - one
             hide = min(hideable, bwd)
-        else:            # prefetch: each gather behind the unit before it
-            per_unit = (fwd + bwd) / 2 / max(1, pieces)
+        else:            # prefetch: each gather behind the unit before it (its share of a pass)
             hideable = occurrence - one
-            hide = (pieces - 1) * min(one, per_unit)
+            hide = (pieces - 1) * min(one, (fwd + bwd) / 2 / max(1, pieces))
         if overlap is not None:
             hide = overlap * hideable
         hide *= 1 - exposed_share
@@ -259,12 +258,9 @@ def unvalidated(shape: ModelShape, hw: Hardware, layout: Layout, order: str,
     replica = layout.replica_stride(order, hw.gpus_per_node)
     groups += [(c.op, c.size, c.stride * replica, c.nbytes / c.calls)
                for c in dp_collectives(shape, layout, framework, dtype)]
-    out = []
-    for op, size, stride, nbytes in groups:     # per call, as collective_time is given them
-        why = coverage(op, size, stride, hw, nbytes)
-        if why and why not in out:
-            out.append(why)
-    return out
+    # per call, as collective_time is given them; each reason once, in order
+    whys = (coverage(op, size, stride, hw, nbytes) for op, size, stride, nbytes in groups)
+    return list(dict.fromkeys(why for why in whys if why))
 
 
 def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
@@ -292,9 +288,8 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
         f"measured runs (python -m minipar.plan fit RUNS.csv --hardware {hw.name})"]
     slower = hw.oversubscription(layout.gpus)
     if slower > 1:
-        per_node = min(layout.gpus, hw.gpus_per_node)
-        notes.append(f"{per_node} processes share {hw.cores} cores: compute predicted "
-                     f"{slower:.2g}x slower per process (time-sliced)")
+        notes.append(f"{min(layout.gpus, hw.gpus_per_node)} processes share {hw.cores} cores: "
+                     f"compute predicted {slower:.2g}x slower per process (time-sliced)")
     flops_model = training_flops(shape, layout.global_batch, "none")
     flops_hw = training_flops(shape, layout.global_batch, layout.recompute)
     peak = times["step"] * layout.gpus * hw.peak_flops
