@@ -40,10 +40,8 @@ memory-bound kernels and the optimizer step.
   for fp32 gradient buffers) per parameter of this rank's optimizer shard (Phi / s_os), over
   ``hbm_bandwidth``.
 
-``step_calibration`` multiplies the sum: 1 for the presets, and what ``calibrate``
-measured here (a real step over this model's prediction for it, at the calibration
-point). So does ``Hardware.oversubscription``: where one-thread processes outnumber a
-node's CPU ``cores`` they share them, each computing processes / cores times slower.
+The hardware's ``step_calibration`` and ``oversubscription`` (its CPU ``cores`` shared by
+more processes) multiply the sum (``hardware``'s docstring).
 """
 from __future__ import annotations
 

@@ -2,18 +2,15 @@
 
     step = compute + TP comm + CP comm + bubble + PP comm + exposed DP comm
 
-* compute (``compute.compute_parts``): the heaviest (last) pipeline stage's matmuls, timed
-  shape by shape, its attention core, its memory-bound kernels as bytes over HBM bandwidth
-  and the optimizer step over its shard; work TP replicates (LayerNorms, residuals and
-  dropouts without sequence parallelism) is not divided by t.
+* compute (``compute.compute_parts``, its module docstring): the heaviest (last) pipeline
+  stage's matmuls shape by shape, attention core, memory-bound kernels and optimizer step.
 * TP comm: the per-layer collectives of ``network``, blocking (Megatron-LM and minipar run
   them on the critical path), each a call with its base and ring-step latencies, plus
   those of the embedding, head and loss on the stage that holds them (both ends when
   pp = 1, the head's when pp > 1: the last stage also computes the loss).
-* CP comm (context parallelism, ``plan.cp.ring_times``): every rank holds s/cp tokens of
-  each sequence, so compute, TP and PP messages are those of s/cp tokens; the ring's K/V
-  sends (``cp_attention_bytes``) overlap the attention blocks they travel beside, and what
-  they do not hide, with the K/V gradients' hops (minipar waits for each), is exposed.
+* CP comm (context parallelism, ``plan.cp.ring_times``, its module docstring): every rank
+  holds s/cp tokens of each sequence, so compute, TP and PP messages are those of s/cp
+  tokens; what the ring's K/V sends do not hide behind the attention blocks is exposed.
 * bubble: a pipeline of p stages idles (p-1)/m of the time it computes m micro-batches,
   and interleaving v chunks per stage divides that by v (Narayanan et al. 2021, section
   2.2): (p-1)/(m v) x (compute + TP comm + CP comm, without the optimizer step).

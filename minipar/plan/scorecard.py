@@ -1,10 +1,8 @@
 """The planner held to published multi-node runs, like for like (``anchors``' rows).
 
-For each row: the authors' model shape, hardware preset, framework profile, degrees, batch
-and sequence; what the authors did not publish (the micro-batch, interleaving, the
-recomputation of some rows) is left to the planner's search inside that grid (the row's
-``chosen`` says what), so the prediction is the best run the planner believes the published
-configuration allows. The prediction is then set against the published figure in the same
+For each row, what the authors did not publish (``anchors``) is left to the planner's search
+inside their grid (the row's ``chosen`` says what), so the prediction is the best run the
+planner believes the published configuration allows. The prediction is then set against the published figure in the same
 metric: MFU against MFU, HFU against HFU (recomputation counted as the authors counted it),
 a published iteration time as the MFU it implies with the planner's FLOP count, and
 torchtitan's tokens/s per GPU (its H100s' peak is not known) as tokens/s. Memory where the
