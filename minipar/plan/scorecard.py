@@ -2,12 +2,12 @@
 
 For each row, what the authors did not publish (``anchors``) is left to the planner's search
 inside their grid (the row's ``chosen`` says what), so the prediction is the best run the
-planner believes the published configuration allows. The prediction is then set against the published figure in the same
-metric: MFU against MFU, HFU against HFU (recomputation counted as the authors counted it),
-a published iteration time as the MFU it implies with the planner's FLOP count, and
-torchtitan's tokens/s per GPU (its H100s' peak is not known) as tokens/s. Memory where the
-authors published it: torchtitan's peak reserved memory against the planner's peak over
-(1 - the allocator's reserve), the reserved memory that peak implies.
+planner believes the published configuration allows. The prediction is then set against the
+published figure in the same metric: MFU against MFU, HFU against HFU (recomputation counted
+as the authors counted it), a published iteration time as the MFU it implies with the
+planner's FLOP count, and torchtitan's tokens/s per GPU (its H100s' peak is not known) as
+tokens/s. Memory where the authors published it: torchtitan's peak reserved memory against
+the planner's peak over (1 - the allocator's reserve), the reserved memory that peak implies.
 
 ``rows()`` computes every row, ``rank_orders()`` compares the order of the rows of each source
 that published several runs of one model or family, ``bias()`` gives the signed median error

@@ -163,6 +163,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     # the cp to scan, in turn; [1] then all of them: cp where memory forces it (module docstring)
     tries = ([[1]] if not fw.cp else [list(cps)] if cps is not None
              else [None] if max_cp is not None else [[1], None])
+
     def seconds(step: float, layout: Layout):        # what ``rank_key`` ranks by
         if objective != "amsp":
             return step
@@ -510,10 +511,10 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
         lines.append(f"  DP traffic: {t['dp_comm']:.3g} s in {t['dp_calls']:,} calls, "
                      f"{t['dp_hidden']:.3g} s hidden behind compute, "
                      f"{t['dp_exposed']:.3g} s exposed")
-    lines.append(f"  memory: {human_bytes(mem['total'])} of {human_bytes(best.capacity)} usable ("
-                 + ", ".join(f"{k} {human_bytes(mem[k])}" for k in ("params", "grads", "optimizer",
-                                                                  "activations", "temporary"))
-                 + ")")
+    parts = ", ".join(f"{k} {human_bytes(mem[k])}"
+                      for k in ("params", "grads", "optimizer", "activations", "temporary"))
+    lines.append(f"  memory: {human_bytes(mem['total'])} of {human_bytes(best.capacity)} usable "
+                 f"({parts})")
     if best.unvalidated:
         lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
                      "alpha-beta model at the measured network efficiency, never faster "
