@@ -89,8 +89,6 @@ def cmd_memory(args) -> None:
     if args.params is not None and shaped:
         raise PlanError("give --params N or a model shape (--model or the shape flags), not "
                         "both")
-    # a shape is split exactly over tp and pp (replicated norms, padded vocabulary); a bare
-    # count evenly
     shape = shape_from_args(args) if args.params is None else None
     n = args.params if shape is None else shape.params
     inner = args.tp * args.pp * args.cp

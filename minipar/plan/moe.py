@@ -308,8 +308,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
 # The command line's hooks
 # --------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    g = p.add_argument_group("mixture of experts")
-    rules.add_moe_flags(g)
+    rules.add_moe_flags(p.add_argument_group("mixture of experts"))
 
 
 def from_args(args) -> MoE | None:
