@@ -301,9 +301,8 @@ def _specs(fw, replicas: int, pp: int, per_node: int, shard, zeros, refuse) -> l
 
 
 def _state_table(shape, grid: Layout, specs, dtype, fw) -> dict:
-    """{spec: ([(stage, model-state bytes of that stage)], the gathered layers' bytes)}: what
-    depends on the spec, computed once per grid (the micro-batch, the recomputation and the
-    schedule do not change it)."""
+    """{spec: ([(stage, model-state bytes of that stage)], the gathered layers' bytes)}, once
+    per grid: what depends on the spec alone (module docstring, "Pruning")."""
     rows = distinct(stage_list(shape, grid, fw))
     return {spec: ([(st, sum(state_bytes(shape, lay, dtype, fw, st).values())) for st in rows],
                    gather_bytes(shape, grid.tp, spec, dtype))
