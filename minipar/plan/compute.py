@@ -149,11 +149,9 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
         per_layer = sbh * (replicated / (t if layout.sp else 1) + (split + scores) / t)
         again_bytes = per_layer if recompute == "full" else (
             sbh * scores / t if recompute == "selective" else 0.0)
-        mem_f = layers * per_layer / hw.hbm_bandwidth
-        mem_b = layers * (2 * per_layer + again_bytes) / hw.hbm_bandwidth
         logits = head * tokens * -(-shape.vocab // t) * LOGIT_BYTES / hw.hbm_bandwidth
-        mem_f += logits / 2
-        mem_b += logits / 2
+        mem_f = layers * per_layer / hw.hbm_bandwidth + logits / 2
+        mem_b = layers * (2 * per_layer + again_bytes) / hw.hbm_bandwidth + logits / 2
     memory_bound = mem_f + mem_b
 
     # the optimizer step over this rank's optimizer shard

@@ -147,10 +147,8 @@ def points() -> list[dict]:
     dash = ("Dash et al., ISC 2024 (arXiv 2312.12705): percent of the 191.5 TFLOP/s peak, "
             "Megatron's FLOP count with recomputation")
     for model, (gcds, pct) in FRONTIER.items():
-        e = None
-        if model in STUDY_LAYOUTS:
-            e = estimate(model_preset(model), "frontier-mi250x", STUDY_LAYOUTS[model],
-                         framework="megatron-deepspeed")
+        e = (estimate(model_preset(model), "frontier-mi250x", STUDY_LAYOUTS[model],
+                      framework="megatron-deepspeed") if model in STUDY_LAYOUTS else None)
         add(f"{model} on {gcds} Frontier GCDs (Megatron-DeepSpeed)", "HFU", pct, e,
             "not found in the authors' public material searched; our reading of the paper, "
             "unverified" if e is not None else "not found", dash)
