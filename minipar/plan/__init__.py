@@ -22,6 +22,7 @@ Read top to bottom, one module per question:
     anchors     published multi-node runs with their layouts, as data
     scorecard   the planner held to them like for like (docs/reference.md's table)
     arguments   the command line's model flags and sets of allowed values
+    __main__    the command line, python -m minipar.plan SUB-COMMAND (``commands``: each one)
 
 ``python -m minipar.bench calibrate|validate`` (``minipar.bench.calibrate``, ``.validate``)
 measures this machine into a hardware file (per-shape GEMM rates, copy bandwidth, a gloo
@@ -51,10 +52,7 @@ Python API (sizes in bytes, times in seconds)::
     model_state_bytes(shape or n_params or [unit sizes], dp=1, shard=(s_p, s_g, s_os) or
                       zero=Z, tp=1, pp=1, dtype="mixed" | "fp32", step_counters=0)
         -> {"params", "grads", "optimizer", "total"}
-        # a ModelShape is split exactly (stage_params); a bare count as n_params / (tp pp);
-        # a list: minipar.zero's units, each padded to a multiple of s_os (padded_params)
-    stage_params(shape, tp=1, pp=1) -> int   # one TP rank of the heaviest stage, exactly:
-        # norms, row biases, positions replicated; vocabulary padded to a multiple of tp
+    stage_params(shape, tp=1, pp=1) -> int   # one TP rank of the heaviest stage, exactly
     tp_rank_params(shape, tp=1) -> {"layer", "embedding", "head", "tied_copy"}
     layer_activation_bytes(shape, micro_batch, tp=1, sp=False, recompute="none", flash=False)
     device_memory(shape, layout)
@@ -68,19 +66,16 @@ Python API (sizes in bytes, times in seconds)::
     zero_group_span(group, dp, shard) -> consecutive ranks one such group spans
     tp_comm_bytes(micro_batch, seq_len, hidden, tp, layers, microbatches=1,
                   recompute=False, sp=False, ends=False, arch="gpt", bias=True) -> same keys
-        # sp=True: + the replicated parameters' gradient all-reduces, per micro-batch
     tp_block_comm_bytes(tokens, hidden, tp, sp=False, arch="gpt", bias=True)
         -> {"forward": {op: bytes}, "backward": {op: bytes}}   # one layer, one micro-batch
     pp_comm_bytes(micro_batch, seq_len, hidden, pp, microbatches=1, v=1, stage=0, tp=1,
                   split=False) -> {"send", "total"}
     collective_time(op, nbytes, size, stride, hardware) -> float   # one call
     engine_collectives(n_params, dp, shard, framework, units, ...) -> [Collective]
-        # zero_collectives cut into the calls an engine issues, each with its overlap window
     bubble_fraction(p, m, v=1) -> (p-1)/(v m + p - 1)   # idle share of an ideal pipeline
 
     load_hardware(name_or_path) -> Hardware
     Layout(tp, pp, dp, micro_batch, microbatches, shard, recompute, v, sp, schedule, cp)
-        # cp: context parallelism; .replicas = dp x cp, what ZeRO shards and gradients span
     load_framework(name) -> Framework   # minipar, megatron-lm, megatron-deepspeed, fsdp,
                                         # deepspeed-zero3, amsp (per-module gathers)
     estimate(shape, hardware, layout, order=None, overlap=None, framework="minipar")
@@ -99,9 +94,6 @@ trainer's measured ``comm_bytes`` and ``model_state_bytes`` can be held against
 ``model_state_bytes(shape, ..., step_counters=...)`` directly, and they agree byte for byte,
 under TP, SP and PP too (tests/test_plan_measured.py, tests/test_zero.py). Step times agree
 only roughly (``python -m minipar.bench validate``).
-
-The command line, ``python -m minipar.plan memory|params|flops|search|estimate``, prints
-tables, or JSON with ``--json``; bad input exits with status 2 and one line.
 
 These are predictions from first-order models: they count matmuls by shape, memory-bound
 bytes, ring and tree collectives call by call (at the measured fraction of the links' rate),
@@ -130,15 +122,14 @@ from .sharding import check_shard, parse_shard, shard_specs, zero_shard
 
 
 __all__ = [
-    "PlanError", "Estimate", "bubble_fraction", "estimate", "scaled_layout", "scaling", "Hardware",
-    "hardware_presets", "load_hardware", "Layout", "check_layout", "activation_bytes",
-    "device_memory", "layer_activation_bytes", "model_state_bytes", "padded_params",
-    "stage_params", "tp_rank_params",
-    "collective_time", "engine_collectives", "FRAMEWORKS", "Framework", "load_framework",
-    "pp_comm_bytes", "ring_bytes", "tp_block_comm_bytes", "tp_comm_bytes", "zero_collectives",
-    "zero_comm_bytes", "zero_comm_bytes_by_group", "zero_group_span",
-    "explain", "search", "PRESETS", "ModelShape", "forward_flops", "gpt_params", "llama_ffn",
-    "llama_params", "megatron_flops", "megatron_params", "model_preset", "stage_flops",
-    "training_flops",
-    "check_shard", "parse_shard", "shard_specs", "zero_shard",
+    "PlanError", "Estimate", "bubble_fraction", "estimate", "scaled_layout", "scaling",
+    "Hardware", "hardware_presets", "load_hardware", "Layout", "check_layout",
+    "activation_bytes", "device_memory", "layer_activation_bytes", "model_state_bytes",
+    "padded_params", "stage_params", "tp_rank_params", "collective_time", "engine_collectives",
+    "FRAMEWORKS", "Framework", "load_framework", "pp_comm_bytes", "ring_bytes",
+    "tp_block_comm_bytes", "tp_comm_bytes", "zero_collectives", "zero_comm_bytes",
+    "zero_comm_bytes_by_group", "zero_group_span", "explain", "search", "PRESETS", "ModelShape",
+    "forward_flops", "gpt_params", "llama_ffn", "llama_params", "megatron_flops",
+    "megatron_params", "model_preset", "stage_flops", "training_flops", "check_shard",
+    "parse_shard", "shard_specs", "zero_shard",
 ]

@@ -85,12 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shards over the dp x cp ranks")
     _add_spec(p)
     p.add_argument("--dtype", choices=["mixed", "fp32"], default="mixed", help="mixed: bf16 + fp32 Adam (2+2+12 bytes); fp32: 4+4+8")
-    moe_plan.add_arguments(p)
-    p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("params", help="parameter count of a shape")
     add_shape(p)
-    p.set_defaults(func=cmd_params)
 
     p = sub.add_parser("flops", help="training FLOPs per iteration")
     add_shape(p)
@@ -101,8 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", type=positive_float, help="measured seconds per iteration")
     p.add_argument("--gpus", type=positive, help="devices, with --step-time")
     p.add_argument("--hardware", help="a preset or JSON file, with --step-time (its peak)")
-    moe_plan.add_arguments(p)
-    p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("search", help="rank the layouts that fit")
     add_shape(p)
@@ -147,8 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "says why not the next size)")
     _add_spec(p, searching=True)
     _add_costs(p)
-    moe_plan.add_arguments(p)
-    p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("estimate", help="predict one given layout")
     add_shape(p)
@@ -174,8 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (interleaved needs --chunks >= 2)")
     _add_spec(p)
     _add_costs(p)
-    moe_plan.add_arguments(p)
-    p.set_defaults(func=cmd_estimate)
+    for name, func in (("memory", cmd_memory), ("params", cmd_params), ("flops", cmd_flops),
+                       ("search", cmd_search), ("estimate", cmd_estimate)):
+        sub.choices[name].set_defaults(func=func)
+        if name != "params":            # the MoE flags come last, in all but params
+            moe_plan.add_arguments(sub.choices[name])
     add_fit_parser(sub)
 
     for action in sub.choices.values():

@@ -61,7 +61,7 @@ def shape_from_args(args, need_heads: bool = True) -> ModelShape:
     ``need_heads=False``: --heads may be left out, as ``params`` and ``flops`` need none)."""
     given = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k, None) is not None}
     if args.model:
-        shape = model_preset(args.model)
+        shape = model_preset(args.model, given.pop("seq_len", None))   # same sequence count
         arch = args.arch or shape.arch
         if arch != shape.arch:
             given.update(arch=arch, tied_head=arch != "llama", bias=arch != "llama")
@@ -81,9 +81,6 @@ def shape_from_args(args, need_heads: bool = True) -> ModelShape:
         given["bias"] = False
     if args.no_dropout:
         given["dropout"] = False
-    if "seq_len" in given and shape.global_batch_tokens:   # keep the number of sequences
-        sequences = shape.global_batch_tokens // shape.seq_len
-        given["global_batch_tokens"] = sequences * given["seq_len"]
     return replace(shape, **given) if given else shape
 
 
@@ -106,7 +103,8 @@ def _values(text: str, flag: str, parse, ranges: bool = False) -> tuple:
             out += range(lo, hi + 1)
         else:
             out.append(parse(item))
-    return tuple(sorted(set(out)))
+    values = tuple(sorted(set(out)))
+    return values[0] if "," not in text and "-" not in text else values   # one: kept a value
 
 
 def int_set(flag: str, low: int = 1, high: int | None = None):
@@ -123,10 +121,7 @@ def int_set(flag: str, low: int = 1, high: int | None = None):
                 bound = f">= {low}" if high is None else f"from {low} to {high}"
                 raise argparse.ArgumentTypeError(f"{flag} values must be {bound}, got {v}")
             return v
-        values = _values(text, flag, one, ranges=True)
-        if len(values) == 1 and "," not in text and "-" not in text:
-            return values[0]
-        return values
+        return _values(text, flag, one, ranges=True)
     return parse
 
 
@@ -137,5 +132,4 @@ def mode_set(text: str):
             raise argparse.ArgumentTypeError(f"unknown recomputation {x!r}; use "
                                              f"{', '.join(RECOMPUTE_MODES)} or a set of them")
         return x
-    values = _values(text, "--recompute", one)
-    return values[0] if len(values) == 1 and "," not in text else values
+    return _values(text, "--recompute", one)

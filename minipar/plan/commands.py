@@ -1,16 +1,13 @@
-"""What each of the planner's sub-commands computes and prints (``python -m minipar.plan``).
-
-``cmd_memory``, ``cmd_params``, ``cmd_flops``, ``cmd_search`` and ``cmd_estimate`` take the
-parsed flags (``minipar.plan.__main__.build_parser``) and print a readable table, or with
-``--json`` one JSON document. Bad input raises ``PlanError`` (a ``UsageError``): the command
-line turns it into exit status 2 and one line.
+"""What each of the planner's sub-commands computes and prints (``python -m minipar.plan``):
+each ``cmd_*`` takes the parsed flags (``__main__.build_parser``); bad input raises
+``PlanError`` (a ``UsageError``), which ``__main__`` turns into exit status 2 and one line.
 """
 from __future__ import annotations
 
 from . import moe as moe_plan
 from ..runtime.cli import emit, text_table
 from .sharding import resolve_shard
-from .errors import PlanError
+from .errors import PlanError, raise_if
 from .estimate import estimate
 from .frameworks import FRAMEWORKS
 from .hardware import load_hardware
@@ -50,12 +47,10 @@ def cmd_flops(args) -> None:
     else:
         raise PlanError(f"model {shape.name} has no default batch; give --batch or "
                         f"--global-batch-tokens")
-    model_f = training_flops(shape, batch, "none")
-    hardware_f = training_flops(shape, batch, args.recompute)
     moe = moe_plan.from_args(args)                      # MoE: FLOPs follow the active params
-    if moe is not None:
-        model_f = moe_plan.training_flops(shape, moe, batch, "none")
-        hardware_f = moe_plan.training_flops(shape, moe, batch, args.recompute)
+    model_f, hardware_f = (training_flops(shape, batch, r) if moe is None
+                           else moe_plan.training_flops(shape, moe, batch, r)
+                           for r in ("none", args.recompute))
     data = {"batch": batch, "seq_len": shape.seq_len, "recompute": args.recompute,
             "model_flops": model_f, "hardware_flops": hardware_f}
     rows = [["global batch (sequences)", batch],
@@ -94,8 +89,6 @@ def cmd_memory(args) -> None:
     if args.params is not None and shaped:
         raise PlanError("give --params N or a model shape (--model or the shape flags), not "
                         "both")
-    # a shape is split exactly over tp and pp (replicated norms, padded vocabulary); a bare
-    # count evenly
     shape = shape_from_args(args) if args.params is None else None
     n = args.params if shape is None else shape.params
     inner = args.tp * args.pp * args.cp
@@ -103,10 +96,8 @@ def cmd_memory(args) -> None:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
     dp = args.gpus // inner
     if shape is not None:     # the rules estimate applies; even stages, as this prices them
-        why = layout_violation(shape, Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=dp),
-                               hint=False)
-        if why:
-            raise PlanError(why)
+        raise_if(layout_violation(shape, Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=dp),
+                                  hint=False))
     spec = resolve_shard(dp * args.cp, args.shard, args.zero)      # over the dp x cp ranks
     out = model_state_bytes(n if shape is None else shape, dp * args.cp, shard=spec, tp=args.tp,
                             pp=args.pp, dtype=args.dtype)
@@ -118,16 +109,14 @@ def cmd_memory(args) -> None:
         out = moe_plan.state_bytes(shape, moe, dp, args.ep, shard=spec, tp=args.tp, pp=args.pp,
                                    dtype=args.dtype, cp=args.cp)
         n = moe_plan.params(shape, moe)["total"]
-    data = {"params_bytes": out["params"], "grads_bytes": out["grads"],
-            "optimizer_bytes": out["optimizer"], "total_bytes": out["total"],
-            "n_params": n, "dp": dp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
-            "dtype": args.dtype,
+    parts = ("params", "grads", "optimizer", "total")
+    data = {**{f"{k}_bytes": out[k] for k in parts}, "n_params": n, "dp": dp, "tp": args.tp,
+            "pp": args.pp, "cp": args.cp, "dtype": args.dtype,
             "shard": {"p": spec[0], "g": spec[1], "os": spec[2]}}
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep,
                            expert_params_per_device=out["expert_params"])
-    rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"]
-            for k in ("params", "grads", "optimizer", "total")]
+    rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"] for k in parts]
     cp = f" cp={args.cp}" if args.cp > 1 else ""
     text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp}{cp} dp={dp}, "
             f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
@@ -165,10 +154,10 @@ def cmd_search(args) -> None:
                      flash=args.flash_attention, dtype=args.dtype, framework=args.framework,
                      sp=args.sp, v=args.chunks, schedule=args.schedule,
                      objective=args.objective, reserve=args.reserve)
+    hw, fw = load_hardware(args.hardware), FRAMEWORKS[args.framework]
+    order = args.order or fw.order
     if moe is not None:                                 # MoE: re-rank the dense candidates
-        results = moe_plan.rerank(results, shape, moe, args.ep,
-                                  load_hardware(args.hardware), args.top,
-                                  args.order or FRAMEWORKS[args.framework].order,
+        results = moe_plan.rerank(results, shape, moe, args.ep, hw, args.top, order,
                                   args.overlap, args.dtype)
     why = explain(results[0], results[1] if len(results) > 1 else None)
     if moe is not None:
@@ -180,10 +169,9 @@ def cmd_search(args) -> None:
     if args.objective == "amsp":
         ranked = ("AMSP's data-parallel communication time, nothing hidden, each group on the "
                   "fastest links its size allows")
-        hw, fw = load_hardware(args.hardware), FRAMEWORKS[args.framework]
         why += "".join(f"\n  AMSP's partitioner, {line}" for line in amsp_reasons(
-            shape, hw, results[0], fw, args.order or fw.order, args.dtype or hw.dtype,
-            args.flash_attention, args.reserve))
+            shape, hw, results[0], fw, order, args.dtype or hw.dtype, args.flash_attention,
+            args.reserve))
     header = (f"{shape.name} on {args.gpus} x {args.hardware} with {args.framework}, global "
               f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
     if args.cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
@@ -228,9 +216,7 @@ def cmd_estimate(args) -> None:
                             f"the two, or values that agree")
         notes.append(f"micro-batches: {microbatches} per step (given), so a global batch of "
                      f"{dp * args.micro_batch * microbatches} sequences")
-    why = schedule_violation(args.schedule, args.chunks)
-    if why:
-        raise PlanError(why)
+    raise_if(schedule_violation(args.schedule, args.chunks))
     schedule = "1f1b" if args.schedule == "interleaved" else args.schedule   # v > 1 interleaves
     layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
                     microbatches=microbatches, shard=spec, recompute=args.recompute,

@@ -40,10 +40,8 @@ memory-bound kernels and the optimizer step.
   for fp32 gradient buffers) per parameter of this rank's optimizer shard (Phi / s_os), over
   ``hbm_bandwidth``.
 
-``step_calibration`` multiplies the sum: 1 for the presets, and what ``calibrate``
-measured here (a real step over this model's prediction for it, at the calibration
-point). So does ``Hardware.oversubscription``: where one-thread processes outnumber a
-node's CPU ``cores`` they share them, each computing processes / cores times slower.
+The hardware's ``step_calibration`` and ``oversubscription`` (its CPU ``cores`` shared by
+more processes) multiply the sum (``hardware``'s docstring).
 """
 from __future__ import annotations
 
@@ -87,11 +85,9 @@ def layer_gemms(shape: ModelShape, tokens: int, tp: int) -> list[tuple[int, int,
     """(m, n, k) of one layer's forward GEMMs on one of ``tp`` ranks (QKV is h + 2 h_kv
     wide: 3h without grouped-query attention)."""
     h, f, t = shape.hidden, shape.ffn, tp
-    if shape.arch == "llama":
-        mlp = [(tokens, f // t, h), (tokens, f // t, h), (tokens, h, f // t)]
-    else:
-        mlp = [(tokens, f // t, h), (tokens, h, f // t)]
-    return [(tokens, (h + 2 * shape.kv_hidden) // t, h), (tokens, h, h // t), *mlp]
+    up = [(tokens, f // t, h)] * (2 if shape.arch == "llama" else 1)    # LLaMA: gate and up
+    return [(tokens, (h + 2 * shape.kv_hidden) // t, h), (tokens, h, h // t), *up,
+            (tokens, h, f // t)]
 
 
 def _fwd_bwd(gemms, hw, e) -> tuple[float, float]:
@@ -153,11 +149,9 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
         per_layer = sbh * (replicated / (t if layout.sp else 1) + (split + scores) / t)
         again_bytes = per_layer if recompute == "full" else (
             sbh * scores / t if recompute == "selective" else 0.0)
-        mem_f = layers * per_layer / hw.hbm_bandwidth
-        mem_b = layers * (2 * per_layer + again_bytes) / hw.hbm_bandwidth
         logits = head * tokens * -(-shape.vocab // t) * LOGIT_BYTES / hw.hbm_bandwidth
-        mem_f += logits / 2
-        mem_b += logits / 2
+        mem_f = layers * per_layer / hw.hbm_bandwidth + logits / 2
+        mem_b = layers * (2 * per_layer + again_bytes) / hw.hbm_bandwidth + logits / 2
     memory_bound = mem_f + mem_b
 
     # the optimizer step over this rank's optimizer shard

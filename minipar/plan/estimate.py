@@ -2,18 +2,15 @@
 
     step = compute + TP comm + CP comm + bubble + PP comm + exposed DP comm
 
-* compute (``compute.compute_parts``): the heaviest (last) pipeline stage's matmuls, timed
-  shape by shape, its attention core, its memory-bound kernels as bytes over HBM bandwidth
-  and the optimizer step over its shard; work TP replicates (LayerNorms, residuals and
-  dropouts without sequence parallelism) is not divided by t.
+* compute (``compute.compute_parts``, its module docstring): the heaviest (last) pipeline
+  stage's matmuls shape by shape, attention core, memory-bound kernels and optimizer step.
 * TP comm: the per-layer collectives of ``network``, blocking (Megatron-LM and minipar run
   them on the critical path), each a call with its base and ring-step latencies, plus
   those of the embedding, head and loss on the stage that holds them (both ends when
   pp = 1, the head's when pp > 1: the last stage also computes the loss).
-* CP comm (context parallelism, ``plan.cp.ring_times``): every rank holds s/cp tokens of
-  each sequence, so compute, TP and PP messages are those of s/cp tokens; the ring's K/V
-  sends (``cp_attention_bytes``) overlap the attention blocks they travel beside, and what
-  they do not hide, with the K/V gradients' hops (minipar waits for each), is exposed.
+* CP comm (context parallelism, ``plan.cp.ring_times``, its module docstring): every rank
+  holds s/cp tokens of each sequence, so compute, TP and PP messages are those of s/cp
+  tokens; what the ring's K/V sends do not hide behind the attention blocks is exposed.
 * bubble: a pipeline of p stages idles (p-1)/m of the time it computes m micro-batches,
   and interleaving v chunks per stage divides that by v (Narayanan et al. 2021, section
   2.2): (p-1)/(m v) x (compute + TP comm + CP comm, without the optimizer step).
@@ -173,12 +170,11 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
         _, nodes = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)
         pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw, hw.nodes(layout.gpus))
     parts = worst["parts"]
-    out = {"compute": parts["total"], "tp_comm": worst["tp_comm"],
-           "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,
-           "stage": slow.index, **worst["ring"]}
-    out.update({f"compute_{k}": parts[k] for k in ("matmul", "attention", "memory_bound",
-                                                    "optimizer", "forward_mb", "backward_mb")})
-    return out
+    return {"compute": parts["total"], "tp_comm": worst["tp_comm"],
+            "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,
+            "stage": slow.index, **worst["ring"],
+            **{f"compute_{k}": parts[k] for k in ("matmul", "attention", "memory_bound",
+                                                  "optimizer", "forward_mb", "backward_mb")}}
 
 
 def dp_collectives(shape: ModelShape, layout: Layout, framework: Framework | str,
@@ -231,10 +227,9 @@ def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | 
         elif window == "backward":
             hideable = occurrence - one
             hide = min(hideable, bwd)
-        else:            # prefetch: each gather behind the unit before it
-            per_unit = (fwd + bwd) / 2 / max(1, pieces)
+        else:            # prefetch: each gather behind the unit before it (its share of a pass)
             hideable = occurrence - one
-            hide = (pieces - 1) * min(one, per_unit)
+            hide = (pieces - 1) * min(one, (fwd + bwd) / 2 / max(1, pieces))
         if overlap is not None:
             hide = overlap * hideable
         hide *= 1 - exposed_share
@@ -260,12 +255,9 @@ def unvalidated(shape: ModelShape, hw: Hardware, layout: Layout, order: str,
     replica = layout.replica_stride(order, hw.gpus_per_node)
     groups += [(c.op, c.size, c.stride * replica, c.nbytes / c.calls)
                for c in dp_collectives(shape, layout, framework, dtype)]
-    out = []
-    for op, size, stride, nbytes in groups:     # per call, as collective_time is given them
-        why = coverage(op, size, stride, hw, nbytes)
-        if why and why not in out:
-            out.append(why)
-    return out
+    # per call, as collective_time is given them; each reason once, in order
+    whys = (coverage(op, size, stride, hw, nbytes) for op, size, stride, nbytes in groups)
+    return list(dict.fromkeys(why for why in whys if why))
 
 
 def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
@@ -288,12 +280,13 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
                              hw.overlap_exposed))
     times["compute"] += times.pop("interference")
     times["step"] = sum(times[k] for k in STEP_PARTS)
-    notes = [] if hw.fitted else [unfitted_note(hw)]
+    notes = [] if hw.fitted else [
+        f"hardware {hw.name} is unfitted: its efficiencies are set by hand, not fitted to "
+        f"measured runs (python -m minipar.plan fit RUNS.csv --hardware {hw.name})"]
     slower = hw.oversubscription(layout.gpus)
     if slower > 1:
-        per_node = min(layout.gpus, hw.gpus_per_node)
-        notes.append(f"{per_node} processes share {hw.cores} cores: compute predicted "
-                     f"{slower:.2g}x slower per process (time-sliced)")
+        notes.append(f"{min(layout.gpus, hw.gpus_per_node)} processes share {hw.cores} cores: "
+                     f"compute predicted {slower:.2g}x slower per process (time-sliced)")
     flops_model = training_flops(shape, layout.global_batch, "none")
     flops_hw = training_flops(shape, layout.global_batch, layout.recompute)
     peak = times["step"] * layout.gpus * hw.peak_flops
@@ -310,11 +303,6 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
                                max(stage_list(shape, layout, fw), key=lambda st: st.layers)
                                .layers, layout.microbatches, layout.tp,
                                ACTIVATION_BYTES[dtype], layout.recompute))
-
-
-def unfitted_note(hw: Hardware) -> str:
-    return (f"hardware {hw.name} is unfitted: its efficiencies are set by hand, not fitted to "
-            f"measured runs (python -m minipar.plan fit RUNS.csv --hardware {hw.name})")
 
 
 # --------------------------------------------------------------------------------------
@@ -338,11 +326,8 @@ def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
     if layout.v > 1 and m % layout.pp:
         return None
     replicas = dp * layout.cp                  # ZeRO shards over dp x cp
-    if layout.replicas == 1:
-        shard = (1, 1, 1)
-    else:
-        shard = tuple(replicas if s == layout.replicas else gcd(s, replicas)
-                      for s in layout.shard)
+    shard = (1, 1, 1) if layout.replicas == 1 else tuple(
+        replicas if s == layout.replicas else gcd(s, replicas) for s in layout.shard)
     return replace(layout, dp=dp, microbatches=m, shard=shard)
 
 

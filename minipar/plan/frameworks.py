@@ -1,19 +1,12 @@
 """Framework profiles: what a training framework can run, and how its engine communicates.
 
 A search should only return layouts the target framework runs, and an estimate should
-charge collectives the way that framework's engine issues them. A profile says:
+charge collectives the way that framework's engine issues them. A profile (``Framework``,
+each field's comment saying what it is) says what the framework runs (its rank order,
+schedules, ``specs``, recomputation modes, sequence and context parallelism, stage rule),
+how its data-parallel engine issues collectives (``network.engine_collectives``: buckets,
+overlap, prefetch), and what needs more words:
 
-* ``order``: how its process grid is laid over device numbers, innermost axis first;
-* ``interleaving``, ``sp``, ``cp``: whether it has the interleaved 1F1B schedule, Megatron's
-  sequence parallelism and context parallelism (ring attention over a cp axis next to tp);
-  ``recompute``: its activation-recomputation modes;
-* ``specs``: which (s_p, s_g, s_os) data-parallel shardings it has, given dp and pp;
-* how its data-parallel engine issues collectives (``network.engine_collectives``):
-  gradient reductions in buckets of ``grad_bucket`` parameters (None: one call per model
-  unit, FSDP's wrapping), whether they start during backward (``grad_overlap``), whether
-  sharded parameters are gathered unit by unit with prefetch (``param_prefetch``), and
-  whether the gather of updated parameters after the optimizer step overlaps the next
-  forward (``gather_overlaps_forward``);
 * ``gather_per_module``: sharded parameters are gathered module by module, as the engine's
   hooks fetch them (DeepSpeed ZeRO-3's parameter coordinator, AMSP's executor): a GPT layer
   has 6 modules with parameters (QKV, output projection, fc1, fc2, two LayerNorms), a LLaMA
@@ -26,9 +19,6 @@ charge collectives the way that framework's engine issues them. A profile says:
   accumulates bf16 gradients into fp32 ``main_grad`` buffers, DeepSpeed's BF16_Optimizer
   into fp32 buffers too: 4; None: the dtype's 2); ``reduce_bytes``: the precision its
   gradient reductions send (Megatron-LM reduces its fp32 buffers: 4);
-* ``stage_rule``: how it cuts the layers into pipeline stages (``stages``: even, megatron,
-  uniform, balanced), and so whether a pp that does not divide the layers runs;
-* ``logit_bytes``: bytes per logit at the loss's peak in mixed precision (``peak``);
 * ``tp_overlap``: its tensor-parallel collectives run beside the GEMMs they feed (Megatron-LM's
   ``--tp-comm-overlap``, TransformerEngine's userbuffers), hiding behind them what the
   GEMMs' time allows, at the hardware's ``overlap_slowdown``; otherwise they block.
@@ -56,10 +46,10 @@ DATA = Path(__file__).resolve().parent / "frameworks.json"
 class Framework:
     name: str
     description: str
-    order: str
-    interleaving: bool
-    sp: bool
-    recompute: tuple
+    order: str                    # its process grid over device numbers, innermost axis first
+    interleaving: bool            # the interleaved 1F1B schedule
+    sp: bool                      # Megatron's sequence parallelism
+    recompute: tuple              # its activation-recomputation modes
     spec_family: str              # amsp | zero01 (ZeRO-0/1; 0-3 without PP) | dist-opt | fsdp
     grad_bucket: float | None     # parameters per gradient bucket; None: one call per unit
     grad_overlap: bool            # reductions start during backward, bucket by bucket
@@ -71,13 +61,12 @@ class Framework:
     dp_bucket_bytes: float | None = None  # plain DP (1,1,1) all-reduce buckets, in bytes,
                                           # when its engine differs from the sharded one
     dp_overlap: bool | None = None        # plain DP buckets overlap backward (None: as grads)
-    gather_per_module: bool = False       # one parameter gather per module with parameters
-                                          # (DeepSpeed ZeRO-3, AMSP), not one per layer
-    memory_reserve: float | None = None   # (reserved - allocated) / reserved of its allocator at
-                                          # the peak, measured; None: the hardware's fragmentation
-    cp: bool = False                      # context parallelism (ring attention)
-    stage_rule: str = "even"              # how pipeline stages are cut (plan.stages)
-    logit_bytes: float = 10               # bytes per logit at the loss's peak (plan.peak)
+    gather_per_module: bool = False       # one parameter gather per module (module docstring)
+    memory_reserve: float | None = None   # its allocator's measured reserve (module docstring)
+    cp: bool = False                      # context parallelism (ring attention next to tp)
+    stage_rule: str = "even"              # how pipeline stages are cut (plan.stages), and so
+                                          # whether a pp that does not divide the layers runs
+    logit_bytes: float = 10               # bytes per logit at the loss's peak, mixed (plan.peak)
     tp_overlap: bool = False              # TP collectives overlap the GEMMs they feed
     sources: tuple = ()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import PlanError
+from .errors import PlanError, raise_if
 from .shapes import RECOMPUTE_MODES, ModelShape
 from .sharding import Shard, check_shard
 from .stages import split_violation       # Megatron-LM's uneven interleaving
@@ -79,9 +79,8 @@ class Layout:
         s = self.strides(order)
         if self.cp == 1:
             return s["dp"]
-        if self.dp == 1 or s["dp"] == s["cp"] * self.cp or not gpus_per_node:
-            return s["cp"]
-        if s["cp"] >= gpus_per_node:
+        if (self.dp == 1 or s["dp"] == s["cp"] * self.cp or not gpus_per_node
+                or s["cp"] >= gpus_per_node):
             return s["cp"]
         blocks = max(1, gpus_per_node // s["dp"])            # replica blocks per node
         per_node = min(self.replicas, blocks * min(self.cp, gpus_per_node // s["cp"]))
@@ -159,9 +158,7 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
                         f"(v > 1 makes 1f1b interleaved)")
     if v > 1 and layout.schedule != "1f1b":
         raise PlanError(f"interleaving (v={v}) needs the 1f1b schedule")
-    why = layout_violation(shape, layout, stage_rule)
-    if why:
-        raise PlanError(why)
+    raise_if(layout_violation(shape, layout, stage_rule))
     per_node = dp_per_node(layout, gpus_per_node, order) if gpus_per_node else None
     check_shard(layout.shard, layout.replicas, per_node)   # ZeRO shards over dp x cp
     return layout

@@ -64,7 +64,7 @@ import math
 from dataclasses import dataclass
 
 from . import shapes
-from .errors import PlanError
+from .errors import PlanError, raise_if
 from .estimate import STEP_PARTS, tp_call_time
 from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
 from .network import collective_time, placement, ring_bytes, zero_collectives
@@ -87,10 +87,8 @@ class MoE:
 
 def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> None:
     """PlanError (one line) for an MoE/EP that cannot be laid out."""
-    reason = (rules.moe_violation(0, ep=ep) if moe is None else
-              rules.moe_violation(moe.experts, moe.top_k, moe.every, ep, dp))
-    if reason:
-        raise PlanError(reason)
+    raise_if(rules.moe_violation(0, ep=ep) if moe is None else
+             rules.moe_violation(moe.experts, moe.top_k, moe.every, ep, dp))
 
 
 # --------------------------------------------------------------------------------------
@@ -231,17 +229,12 @@ def edp_stride(lay, order: str, gpus_per_node: int, ep: int) -> int:
 
 def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
            overlap: float | None = None, dtype: str | None = None):
-    """The dense ``Estimate`` of ``shape`` turned into the MoE model's: model states (experts
-    split by ep), compute (active parameters), the all-to-alls (blocking), under cp the
-    choices' all-gather (blocking), and the expert gradients' all-reduce over their replicas.
-    Under cp a rank routes b s/(tp cp) tokens and the experts' replicas span cp. Returns a new
-    Estimate (``times['ep_comm']`` added) and its MoE figures in ``notes``."""
+    """The dense ``Estimate`` of ``shape`` turned into the MoE model's (module docstring): a
+    new Estimate, ``times['ep_comm']`` added and its MoE figures in ``notes``."""
     lay = e.layout
     dtype = dtype or hw.dtype
     check(moe, ep, lay.dp, lay.tp)
-    why = tp_violation(shape.seq_len, lay.tp, lay.cp)
-    if why:
-        raise PlanError(why)
+    raise_if(tp_violation(shape.seq_len, lay.tp, lay.cp))
     memory = dict(e.memory)
     states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,
                          dtype=dtype, cp=lay.cp)
@@ -315,8 +308,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
 # The command line's hooks
 # --------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    g = p.add_argument_group("mixture of experts")
-    rules.add_moe_flags(g)
+    rules.add_moe_flags(p.add_argument_group("mixture of experts"))
 
 
 def from_args(args) -> MoE | None:
@@ -337,12 +329,9 @@ def summary(shape: ModelShape, moe: MoE) -> dict:
 
 def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
            order: str = "tp,pp,dp", overlap: float | None = None, dtype: str | None = None) -> list:
-    """The dense search's candidates as MoE layouts: adjusted, those that fit, fastest first.
-
-    The search itself ranks dense layouts; ``cmd_search`` asks it for many candidates and
-    this keeps the MoE's best ``top``. Layouts whose dp is not a multiple of ep, or whose TP
-    ranks cannot split a cp rank's tokens (``tp_violation``), are skipped.
-    """
+    """The dense search's candidates (``cmd_search`` asks it for many) as MoE layouts:
+    adjusted, those that fit, the ``top`` fastest first. Layouts whose dp is not a multiple of
+    ep, or whose TP ranks cannot split a cp rank's tokens (``tp_violation``), are skipped."""
     out = [adjust(e, shape, moe, ep, hw, order, overlap, dtype) for e in results
            if e.layout.dp % ep == 0
            and tp_violation(shape.seq_len, e.layout.tp, e.layout.cp) is None]

@@ -96,10 +96,8 @@ class Collective:
 
 def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
                      microbatches: int = 1, recompute: bool = False) -> list[Collective]:
-    """The data-parallel collectives of one step (see the module docstring).
-
-    ``shard`` may be any spec with s_p | s_g | s_os | dp.
-    """
+    """The data-parallel collectives of one step (module docstring); ``shard`` may be any
+    spec with s_p | s_g | s_os | dp."""
     s_p, s_g, s_os = shard
     w, g, _ = BYTES_PER_PARAM[dtype]
     m = microbatches
@@ -201,10 +199,9 @@ def zero_comm_bytes_by_group(n_params: int | list[int], dp: int,
 
     The d ranks are viewed as (d/s_os, s_os/s_g, s_g/s_p, s_p) = (R, O, G, P); the gradients'
     reduce-scatter over s_g runs in two nested steps, over zero_p (P ranks) and then zero_g
-    (G ranks, s_p apart), the same bytes as one over s_g. ``n_params``: an int, or the
-    units' parameter counts (each unit its own buffers, padded to a multiple of s_os).
-    Returns ``{group: {op: bytes}}`` for the groups in ``ZERO_GROUPS``; a group spans
-    ``zero_group_span(group, ...)`` consecutive ranks.
+    (G ranks, s_p apart), the same bytes as one over s_g. Returns ``{group: {op: bytes}}``
+    for the groups in ``ZERO_GROUPS``; a group spans ``zero_group_span(group, ...)``
+    consecutive ranks.
     """
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
     w, g, _ = BYTES_PER_PARAM[dtype]
@@ -278,12 +275,8 @@ def tp_block_comm_bytes(tokens: int, hidden: int, tp: int, sp: bool = False,
                         dtype: str = "mixed", arch: str = "gpt",
                         bias: bool = True) -> dict[str, dict[str, int]]:
     """Bytes one rank sends for one transformer layer and a micro-batch of ``tokens`` = b s
-    tokens, by pass and op: ``{"forward": {op: bytes}, "backward": {op: bytes}}``.
-
-    The per-layer part of ``tp_comm_bytes`` (no recomputation): 2 all-reduces of b s h each
-    way; with ``sp`` 2 all-gathers and 2 reduce-scatters each way (the same bytes), plus, in
-    backward, the all-reduces of the replicated parameters' partial gradients.
-    """
+    tokens, by pass and op: ``{"forward": {op: bytes}, "backward": {op: bytes}}``: the
+    per-layer part of ``tp_comm_bytes`` (no recomputation; module docstring)."""
     if tp == 1:
         return {"forward": {}, "backward": {}}
     e = ACTIVATION_BYTES[dtype]
@@ -301,12 +294,10 @@ def tp_block_comm_bytes(tokens: int, hidden: int, tp: int, sp: bool = False,
 def pp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, pp: int, microbatches: int = 1,
                   v: int = 1, stage: int = 0, tp: int = 1, split: bool = False,
                   dtype: str = "mixed") -> dict[str, int]:
-    """Bytes pipeline stage ``stage`` (0 .. pp-1) sends per step, point to point.
-
-    m (a_r + g_r) messages of b s h elements, a_r = v - [r = p-1], g_r = v - [r = 0] (module
-    docstring); ``split``: each message is cut over the ``tp`` ranks (Megatron-LM's
-    scatter/gather, or minipar's sequence parallelism). Keys: send, total.
-    """
+    """Bytes pipeline stage ``stage`` (0 .. pp-1) sends per step, point to point: m (a_r + g_r)
+    messages of b s h elements (module docstring); ``split``: each message is cut over the
+    ``tp`` ranks (Megatron-LM's scatter/gather, or minipar's sequence parallelism). Keys:
+    send, total."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is not one of the {pp} pipeline stages")
     if pp == 1:

@@ -25,6 +25,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from . import scorecard
 from .estimate import Estimate, estimate
 from .hardware import load_hardware
 from .layout import Layout
@@ -87,14 +88,6 @@ def executed_runs() -> list[dict]:
     return out
 
 
-def _cells(row: dict) -> tuple[str, str, str]:
-    """A row's published and predicted percentages and its signed error, "-" where absent."""
-    pub = "-" if row["published"] is None else f"{row['published']:.2f}%"
-    pred = "-" if row["predicted"] is None else f"{row['predicted']:.1f}%"
-    err = "-" if row["error"] is None else f"{row['error']:+.0%}"
-    return pub, pred, err
-
-
 def table_vs_model(presets=("frontier-mi250x", "a800-ib")) -> list[dict]:
     """Each preset's shipped ``collective_table`` against the alpha-beta model it replaces,
     per (op, ranks per node, nodes): the range of measured / modelled time over the sizes
@@ -121,16 +114,14 @@ def table_vs_model_table(rows: list[dict] | None = None) -> str:
         return f"{b / 2**30:g} GiB" if b >= 2**30 else (
             f"{b / 2**20:g} MiB" if b >= 2**20 else f"{b / 2**10:g} KiB")
     rows = table_vs_model() if rows is None else rows
-    lines = ["| preset | op | ranks per node x nodes | sizes | measured / modelled |",
-             "| --- | --- | --- | --- | --- |"]
+    cells = []
     for r in rows:
-        lo, hi = r["ratio"]
-        ratio = f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}"
-        sizes = size(r["sizes"][0]) + ("" if r["sizes"][0] == r["sizes"][1]
-                                       else f"-{size(r['sizes'][1])}")
-        lines.append(f"| {r['hardware']} | {r['op']} | {r['per_node']} x {r['nodes']} | "
-                     f"{sizes} | {ratio} |")
-    return "\n".join(lines)
+        (lo, hi), (small, large) = r["ratio"], r["sizes"]
+        cells.append([r["hardware"], r["op"], f"{r['per_node']} x {r['nodes']}",
+                      size(small) + ("" if small == large else f"-{size(large)}"),
+                      f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}"])
+    return scorecard.markdown_table(
+        ["preset", "op", "ranks per node x nodes", "sizes", "measured / modelled"], cells)
 
 
 # --------------------------------------------------------------------------------------
@@ -156,10 +147,8 @@ def points() -> list[dict]:
     dash = ("Dash et al., ISC 2024 (arXiv 2312.12705): percent of the 191.5 TFLOP/s peak, "
             "Megatron's FLOP count with recomputation")
     for model, (gcds, pct) in FRONTIER.items():
-        e = None
-        if model in STUDY_LAYOUTS:
-            e = estimate(model_preset(model), "frontier-mi250x", STUDY_LAYOUTS[model],
-                         framework="megatron-deepspeed")
+        e = (estimate(model_preset(model), "frontier-mi250x", STUDY_LAYOUTS[model],
+                      framework="megatron-deepspeed") if model in STUDY_LAYOUTS else None)
         add(f"{model} on {gcds} Frontier GCDs (Megatron-DeepSpeed)", "HFU", pct, e,
             "not found in the authors' public material searched; our reading of the paper, "
             "unverified" if e is not None else "not found", dash)
@@ -177,10 +166,8 @@ def points_table(rows: list[dict] | None = None) -> str:
     """``points()`` as the Markdown table docs/reference.md carries (tests/test_docs.py
     checks that they agree)."""
     rows = points() if rows is None else rows
-    lines = ["| published run | metric | published | predicted | error | layout from |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        pub, pred, err = _cells(r)
-        lines.append(f"| {r['case']} | {r['metric']} | {pub} | {pred} | "
-                     f"{err} | {r['layout_source']} |")
-    return "\n".join(lines)
+    return scorecard.markdown_table(       # "-" where a figure is absent
+        ["published run", "metric", "published", "predicted", "error", "layout from"],
+        [[r["case"], r["metric"], "-" if r["published"] is None else f"{r['published']:.2f}%",
+          "-" if r["predicted"] is None else f"{r['predicted']:.1f}%",
+          "-" if r["error"] is None else f"{r['error']:+.0%}", r["layout_source"]] for r in rows])

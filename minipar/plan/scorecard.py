@@ -1,15 +1,13 @@
 """The planner held to published multi-node runs, like for like (``anchors``' rows).
 
-For each row: the authors' model shape, hardware preset, framework profile, degrees, batch
-and sequence; what the authors did not publish (the micro-batch, interleaving, the
-recomputation of some rows) is left to the planner's search inside that grid (the row's
-``chosen`` says what), so the prediction is the best run the planner believes the published
-configuration allows. The prediction is then set against the published figure in the same
-metric: MFU against MFU, HFU against HFU (recomputation counted as the authors counted it),
-a published iteration time as the MFU it implies with the planner's FLOP count, and
-torchtitan's tokens/s per GPU (its H100s' peak is not known) as tokens/s. Memory where the
-authors published it: torchtitan's peak reserved memory against the planner's peak over
-(1 - the allocator's reserve), the reserved memory that peak implies.
+For each row, what the authors did not publish (``anchors``) is left to the planner's search
+inside their grid (the row's ``chosen`` says what), so the prediction is the best run the
+planner believes the published configuration allows. The prediction is then set against the
+published figure in the same metric: MFU against MFU, HFU against HFU (recomputation counted
+as the authors counted it), a published iteration time as the MFU it implies with the
+planner's FLOP count, and torchtitan's tokens/s per GPU (its H100s' peak is not known) as
+tokens/s. Memory where the authors published it: torchtitan's peak reserved memory against
+the planner's peak over (1 - the allocator's reserve), the reserved memory that peak implies.
 
 ``rows()`` computes every row, ``rank_orders()`` compares the order of the rows of each source
 that published several runs of one model or family, ``bias()`` gives the signed median error
@@ -136,33 +134,32 @@ def _pct(x: float, metric: str) -> str:
     return f"{x:.1f}" if metric == "memory (GiB)" else f"{x:.1f}%"
 
 
+def markdown_table(header: list[str], cells) -> str:
+    """A Markdown table: ``header``'s columns, then a line per row of ``cells``."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + " --- |" * len(header),
+                      *("| " + " | ".join(map(str, row)) + " |" for row in cells)])
+
+
 def table(computed: list[dict] | None = None) -> str:
     """``rows()`` as the Markdown table docs/reference.md carries."""
     computed = rows() if computed is None else computed
-    lines = ["| published run | metric | published | predicted | error | memory (GiB) "
-             "published / predicted | planner's layout | planner chose |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in computed:
-        mem = "-" if r["memory_gib"] is None else (f"{r['memory_gib']:.1f} / "
-                                                   f"{r['memory_predicted']:.1f}")
-        case = r["case"]
-        fit = "" if r["fits"] else " (does not fit)"
-        lines.append(f"| {case} | {r['compared']} | {_pct(r['published'], r['compared'])} | "
-                     f"{_pct(r['predicted'], r['compared'])} | {r['error']:+.0%} | {mem} | "
-                     f"{r['layout']}{fit} | {r['chosen']} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["published run", "metric", "published", "predicted", "error",
+         "memory (GiB) published / predicted", "planner's layout", "planner chose"],
+        [[r["case"], r["compared"], _pct(r["published"], r["compared"]),
+          _pct(r["predicted"], r["compared"]), f"{r['error']:+.0%}",
+          "-" if r["memory_gib"] is None
+          else f"{r['memory_gib']:.1f} / {r['memory_predicted']:.1f}",
+          r["layout"] + ("" if r["fits"] else " (does not fit)"), r["chosen"]] for r in computed])
 
 
 def ranks_table(orders: list[dict] | None = None) -> str:
     """``rank_orders()`` as the Markdown table docs/reference.md carries."""
     orders = rank_orders() if orders is None else orders
-    lines = ["| source, model | runs | same order (ties within 1% aside) | concordant pairs |",
-             "| --- | --- | --- | --- |"]
-    for o in orders:
-        c, n = o["pairs"]
-        lines.append(f"| {o['group']} | {len(o['published'])} | "
-                     f"{'yes' if o['agrees'] else 'no'} | {c} of {n} |")
-    return "\n".join(lines)
+    return markdown_table(["source, model", "runs", "same order (ties within 1% aside)",
+                           "concordant pairs"],
+                          [[o["group"], len(o["published"]), "yes" if o["agrees"] else "no",
+                            "{} of {}".format(*o["pairs"])] for o in orders])
 
 
 def summary(computed: list[dict] | None = None) -> dict:
@@ -199,13 +196,12 @@ def bias(computed: list[dict] | None = None) -> list[dict]:
 def bias_table(groups: list[dict] | None = None) -> str:
     """``bias()`` as the Markdown table docs/reference.md carries."""
     groups = bias() if groups is None else groups
-    lines = ["| by | name | rows | signed median error | median abs error | range |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for g in sorted(groups, key=lambda g: (("framework", "hardware", "all").index(g["by"]),
-                                           g["name"])):
-        lines.append(f"| {g['by']} | {g['name']} | {g['n']} | {g['signed']:+.0%} | "
-                     f"{g['abs']:.0%} | {g['low']:+.0%} to {g['high']:+.0%} |")
-    return "\n".join(lines)
+    by = ("framework", "hardware", "all")
+    return markdown_table(["by", "name", "rows", "signed median error", "median abs error",
+                           "range"],
+                          [[g["by"], g["name"], g["n"], f"{g['signed']:+.0%}", f"{g['abs']:.0%}",
+                            f"{g['low']:+.0%} to {g['high']:+.0%}"]
+                           for g in sorted(groups, key=lambda g: (by.index(g["by"]), g["name"]))])
 
 
 def markdown(computed: list[dict] | None = None) -> str:

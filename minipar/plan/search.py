@@ -50,7 +50,7 @@ import heapq
 import math
 from dataclasses import replace
 
-from .errors import PlanError
+from .errors import PlanError, raise_if
 from .estimate import (Estimate, dp_collectives, dp_exposure, dp_profile, estimate,
                        STEP_PARTS, time_parts)
 from .frameworks import Framework, load_framework
@@ -101,22 +101,14 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
            dtype: str | None = None, reserve: float | None = None,
            specs_per_layout: int = 1, framework: Framework | str = "minipar",
            schedule: str | None = None, objective: str = "step") -> list[Estimate]:
-    """Ranked layouts (best first) of ``model`` on ``gpus`` devices of ``hardware``.
-
-    Fixing ``tp``, ``pp``, ``cp``, ``micro_batch``, ``v`` (chunks), ``schedule``,
-    ``recompute``, ``sp`` or the spec (``shard`` or ``zero``, over the dp x cp replicas)
-    narrows the search; all but ``schedule``, ``sp`` and ``shard`` also take a set of allowed
-    values (an empty one is a PlanError); ``max_tp`` lets TP span nodes; ``max_cp`` ranks
-    every cp up to it (default: cp only where memory forces it, module docstring);
-    ``framework`` limits it to what that framework runs (and gives the rank order, unless
-    ``order`` is given).
-    ``specs_per_layout``: how many shard specs to keep per parallel layout (tp, pp, v, b,
-    recomputation); 1 lists different layouts, each with its best spec. ``objective``:
-    "step" (time) or "amsp" (DP communication, nothing hidden).
-    """
+    """Ranked layouts (best first) of ``model`` on ``gpus`` devices of ``hardware`` (module
+    docstring), as ``framework`` runs them (its rank order unless ``order`` is given). Fixing
+    an axis (``v``: chunks; ``shard`` or ``zero``: the spec) narrows the search; all but
+    ``schedule``, ``sp`` and ``shard`` also take a set of allowed values (an empty one is a
+    PlanError); ``max_tp`` lets TP span nodes. ``specs_per_layout``: how many shard specs to
+    keep per parallel layout (1 lists different layouts, each with its best)."""
     shape = model_preset(model) if isinstance(model, str) else model
-    if seq_len:
-        shape = with_seq_len(shape, seq_len)
+    shape = with_seq_len(shape, seq_len) if seq_len else shape
     hw = load_hardware(hardware)
     fw = load_framework(framework)
     order = order or fw.order
@@ -128,9 +120,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     if not 1 <= gpus <= MAX_GPUS:
         raise PlanError(f"--gpus must be from 1 to {MAX_GPUS:,} (the search's bound on its "
                         f"work), got {gpus:,}")
-    why = spec_flags_violation(shard, zero)
-    if why:
-        raise PlanError(why)
+    raise_if(spec_flags_violation(shard, zero))
     if isinstance(shard, str):
         shard = parse_shard(shard)
     tps, pps, mbs, vs, zeros, recomputes, cps = (
@@ -154,9 +144,8 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     if (schedule == "interleaved" or min(vs or [1]) > 1) and not fw.interleaving:
         raise PlanError(f"{fw.name} has no interleaved schedule; leave out --chunks and "
                         f"--schedule interleaved, or choose another --framework")
-    why = vs and schedule_violation(schedule, max(vs) if schedule == "interleaved" else min(vs))
-    if why:                # a set of chunks is refused only when none of them can run
-        raise PlanError(why)
+    # a set of chunks is refused only when none of them can run
+    raise_if(vs and schedule_violation(schedule, max(vs) if schedule == "interleaved" else min(vs)))
     tokens = global_batch_tokens or shape.global_batch_tokens
     if not tokens:
         raise PlanError(f"model {shape.name} has no default batch; give --global-batch-tokens")
@@ -171,35 +160,37 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     use_sp = sp_rule(shape, fw.sp if sp is None else sp, given=sp is not None)
 
     keep = max(4 * top, 20)
-    if not fw.cp:
-        tries = [[1]]
-    elif cps is not None:
-        tries = [list(cps)]
-    elif max_cp is not None:
-        tries = [None]
-    else:                      # cp where memory forces it (module docstring)
-        tries = [[1], None]
+    # the cp to scan, in turn; [1] then all of them: cp where memory forces it (module docstring)
+    tries = ([[1]] if not fw.cp else [list(cps)] if cps is not None
+             else [None] if max_cp is not None else [[1], None])
+
+    def seconds(step: float, layout: Layout):        # what ``rank_key`` ranks by
+        if objective != "amsp":
+            return step
+        return (*amsp_key(amsp_cost(shape, hw, layout, fw, order, dtype), layout.shard), step)
+
     results: list[Estimate] = []
     rejected: list = []                # (depth, why): the deepest first refusal (``_scan``)
     for tried in tries:
-        candidates, leanest = _scan(shape, gpus, hw, fw, batch, capacity, modes, tried,
-                                    rejected,
-                                    tps=tps, pps=pps, max_cp=max_cp, max_tp=max_tp,
-                                    shard=shard, zeros=zeros, mbs=mbs, vs=vs, max_v=max_v,
-                                    max_micro_batch=max_micro_batch, schedule=schedule,
-                                    use_sp=use_sp, order=order, overlap=overlap, flash=flash,
-                                    dtype=dtype, specs_per_layout=specs_per_layout,
-                                    objective=objective)
+        candidates, leanest = _scan(
+            shape, gpus, hw, fw, batch, capacity, modes, tried, rejected, tps=tps, pps=pps,
+            max_cp=max_cp, max_tp=max_tp, shard=shard, zeros=zeros, mbs=mbs, vs=vs, max_v=max_v,
+            max_micro_batch=max_micro_batch, schedule=schedule, use_sp=use_sp, order=order,
+            overlap=overlap, flash=flash, dtype=dtype, specs_per_layout=specs_per_layout,
+            seconds=seconds)
         pool = heapq.nsmallest(keep, candidates, key=lambda x: x[0])
         # the pruned scan ranked candidates; the full model has the last word, same key
-        found = [estimate(shape, hw, layout, order=order, overlap=overlap, flash=flash,
-                          dtype=dtype, reserve=reserve, check=False, framework=fw)
-                 for _, layout in pool]
-        found = [e for e in found if e.fits]
+        found = [e for e in (estimate(shape, hw, layout, order=order, overlap=overlap,
+                                      flash=flash, dtype=dtype, reserve=reserve, check=False,
+                                      framework=fw) for _, layout in pool) if e.fits]
         if found:          # the wider scan's ranking includes cp = 1's
             results = found
-        if found and not _memory_forced(found, modes):
-            break              # cp = 1 fits at ease (else cp may fit, or divide the batch)
+        # cp = 1 fits at ease (else cp may fit, or divide the batch) unless its fastest layout
+        # pays for its activations with full recomputation where the search allowed less (so
+        # cp, the other way to pay, is weighed against it)
+        if found and (min(found, key=lambda e: e.step_time).layout.recompute != "full"
+                      or modes == ["full"]):
+            break
     if not results and not pool:
         need, lean = leanest
         if lean is None:         # every candidate was refused: say why (``_scan``)
@@ -213,20 +204,9 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         raise PlanError(f"nothing fits {shape.name} on {gpus} GPUs within "
                         f"{human_bytes(capacity)} usable per device; use more GPUs or a smaller "
                         f"micro-batch or batch")
-    def seconds(e):
-        if objective != "amsp":
-            return e.step_time
-        return (*amsp_key(amsp_cost(shape, hw, e.layout, fw, order, dtype), e.layout.shard),
-                e.step_time)
-
-    results.sort(key=lambda e: rank_key(seconds(e), e.memory["total"], e.layout))
+    results.sort(key=lambda e: rank_key(seconds(e.step_time, e.layout), e.memory["total"],
+                                        e.layout))
     return results[:top]
-
-
-def _memory_forced(found: list[Estimate], modes: list[str]) -> bool:
-    """Whether the fastest layout without cp pays for its activations with full recomputation
-    where the search allowed less (so cp, the other way to pay, is weighed against it)."""
-    return min(found, key=lambda e: e.step_time).layout.recompute == "full" and modes != ["full"]
 
 
 def allowed(value, name: str) -> tuple | None:
@@ -244,7 +224,7 @@ def allowed(value, name: str) -> tuple | None:
 
 def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pps, max_cp,
           max_tp, shard, zeros, mbs, vs, max_v, max_micro_batch, schedule, use_sp, order,
-          overlap, flash, dtype, specs_per_layout, objective):
+          overlap, flash, dtype, specs_per_layout, seconds):
     """The pruned scan (module docstring) over ``cps`` (None: every cp that cuts the
     sequence, at most ``max_cp``): ([(key, layout)], the leanest (bytes, layout) seen).
     ``rejected`` holds [(depth, why)]: why the first candidate refused at the deepest step
@@ -264,8 +244,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                                fw.stage_rule, cps, max_cp, use_sp, refuser(0)):
         grid = Layout(tp=t, pp=p, cp=c, dp=d)
         per_node = dp_per_node(grid, hw.gpus_per_node, order)
-        replicas = grid.replicas                   # ZeRO shards over dp x cp
-        specs = _specs(fw, replicas, p, per_node, shard, zeros, refuser(1))
+        specs = _specs(fw, grid.replicas, p, per_node, shard, zeros, refuser(1))   # dp x cp
         if not specs:
             continue
         states = _state_table(shape, grid, specs, dtype, fw)
@@ -291,11 +270,8 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                         profiles[key] = dp_profile(shape, hw, layout, order, dtype, fw)
                     dp = dp_exposure(profiles[key], m, parts, overlap, hw.overlap_slowdown,
                                      hw.overlap_exposed)
-                    seconds = fixed + dp["dp_exposed"] + dp["interference"]
-                    if objective == "amsp":
-                        seconds = (*amsp_key(amsp_cost(shape, hw, layout, fw, order, dtype),
-                                             spec), seconds)
-                    keys.append((rank_key(seconds, total, layout), layout))
+                    step = fixed + dp["dp_exposed"] + dp["interference"]
+                    keys.append((rank_key(seconds(step, layout), total, layout), layout))
                 candidates += heapq.nsmallest(specs_per_layout, keys, key=lambda x: x[0])
     return candidates, leanest
 
@@ -325,16 +301,12 @@ def _specs(fw, replicas: int, pp: int, per_node: int, shard, zeros, refuse) -> l
 
 
 def _state_table(shape, grid: Layout, specs, dtype, fw) -> dict:
-    """{spec: [(stage, model-state bytes of that stage)]}, and the gathered layers' bytes
-    under "gather": what depends on the spec, computed once per grid (the micro-batch,
-    the recomputation and the schedule do not change it)."""
-    stage_rows = distinct(stage_list(shape, grid, fw))
-    out = {}
-    for spec in specs:
-        lay = replace(grid, shard=spec)
-        out[spec] = ([(st, sum(state_bytes(shape, lay, dtype, fw, st).values()))
-                      for st in stage_rows], gather_bytes(shape, grid.tp, spec, dtype))
-    return out
+    """{spec: ([(stage, model-state bytes of that stage)], the gathered layers' bytes)}, once
+    per grid: what depends on the spec alone (module docstring, "Pruning")."""
+    rows = distinct(stage_list(shape, grid, fw))
+    return {spec: ([(st, sum(state_bytes(shape, lay, dtype, fw, st).values())) for st in rows],
+                   gather_bytes(shape, grid.tp, spec, dtype))
+            for spec, lay in ((spec, replace(grid, shard=spec)) for spec in specs)}
 
 
 def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw) -> list:
@@ -444,10 +416,9 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int
 # among the specs that fit memory, the least data-parallel communication time, nothing
 # hidden, each of P, G and OS on the fastest links its group allows: a group of at most a
 # node's devices (contiguous) inside one node on its links, a wider one on each device's
-# share of the NICs, at datasheet rates. That is AMSP's cost model,
-# not the planner's (which lets a ring carry a node's shares over its boundary at once and
-# slows as a group widens): it is what AMSP's partitioner picks by (``amsp_key``), and the
-# step time ranks the rest.
+# share of the NICs, at datasheet rates. That is AMSP's cost model, not the planner's (which
+# lets a ring carry a node's shares over its boundary at once and slows as a group widens):
+# it is what AMSP's partitioner picks by (``amsp_key``), and the step time ranks the rest.
 # --------------------------------------------------------------------------------------
 def amsp_seconds(collectives, microbatches: int, stride: int, hw) -> float:
     """AMSP's objective for one step: ``collectives`` (``estimate.dp_collectives`` of one
@@ -539,28 +510,26 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
         lines.append(f"  DP traffic: {t['dp_comm']:.3g} s in {t['dp_calls']:,} calls, "
                      f"{t['dp_hidden']:.3g} s hidden behind compute, "
                      f"{t['dp_exposed']:.3g} s exposed")
+    parts = ", ".join(f"{k} {human_bytes(mem[k])}"
+                      for k in ("params", "grads", "optimizer", "activations", "temporary"))
     lines.append(f"  memory: {human_bytes(mem['total'])} of {human_bytes(best.capacity)} usable "
-                 f"(params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, optimizer "
-                 f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])}, "
-                 f"temporary {human_bytes(mem['temporary'])})")
+                 f"({parts})")
     if best.unvalidated:
         lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
                      "alpha-beta model at the measured network efficiency, never faster "
                      "than the widest measured row)")
     if runner_up is not None:
-        r = runner_up.times
-        deltas = {k: r[k] - t[k] for k in _PARTS}
+        deltas = {k: runner_up.times[k] - t[k] for k in _PARTS}
         worse = sorted((k for k in deltas if deltas[k] > 0), key=lambda k: -deltas[k])
         better = [k for k in deltas if deltas[k] < 0]
-        slower = r["step"] / t["step"] - 1
+        slower = runner_up.step_time / t["step"] - 1
         if slower < 1e-3:
             leaner = "; the best needs less memory" if runner_up.memory["total"] > mem["total"] else ""
             lines.append(f"runner-up: {runner_up.layout.describe()}: ties within 0.1% (the model "
                          f"sees no difference in time{leaner})")
             return "\n".join(lines)
-        why = ", ".join(f"{_PARTS[k]} +{deltas[k]:.3g} s" for k in worse[:2])
         line = (f"runner-up: {runner_up.layout.describe()}: {slower:.2%} slower; it loses on "
-                f"{why}")
+                + ", ".join(f"{_PARTS[k]} +{deltas[k]:.3g} s" for k in worse[:2]))
         if better:
             line += " and gains on " + ", ".join(f"{_PARTS[k]} {deltas[k]:.3g} s" for k in better)
         if runner_up.memory["total"] < mem["total"]:

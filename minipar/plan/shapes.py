@@ -89,16 +89,12 @@ class ModelShape:
     dropout: bool = True       # GPT: dropout after attention and MLP (masks kept); LLaMA: none
 
     def __post_init__(self):
-        for what in ("layers", "hidden", "heads", "vocab", "seq_len"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"model {self.name}: {what} must be a whole number >= 1, got "
-                                f"{value!r}")
-        for what in ("ffn_hidden", "kv_heads", "global_batch_tokens"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise PlanError(f"model {self.name}: {what} must be a whole number >= 0 "
-                                f"(0: the default), got {value!r}")
+        optional = ("ffn_hidden", "kv_heads", "global_batch_tokens")    # 0: the default
+        for what in ("layers", "hidden", "heads", "vocab", "seq_len", *optional):
+            value, low = getattr(self, what), int(what not in optional)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise PlanError(f"model {self.name}: {what} must be a whole number >= {low}"
+                                f"{' (0: the default)' if low == 0 else ''}, got {value!r}")
         if self.hidden % self.heads:
             raise PlanError(f"model {self.name}: {self.heads} heads do not divide the hidden "
                             f"size {self.hidden}; choose heads that divide it")
@@ -165,10 +161,7 @@ class ModelShape:
 
 
 def megatron_params(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
-    """Narayanan et al. 2021, section 5.1: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)).
-
-    Written as the integer it expands to, 12 l h^2 + 13 l h + (V + s) h.
-    """
+    """Megatron's closed form (module docstring), as the integer it expands to."""
     l, h = layers, hidden
     return 12 * l * h * h + 13 * l * h + (vocab + seq_len) * h
 
@@ -191,12 +184,9 @@ def llama_params(layers: int, hidden: int, vocab: int, ffn_hidden: int = 0) -> i
 # --------------------------------------------------------------------------------------
 def megatron_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
                    recompute: bool = True) -> float:
-    """Narayanan et al. 2021, section 5.1: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
-
-    With ``recompute=False`` the factor 4 (forward, backward x2, recomputed forward) becomes
-    3: 72 B s l h^2 (same bracket), exactly as Megatron-DeepSpeed reports TFLOP/s (and so, we
-    take it, the Frontier study's percent of peak).
-    """
+    """Megatron-LM's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (module docstring); with
+    ``recompute=False`` 72 B s l h^2 (same bracket), as Megatron-DeepSpeed reports TFLOP/s (and
+    so, we take it, the Frontier study's percent of peak)."""
     b, s, l, h, v = batch, seq_len, layers, hidden, vocab
     factor = 4 if recompute else 3
     return 24 * factor * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))

@@ -146,10 +146,8 @@ def split_violation(shape, pp: int, rule: str = "even", chunks: int = 1) -> str 
             f"Megatron-LM interleaves uneven stages only where the first, the last and each "
             f"middle stage hold a multiple of chunks={chunks} layers; {shape.layers} layers "
             f"over pp={pp} do not split so; use --chunks that divides {shape.layers}")
-    if rule != "balanced" or pp == 1 or chunks > 1:
-        return pp_violation(shape.layers, pp, chunks, uneven=rule != "even")
-    why = pp_violation(shape.layers, pp, chunks, uneven=True)   # before any list of pp stages
-    if why:
+    why = pp_violation(shape.layers, pp, chunks, uneven=rule != "even")
+    if why or rule != "balanced" or pp == 1 or chunks > 1:   # balanced: before any pp stages
         return why
     if _balanced(shape, pp) is None:       # nanotron's own test: every stage gets a block
         return (f"nanotron's cost balance leaves a stage of pp={pp} without a block for "
