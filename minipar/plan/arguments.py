@@ -104,7 +104,7 @@ def _values(text: str, flag: str, parse, ranges: bool = False) -> tuple:
         else:
             out.append(parse(item))
     values = tuple(sorted(set(out)))
-    return values[0] if "," not in text and "-" not in text else values   # one: kept a value
+    return values[0] if "," not in text and "-" not in text else values   # "4": 4, not (4,)
 
 
 def int_set(flag: str, low: int = 1, high: int | None = None):

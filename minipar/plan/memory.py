@@ -69,7 +69,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from .errors import PlanError
+from .errors import PlanError, raise_if
 from .layout import cp_violation
 from .shapes import ModelShape
 from .sharding import Shard, resolve_shard
@@ -207,9 +207,7 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1, sp:
 def check_cp(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> None:
     """PlanError unless the sequence cuts into 2 cp equal chunks (the causal balance), and
     with sequence parallelism each rank's s/cp tokens over tp (``layout.cp_violation``)."""
-    why = cp_violation(seq_len, cp, tp, sp)
-    if why:
-        raise PlanError(why)
+    raise_if(cp_violation(seq_len, cp, tp, sp))
 
 
 def kv_block_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int = 1,
