@@ -160,9 +160,14 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     use_sp = sp_rule(shape, fw.sp if sp is None else sp, given=sp is not None)
 
     keep = max(4 * top, 20)
-    # the cp to scan, in turn; [1] then all of them: cp where memory forces it (module docstring)
-    tries = ([[1]] if not fw.cp else [list(cps)] if cps is not None
-             else [None] if max_cp is not None else [[1], None])
+    if not fw.cp:                      # the cp to scan, in turn (None: every cp)
+        tries = [[1]]
+    elif cps is not None:
+        tries = [list(cps)]
+    elif max_cp is not None:
+        tries = [None]
+    else:                      # cp where memory forces it (module docstring)
+        tries = [[1], None]
 
     def seconds(step: float, layout: Layout):        # what ``rank_key`` ranks by
         if objective != "amsp":
