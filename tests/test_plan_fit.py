@@ -29,8 +29,8 @@ TRUE = dict(compute_efficiency=0.55, gemm_half_flops=4e10, intra_node_efficiency
             inter_node_efficiency=[[2, 0.6], [8, 0.3]], collective_latency=3e-5,
             layer_overhead=2e-4,
             p2p_latency=[[2, 2e-3], [8, 8e-3]], all_gather_efficiency=0.7,
-            reduce_scatter_efficiency=0.9, overlap_slowdown=0.15, overlap_exposed=0.2, runtime_bytes=2.0 * 2**30,
-            fragmentation=0.1)
+            reduce_scatter_efficiency=0.9, overlap_slowdown=0.15, overlap_exposed=0.2,
+            runtime_bytes=2.0 * 2**30, fragmentation=0.1)
 SHAPE = ModelShape("syn", "llama", 8, 1024, 16, 32000, 2048, 4096, tied_head=False, bias=False)
 
 

@@ -191,6 +191,22 @@ def test_the_fabric_slows_a_group_by_the_width_of_the_job_it_runs_in():
     assert inside[0] == inside[1]
 
 
+def test_all_gather_and_reduce_scatter_run_at_their_share_of_the_all_reduce_s_rate():
+    """A ring all-gather's (reduce-scatter's) bytes take 1/share as long; the all-reduce,
+    the latency terms and point-to-point sends do not change."""
+    from minipar.plan.network import collective_time
+    from minipar.plan.timing import p2p_time, ring_bytes
+    hw = replace(load_hardware("dgx-h100"), tree=None)
+    slow = replace(hw, all_gather_efficiency=0.5, reduce_scatter_efficiency=0.8)
+    for op, share in (("all_gather", 0.5), ("reduce_scatter", 0.8), ("all_reduce", 1.0)):
+        base = collective_time(op, 0, 16, 1, hw)                 # latency alone
+        bytes_time = collective_time(op, 1 << 30, 16, 1, hw) - base
+        assert bytes_time > 0 and ring_bytes(op, 1 << 30, 16) > 0
+        assert collective_time(op, 1 << 30, 16, 1, slow) - base == pytest.approx(
+            bytes_time / share, rel=1e-9)
+    assert p2p_time(1 << 20, True, slow) == p2p_time(1 << 20, True, hw)
+
+
 def test_hidden_traffic_slows_compute_by_the_measured_contention():
     lay = Layout(dp=64, micro_batch=2, microbatches=1, shard=(64, 64, 64))
     hw = load_hardware("dgx-h100")
@@ -327,7 +343,8 @@ def test_a_huge_range_is_refused_in_one_line(capsys):
     ("inter_node_efficiency", [[4, 0.9], [2, 0.95]], "strictly increasing nodes"),
     ("inter_node_efficiency", [[2, "0.9"]], "fraction must be finite"),
     ("inter_node_efficiency", {"2": 0.9}, "must be a list"),
-    ("p2p_latency", 0.01, "from an older minipar: fit it again"),
+    ("p2p_latency", 0.01, "one number: a profile from an older minipar; fit it again"),
+    ("all_gather_efficiency", 1.5, "all_gather_efficiency is a fraction, at most 1"),
     ("bandwidth_by_size", [[4096, 0.5, 1]], "is a pair [bytes, factor]"),
     ("bandwidth_by_size", [[8192, 0.5], [4096, 0.4]], "strictly increasing bytes"),
     ("local_links", [[2, 1e11]], "must be a list of objects"),

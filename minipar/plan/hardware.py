@@ -173,9 +173,10 @@ def _pairs(rows, what: str, where: str, first: str, second: str) -> None:
     the first column strictly increasing (the tables are read in that order: one row per
     size or width, no duplicates)."""
     if not isinstance(rows, list):
+        old = (" (one number: a profile from an older minipar; fit it again with python -m "
+               "minipar.plan fit)" if isinstance(rows, (int, float)) else "")
         raise PlanError(f"{where}: {what} must be a list of [{first}, {second}] pairs, got "
-                        f"{rows!r} (a profile from an older minipar: fit it again with "
-                        f"python -m minipar.plan fit)")
+                        f"{rows!r}{old}")
     previous = None
     for row in rows:
         if not isinstance(row, (list, tuple)) or len(row) != 2:
@@ -210,7 +211,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
     for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency",
                  "all_gather_efficiency", "reduce_scatter_efficiency"):
         if getattr(hw, name) > 1:
-            raise PlanError(f"{where}: {name} is a fraction of peak, at most 1, got "
+            raise PlanError(f"{where}: {name} is a fraction, at most 1, got "
                             f"{getattr(hw, name)!r}")
     if hw.runtime_bytes >= hw.memory_bytes:
         raise PlanError(f"{where}: runtime_bytes must be less than memory_bytes")
