@@ -172,12 +172,9 @@ def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
                   dtype: str = "mixed", framework=None) -> dict[str, float]:
     """The largest stage's peak: params, grads, optimizer, activations, temporary, total
     (bytes), and "stage", the index of the stage that holds it."""
-    best = None
-    for st in distinct(stage_list(shape, layout, framework)):
-        mem = stage_memory(shape, layout, st, flash, dtype, framework)
-        if best is None or mem["total"] > best["total"]:
-            best = dict(mem, stage=st.index)
-    return best
+    peaks = [dict(stage_memory(shape, layout, st, flash, dtype, framework), stage=st.index)
+             for st in distinct(stage_list(shape, layout, framework))]
+    return max(peaks, key=lambda mem: mem["total"])       # the first of equal peaks
 
 
 CONFIDENCE_Z = 1.645      # one-sided 95%: a layout fits when its peak fits at this confidence
