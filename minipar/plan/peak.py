@@ -49,8 +49,7 @@ import math
 
 from .layout import Layout
 from .memory import (ACTIVATION_BYTES, BYTES_PER_PARAM, _check_dtype, cp_layer_activation_bytes,
-                     kv_block_bytes, layer_activation_bytes, model_state_bytes, stage_params,
-                     tp_rank_params)
+                     kv_block_bytes, model_state_bytes, stage_params, tp_rank_params)
 from .shapes import ModelShape
 from .stages import Stage, distinct, stages
 
@@ -89,11 +88,8 @@ def layer_bytes(shape: ModelShape, layout: Layout, flash: bool = False, dtype: s
     """Bytes one layer keeps for one micro-batch on one rank of this layout (under cp a layer
     of s/cp tokens, the scores never stored)."""
     recompute = layout.recompute if recompute is None else recompute
-    if layout.cp > 1:
-        return cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
-                                         layout.sp, recompute, flash, dtype)
-    return layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp, recompute,
-                                  flash, dtype)
+    return cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp, layout.sp,
+                                     recompute, flash, dtype)
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
