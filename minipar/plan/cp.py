@@ -30,8 +30,11 @@ node's network links.
 """
 from __future__ import annotations
 
-from .memory import check_cp, cp_layer_activation_bytes, kv_block_bytes  # noqa: F401  (cp's,
-#   kept with the rest of memory, which needs them)
+from .compute import attention_core
+from .hardware import load_hardware
+from .memory import ACTIVATION_BYTES, check_cp, kv_block_bytes
+from .memory import cp_layer_activation_bytes  # noqa: F401  (cp's, in memory, which needs it)
+from .network import p2p_time, placement
 from .shapes import ModelShape
 
 
@@ -67,10 +70,6 @@ def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_bat
     square (``compute.attention_core``), cp blocks of (s/cp)^2 per rank; the balanced split
     gives every rank exactly half a block at every step (``minipar.cp.visible_block``), so a
     message hides behind half of 1/cp of the modelled core, while send <= compute."""
-    from .compute import attention_core
-    from .hardware import load_hardware
-    from .memory import ACTIVATION_BYTES
-    from .network import p2p_time, placement
     hw = load_hardware(hardware)
     if cp == 1:
         return dict(send=0.0, compute=0.0, compute_backward=0.0, across_nodes=False)
