@@ -31,8 +31,10 @@ node's network links.
 from __future__ import annotations
 
 from .compute import attention_core
+from .errors import raise_if
 from .hardware import load_hardware
-from .memory import ACTIVATION_BYTES, check_cp, kv_block_bytes
+from .layout import cp_violation
+from .memory import ACTIVATION_BYTES, kv_block_bytes
 from .memory import cp_layer_activation_bytes  # noqa: F401  (cp's, in memory, which needs it)
 from .network import p2p_time, placement
 from .shapes import ModelShape
@@ -42,7 +44,7 @@ def cp_attention_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp:
                        bytes_per_elem: int = 4, recompute: str = "none") -> dict[str, int]:
     """Bytes one rank sends for ring attention in one layer and micro-batch (forward and
     backward): ``{"forward", "backward", "total"}``; all 0 at cp = 1."""
-    check_cp(seq_len, cp)
+    raise_if(cp_violation(seq_len, cp))
     if cp == 1:
         return dict(forward=0, backward=0, total=0)
     block = kv_block_bytes(micro_batch, seq_len, hidden, cp, tp, bytes_per_elem)

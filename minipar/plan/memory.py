@@ -204,12 +204,6 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1, sp:
     return sbh * (replicated + split / tp + scores * a * s / (h * tp))
 
 
-def check_cp(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> None:
-    """PlanError unless the sequence cuts into 2 cp equal chunks (the causal balance), and
-    with sequence parallelism each rank's s/cp tokens over tp (``layout.cp_violation``)."""
-    raise_if(cp_violation(seq_len, cp, tp, sp))
-
-
 def kv_block_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int = 1,
                    bytes_per_elem: int = 4) -> int:
     """B = 2 b (s/cp) (h/tp) e: one rank's K and V for one layer, the ring's message
@@ -222,7 +216,7 @@ def cp_layer_activation_bytes(shape: ModelShape, micro_batch: int, cp: int = 1, 
                               dtype: str = "mixed") -> float:
     """One layer's activations on one rank of a cp ring: the layer at s/cp tokens, the
     scores never stored at cp > 1 (ring attention computes them block by block)."""
-    check_cp(shape.seq_len, cp)
+    raise_if(cp_violation(shape.seq_len, cp))
     local = dataclasses.replace(shape, seq_len=shape.seq_len // cp)
     return layer_activation_bytes(local, micro_batch, tp=tp, sp=sp, recompute=recompute,
                                   flash=flash or cp > 1, dtype=dtype)
