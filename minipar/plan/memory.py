@@ -76,14 +76,12 @@ from .sharding import Shard, resolve_shard
 
 BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}   # weight, gradient, optimizer
 ACTIVATION_BYTES = {"mixed": 2, "fp32": 4}
+STEP_COUNTER_BYTES = 4       # torch.optim.Adam(W): one fp32 scalar "step" tensor per tensor
 
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in BYTES_PER_PARAM:
         raise PlanError(f"unknown dtype {dtype!r}; use mixed (bf16 + fp32 Adam) or fp32")
-
-
-STEP_COUNTER_BYTES = 4       # torch.optim.Adam(W): one fp32 scalar "step" tensor per tensor
 
 
 def padded_params(units: int | Sequence[int], multiple: int) -> int:
