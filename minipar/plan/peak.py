@@ -56,6 +56,7 @@ from .stages import Stage, distinct, stages
 BUCKET_BYTES = 25 * 2**20          # PyTorch DDP's default bucket_cap_mb
 FP32_LOGIT_BYTES = 8               # fp32 training: the logits and their fp32 softmax
 DEFAULT_LOGIT_BYTES = 10           # F.cross_entropy on a .float() copy (module docstring)
+CONFIDENCE_Z = 1.645      # one-sided 95%: a layout fits when its peak fits at this confidence
 
 
 def stage_list(shape: ModelShape, layout: Layout, framework=None) -> tuple[Stage, ...]:
@@ -171,9 +172,6 @@ def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
     peaks = [dict(stage_memory(shape, layout, st, flash, dtype, framework), stage=st.index)
              for st in distinct(stage_list(shape, layout, framework))]
     return max(peaks, key=lambda mem: mem["total"])       # the first of equal peaks
-
-
-CONFIDENCE_Z = 1.645      # one-sided 95%: a layout fits when its peak fits at this confidence
 
 
 def capacity(hw, framework, reserve: float | None = None) -> float:
