@@ -335,9 +335,8 @@ def sp_rule(shape: ModelShape, sp: bool, given: bool):
     return at
 
 
-def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
-             stage_rule: str = "even", cps: list[int] | None = None,
-             max_cp: int | None = None, sp=lambda t, c: t > 1, refuse=lambda why: None):
+def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int, stage_rule: str,
+             cps: list[int] | None, max_cp: int | None, sp, refuse):
     """(tp, pp, cp, dp): tp splits the model as the trainer requires (``shape_tp_violation``;
     at most ``max_tp`` unless given), pp gives the framework a stage split
     (``split_violation``), cp cuts the sequence (``cp_violation``; ``cps`` None: every such
