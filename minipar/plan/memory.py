@@ -105,11 +105,10 @@ def model_state_bytes(n_params: int | Sequence[int] | ModelShape, dp: int = 1,
     replicated, is split evenly, ceil(Phi / (tp pp)). A list is the parameter counts of the
     units one rank's ``minipar.zero`` engine shards (already this rank's TP/PP part; tp and
     pp are ignored), each padded to a multiple of s_os as the engine pads it: the storage
-    that engine allocates, byte for byte. ``shard`` (s_p, s_g, s_os) or
-    ``zero`` (0-3) says how the dp ranks shard each part: any spec with
-    1 <= s_p <= s_g <= s_os <= dp, each dividing the next and dp (not only AMSP's search
-    space). ``step_counters``: how many tensors this rank's optimizer updates, each with
-    Adam's 4-byte step counter (default 0: the papers' count).
+    that engine allocates, byte for byte. ``shard`` (s_p, s_g, s_os) or ``zero`` (0-3) says
+    how the dp ranks shard each part (any spec with s_p | s_g | s_os | dp: module docstring).
+    ``step_counters``: how many tensors this rank's optimizer updates, each with Adam's
+    4-byte step counter (default 0: the papers' count).
     """
     _check_dtype(dtype)
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
