@@ -30,8 +30,13 @@ node's network links.
 """
 from __future__ import annotations
 
-from .memory import check_cp, cp_layer_activation_bytes, kv_block_bytes  # noqa: F401  (cp's,
-#   kept with the rest of memory, which needs them)
+from .compute import attention_core
+from .errors import raise_if
+from .hardware import load_hardware
+from .layout import cp_violation
+from .memory import ACTIVATION_BYTES, kv_block_bytes
+from .memory import cp_layer_activation_bytes  # noqa: F401  (cp's, in memory, which needs it)
+from .network import p2p_time, placement
 from .shapes import ModelShape
 
 
@@ -39,7 +44,7 @@ def cp_attention_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp:
                        bytes_per_elem: int = 4, recompute: str = "none") -> dict[str, int]:
     """Bytes one rank sends for ring attention in one layer and micro-batch (forward and
     backward): ``{"forward", "backward", "total"}``; all 0 at cp = 1."""
-    check_cp(seq_len, cp)
+    raise_if(cp_violation(seq_len, cp))
     if cp == 1:
         return dict(forward=0, backward=0, total=0)
     block = kv_block_bytes(micro_batch, seq_len, hidden, cp, tp, bytes_per_elem)
@@ -67,10 +72,6 @@ def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_bat
     square (``compute.attention_core``), cp blocks of (s/cp)^2 per rank; the balanced split
     gives every rank exactly half a block at every step (``minipar.cp.visible_block``), so a
     message hides behind half of 1/cp of the modelled core, while send <= compute."""
-    from .compute import attention_core
-    from .hardware import load_hardware
-    from .memory import ACTIVATION_BYTES
-    from .network import p2p_time, placement
     hw = load_hardware(hardware)
     if cp == 1:
         return dict(send=0.0, compute=0.0, compute_backward=0.0, across_nodes=False)

@@ -76,14 +76,12 @@ from .sharding import Shard, resolve_shard
 
 BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}   # weight, gradient, optimizer
 ACTIVATION_BYTES = {"mixed": 2, "fp32": 4}
+STEP_COUNTER_BYTES = 4       # torch.optim.Adam(W): one fp32 scalar "step" tensor per tensor
 
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in BYTES_PER_PARAM:
         raise PlanError(f"unknown dtype {dtype!r}; use mixed (bf16 + fp32 Adam) or fp32")
-
-
-STEP_COUNTER_BYTES = 4       # torch.optim.Adam(W): one fp32 scalar "step" tensor per tensor
 
 
 def padded_params(units: int | Sequence[int], multiple: int) -> int:
@@ -107,11 +105,10 @@ def model_state_bytes(n_params: int | Sequence[int] | ModelShape, dp: int = 1,
     replicated, is split evenly, ceil(Phi / (tp pp)). A list is the parameter counts of the
     units one rank's ``minipar.zero`` engine shards (already this rank's TP/PP part; tp and
     pp are ignored), each padded to a multiple of s_os as the engine pads it: the storage
-    that engine allocates, byte for byte. ``shard`` (s_p, s_g, s_os) or
-    ``zero`` (0-3) says how the dp ranks shard each part: any spec with
-    1 <= s_p <= s_g <= s_os <= dp, each dividing the next and dp (not only AMSP's search
-    space). ``step_counters``: how many tensors this rank's optimizer updates, each with
-    Adam's 4-byte step counter (default 0: the papers' count).
+    that engine allocates, byte for byte. ``shard`` (s_p, s_g, s_os) or ``zero`` (0-3) says
+    how the dp ranks shard each part (any spec with s_p | s_g | s_os | dp: module docstring).
+    ``step_counters``: how many tensors this rank's optimizer updates, each with Adam's
+    4-byte step counter (default 0: the papers' count).
     """
     _check_dtype(dtype)
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
@@ -204,12 +201,6 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1, sp:
     return sbh * (replicated + split / tp + scores * a * s / (h * tp))
 
 
-def check_cp(seq_len: int, cp: int, tp: int = 1, sp: bool = False) -> None:
-    """PlanError unless the sequence cuts into 2 cp equal chunks (the causal balance), and
-    with sequence parallelism each rank's s/cp tokens over tp (``layout.cp_violation``)."""
-    raise_if(cp_violation(seq_len, cp, tp, sp))
-
-
 def kv_block_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int = 1,
                    bytes_per_elem: int = 4) -> int:
     """B = 2 b (s/cp) (h/tp) e: one rank's K and V for one layer, the ring's message
@@ -222,7 +213,7 @@ def cp_layer_activation_bytes(shape: ModelShape, micro_batch: int, cp: int = 1, 
                               dtype: str = "mixed") -> float:
     """One layer's activations on one rank of a cp ring: the layer at s/cp tokens, the
     scores never stored at cp > 1 (ring attention computes them block by block)."""
-    check_cp(shape.seq_len, cp)
+    raise_if(cp_violation(shape.seq_len, cp))
     local = dataclasses.replace(shape, seq_len=shape.seq_len // cp)
     return layer_activation_bytes(local, micro_batch, tp=tp, sp=sp, recompute=recompute,
                                   flash=flash or cp > 1, dtype=dtype)

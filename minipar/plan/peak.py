@@ -49,14 +49,14 @@ import math
 
 from .layout import Layout
 from .memory import (ACTIVATION_BYTES, BYTES_PER_PARAM, _check_dtype, cp_layer_activation_bytes,
-                     kv_block_bytes, layer_activation_bytes, model_state_bytes, stage_params,
-                     tp_rank_params)
+                     kv_block_bytes, model_state_bytes, stage_params, tp_rank_params)
 from .shapes import ModelShape
 from .stages import Stage, distinct, stages
 
 BUCKET_BYTES = 25 * 2**20          # PyTorch DDP's default bucket_cap_mb
 FP32_LOGIT_BYTES = 8               # fp32 training: the logits and their fp32 softmax
 DEFAULT_LOGIT_BYTES = 10           # F.cross_entropy on a .float() copy (module docstring)
+CONFIDENCE_Z = 1.645      # one-sided 95%: a layout fits when its peak fits at this confidence
 
 
 def stage_list(shape: ModelShape, layout: Layout, framework=None) -> tuple[Stage, ...]:
@@ -89,11 +89,8 @@ def layer_bytes(shape: ModelShape, layout: Layout, flash: bool = False, dtype: s
     """Bytes one layer keeps for one micro-batch on one rank of this layout (under cp a layer
     of s/cp tokens, the scores never stored)."""
     recompute = layout.recompute if recompute is None else recompute
-    if layout.cp > 1:
-        return cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp,
-                                         layout.sp, recompute, flash, dtype)
-    return layer_activation_bytes(shape, layout.micro_batch, layout.tp, layout.sp, recompute,
-                                  flash, dtype)
+    return cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp, layout.sp,
+                                     recompute, flash, dtype)
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
@@ -172,15 +169,9 @@ def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
                   dtype: str = "mixed", framework=None) -> dict[str, float]:
     """The largest stage's peak: params, grads, optimizer, activations, temporary, total
     (bytes), and "stage", the index of the stage that holds it."""
-    best = None
-    for st in distinct(stage_list(shape, layout, framework)):
-        mem = stage_memory(shape, layout, st, flash, dtype, framework)
-        if best is None or mem["total"] > best["total"]:
-            best = dict(mem, stage=st.index)
-    return best
-
-
-CONFIDENCE_Z = 1.645      # one-sided 95%: a layout fits when its peak fits at this confidence
+    peaks = [dict(stage_memory(shape, layout, st, flash, dtype, framework), stage=st.index)
+             for st in distinct(stage_list(shape, layout, framework))]
+    return max(peaks, key=lambda mem: mem["total"])       # the first of equal peaks
 
 
 def capacity(hw, framework, reserve: float | None = None) -> float:

@@ -335,9 +335,8 @@ def sp_rule(shape: ModelShape, sp: bool, given: bool):
     return at
 
 
-def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int,
-             stage_rule: str = "even", cps: list[int] | None = None,
-             max_cp: int | None = None, sp=lambda t, c: t > 1, refuse=lambda why: None):
+def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int, stage_rule: str,
+             cps: list[int] | None, max_cp: int | None, sp, refuse):
     """(tp, pp, cp, dp): tp splits the model as the trainer requires (``shape_tp_violation``;
     at most ``max_tp`` unless given), pp gives the framework a stage split
     (``split_violation``), cp cuts the sequence (``cp_violation``; ``cps`` None: every such
@@ -425,24 +424,20 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int
 # lets a ring carry a node's shares over its boundary at once and slows as a group widens):
 # it is what AMSP's partitioner picks by (``amsp_key``), and the step time ranks the rest.
 # --------------------------------------------------------------------------------------
-def amsp_seconds(collectives, microbatches: int, stride: int, hw) -> float:
-    """AMSP's objective for one step: ``collectives`` (``estimate.dp_collectives`` of one
-    micro-batch), each group ``stride`` devices between neighbouring dp ranks, every call's
-    latency and bytes at its links' rate, nothing hidden."""
+def amsp_cost(shape, hw, layout, fw, order: str, dtype: str) -> float:
+    """AMSP's objective for one step of ``layout``: its data-parallel collectives
+    (``estimate.dp_collectives`` of one micro-batch; gathers and gradient reductions once per
+    micro-batch), each group laid out as the dp ranks are, every call's latency and bytes at
+    its links' rate, nothing hidden."""
+    stride = layout.replica_stride(order, hw.gpus_per_node)
     total = 0.0
-    for c in collectives:
+    for c in dp_collectives(shape, replace(layout, microbatches=1), fw, dtype):
         inside = placement(c.size, c.stride * stride, hw.gpus_per_node)[1] == 1
         beta = hw.intra_node_bandwidth if inside else hw.inter_node_bandwidth / hw.gpus_per_node
-        count = c.count * (microbatches if c.kind in ("gather", "grad") else 1)
+        count = c.count * (layout.microbatches if c.kind in ("gather", "grad") else 1)
         total += count * (c.calls * hw.collective_latency
                           + ring_bytes(c.op, c.nbytes, c.size) / beta)
     return total
-
-
-def amsp_cost(shape, hw, layout, fw, order: str, dtype: str) -> float:
-    """``amsp_seconds`` of ``layout``."""
-    return amsp_seconds(dp_collectives(shape, replace(layout, microbatches=1), fw, dtype),
-                        layout.microbatches, layout.replica_stride(order, hw.gpus_per_node), hw)
 
 
 def amsp_key(seconds: float, shard: Shard) -> tuple:

@@ -160,10 +160,7 @@ def distinct(stage_list) -> list[Stage]:
     """The stages that can differ in time or memory: the first, the last, and the first
     stage of each other layer count (a later stage with the same layers holds fewer
     micro-batches in 1F1B, so it is never the peak)."""
-    seen, out = set(), []
+    first = {}
     for st in stage_list:
-        key = (st.layers, st.embedding, st.head)
-        if key not in seen:
-            seen.add(key)
-            out.append(st)
-    return out
+        first.setdefault((st.layers, st.embedding, st.head), st)
+    return list(first.values())
