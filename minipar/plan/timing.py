@@ -119,11 +119,8 @@ def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware,
     beta = link_bandwidth(per_node, nodes, stride, hw, job_nodes)
     phases = 2 if op == "all_reduce" else 1
     steps = phases * (size - 1)
-    if nodes == 1:
-        inter = 0
-    else:
-        inter = 2 * nodes if op == "all_reduce" else nodes - 1
-    inter = min(inter, steps)
+    crossings = 2 * nodes if op == "all_reduce" else nodes - 1      # as NCCL counts them
+    inter = min(crossings, steps) if nodes > 1 else 0
     latency = (hw.collective_latency + (steps - inter) * hw.intra_node_latency
                + inter * hw.inter_node_latency)
     share = {"all_gather": hw.all_gather_efficiency,
