@@ -72,11 +72,8 @@ def intra_bandwidth(per_node: int, stride: int, hw: Hardware) -> float:
 
 def size_factor(nbytes: float, hw: Hardware) -> float:
     """The ring's bandwidth derating for a message of ``nbytes`` (RCCL's step table)."""
-    factor = 1.0
-    for bound, f in hw.bandwidth_by_size:
-        if nbytes >= bound:
-            factor = f
-    return factor
+    reached = [f for bound, f in hw.bandwidth_by_size if nbytes >= bound]
+    return reached[-1] if reached else 1.0
 
 
 def by_nodes(rows: list, nodes: int, default: float) -> float:
