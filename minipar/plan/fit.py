@@ -235,10 +235,9 @@ def score(runs: list[Run], hw: Hardware) -> dict:
     measured), mfu_error_median and _worst (|ratio - 1|), rank_median (per cell), pick_median
     and pick_worst (measured share of the cell's best), crash_precision and crash_recall,
     false_crash (predicted to crash among the runs that ran), cells, runs, priced."""
-    est = predictions(runs, hw)
     ratios, cells = [], {}
     crash = {"tp": 0, "fp": 0, "fn": 0, "tn": 0}
-    for r, e in zip(runs, est):
+    for r, e in zip(runs, predictions(runs, hw)):
         cells.setdefault(r.cell, []).append((r, e))
         predicted_crash = e is None or not e.fits
         key = ("tp" if predicted_crash else "fn") if not r.ran else ("fp" if predicted_crash
@@ -355,15 +354,14 @@ def cmd_fit(args) -> None:
     out = profile.to_dict()
     if args.output:
         Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
-    lines = list(notes)
     notes_of = {"kept": "not moved: base value kept", "undetermined": "undetermined: no more "
                 "runs than parameters", "fitted": ""}
     rows = [[name, _value(v), _value(e), notes_of[status] or
              ("poorly determined" if e > abs(v) else "")]
             for name, (v, e, status) in report["parameters"].items()]
-    lines += [text_table(rows, ["parameter", "value", "std. error", ""]),
-              f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "
-              f"{report['log_sigma_memory']:.3f}"]
+    lines = [*notes, text_table(rows, ["parameter", "value", "std. error", ""]),
+             f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "
+             f"{report['log_sigma_memory']:.3f}"]
     for title, key in (("nodes", lambda r: r.nodes), ("tp", lambda r: r.layout.tp),
                        ("pp", lambda r: r.layout.pp), ("dp", lambda r: r.layout.dp)):
         groups = residuals_by(runs, profile, key)
