@@ -52,6 +52,7 @@ from .estimate import estimate
 from .frameworks import load_framework
 from .hardware import Hardware, load_hardware
 from .runs import Run, digest, read_runs, select
+from .scorecard import markdown_table
 from .timing import by_nodes
 
 # (field, lower, upper, log-scaled?); a field ending in "@" is a table by node count: one
@@ -398,15 +399,12 @@ def add_fit_parser(sub) -> None:
 def scores_table(hw: Hardware) -> str:
     """The fitted profile's recorded scores as the markdown table docs/reference.md shows."""
     def row(label, f):
-        pct = lambda x: f"{x:.0%}"
-        return (f"| {label} | {f['runs']:,} | {f['mfu_ratio_median']:.2f} | "
-                f"{pct(f['mfu_error_median'])} / {pct(f['mfu_error_worst'])} | "
-                f"{f['rank_median']:.2f} | {f['pick_median']:.2f} / {f['pick_worst']:.2f} | "
-                f"{f['crash_precision']:.2f} / {f['crash_recall']:.2f} | "
-                f"{f['false_crash']:.1%} |")
-    lines = ["| scored on | runs | MFU ratio (median) | MFU error median / worst | rank "
-             "(median) | pick median / worst | crash precision / recall | ran, predicted to "
-             "crash |", "| --- | --- | --- | --- | --- | --- | --- | --- |",
-             row(f"the fitted rows ({hw.fitted['data']})", hw.fitted["training"])]
-    lines += [row(f"held out: {f['holdout']}", f) for f in hw.fitted["holdout"]]
-    return "\n".join(lines)
+        return [label, f"{f['runs']:,}", f"{f['mfu_ratio_median']:.2f}",
+                f"{f['mfu_error_median']:.0%} / {f['mfu_error_worst']:.0%}",
+                f"{f['rank_median']:.2f}", f"{f['pick_median']:.2f} / {f['pick_worst']:.2f}",
+                f"{f['crash_precision']:.2f} / {f['crash_recall']:.2f}", f"{f['false_crash']:.1%}"]
+    rows = [row(f"the fitted rows ({hw.fitted['data']})", hw.fitted["training"])]
+    rows += [row(f"held out: {f['holdout']}", f) for f in hw.fitted["holdout"]]
+    return markdown_table(["scored on", "runs", "MFU ratio (median)", "MFU error median / worst",
+                           "rank (median)", "pick median / worst", "crash precision / recall",
+                           "ran, predicted to crash"], rows)
