@@ -173,8 +173,7 @@ def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
     x, sigma, moved, s = _least_squares(
         lambda v: residuals_of(_with(base, _unpack(spec, v))), bounds, x0)
     report = {}
-    for (name, _, _, log), v, e, m in zip(spec, x, sigma, moved):
-        value = 10 ** v if log else float(v)
+    for (name, _, _, log), value, e, m in zip(spec, _unpack(spec, x).values(), sigma, moved):
         if not m:
             report[name] = [kept[name], None, "kept"]
         elif not math.isfinite(e):
