@@ -239,10 +239,8 @@ def score(runs: list[Run], hw: Hardware) -> dict:
     crash = {"tp": 0, "fp": 0, "fn": 0, "tn": 0}
     for r, e in zip(runs, predictions(runs, hw)):
         cells.setdefault(r.cell, []).append((r, e))
-        predicted_crash = e is None or not e.fits
-        key = ("tp" if predicted_crash else "fn") if not r.ran else ("fp" if predicted_crash
-                                                                     else "tn")
-        crash[key] += 1
+        predicted_crash = e is None or not e.fits      # a positive; t/f: the prediction held/not
+        crash[("fp" if r.ran else "tp") if predicted_crash else ("tn" if r.ran else "fn")] += 1
         if r.ran and e is not None:
             ratios.append(e.tokens_per_s / (r.tokens_per_s_gpu * r.layout.gpus))
     ranks, picks = [], []
