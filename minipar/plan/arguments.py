@@ -62,19 +62,17 @@ def shape_from_args(args, need_heads: bool = True) -> ModelShape:
     given = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k, None) is not None}
     if args.model:
         shape = model_preset(args.model, given.pop("seq_len", None))   # same sequence count
-        arch = args.arch or shape.arch
-        if arch != shape.arch:
-            given.update(arch=arch, tied_head=arch != "llama", bias=arch != "llama")
     else:
         missing = [f"--{k.replace('_', '-')}" for k in REQUIRED
                    if k not in given and (need_heads or k != "heads")]
         if missing:
             raise PlanError(f"give --model NAME|FILE.json or all of --layers --hidden --heads "
                             f"--vocab --seq-len (missing {' '.join(missing)})")
-        arch = args.arch or "gpt"
-        shape = ModelShape("custom", arch, given.pop("layers"), given.pop("hidden"),
-                           given.pop("heads", 1), given.pop("vocab"), given.pop("seq_len"),
-                           tied_head=arch != "llama", bias=arch != "llama")
+        shape = ModelShape("custom", "gpt", given.pop("layers"), given.pop("hidden"),
+                           given.pop("heads", 1), given.pop("vocab"), given.pop("seq_len"))
+    arch = args.arch or shape.arch
+    if arch != shape.arch:              # and that design's defaults (LLaMA: untied, no biases)
+        given.update(arch=arch, tied_head=arch != "llama", bias=arch != "llama")
     if args.tied is not None:
         given["tied_head"] = args.tied
     if args.no_bias:

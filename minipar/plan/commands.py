@@ -197,15 +197,14 @@ def cmd_estimate(args) -> None:
                         f"--microbatches")
     batch = shape.global_batch_tokens // shape.seq_len if args.global_batch is None \
         else args.global_batch
-    notes = []
     if args.microbatches is None:
         if batch % (dp * args.micro_batch):
             raise PlanError(f"the global batch of {batch} sequences does not divide into "
                             f"dp={dp} replicas of micro-batches of {args.micro_batch}; give "
                             f"--microbatches or --global-batch")
         microbatches = batch // (dp * args.micro_batch)
-        notes.append(f"micro-batches: {microbatches} per step, from the global batch of "
-                     f"{batch} sequences / (dp {dp} x micro-batch {args.micro_batch})")
+        note = (f"micro-batches: {microbatches} per step, from the global batch of "
+                f"{batch} sequences / (dp {dp} x micro-batch {args.micro_batch})")
     else:
         microbatches = args.microbatches
         implied = dp * args.micro_batch * microbatches
@@ -214,8 +213,8 @@ def cmd_estimate(args) -> None:
                             f"{microbatches}: dp {dp} x micro-batch {args.micro_batch} x "
                             f"{microbatches} micro-batches = {implied} sequences; give one of "
                             f"the two, or values that agree")
-        notes.append(f"micro-batches: {microbatches} per step (given), so a global batch of "
-                     f"{dp * args.micro_batch * microbatches} sequences")
+        note = (f"micro-batches: {microbatches} per step (given), so a global batch of "
+                f"{implied} sequences")
     raise_if(schedule_violation(args.schedule, args.chunks))
     schedule = "1f1b" if args.schedule == "interleaved" else args.schedule   # v > 1 interleaves
     layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch,
@@ -233,10 +232,10 @@ def cmd_estimate(args) -> None:
         e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.overlap, args.dtype)
     data = e.to_json()
     data["explain"] = explain(e, label="layout")
-    data["notes"] = notes
+    data["notes"] = [note]
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
         data["explain"] += "\n  " + e.notes[-1]
     emit(args, data, f"{shape.name} on {layout.gpus} x {args.hardware} with {fw.name}; "
-          + "; ".join(notes) + "\n" + _results_table([e]) + "\n\n" + data["explain"]
+          + note + "\n" + _results_table([e]) + "\n\n" + data["explain"]
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))

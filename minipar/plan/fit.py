@@ -52,6 +52,7 @@ from .estimate import estimate
 from .frameworks import load_framework
 from .hardware import Hardware, load_hardware
 from .runs import Run, digest, read_runs, select
+from .scorecard import markdown_table
 from .timing import by_nodes
 
 # (field, lower, upper, log-scaled?); a field ending in "@" is a table by node count: one
@@ -172,8 +173,7 @@ def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
     x, sigma, moved, s = _least_squares(
         lambda v: residuals_of(_with(base, _unpack(spec, v))), bounds, x0)
     report = {}
-    for (name, _, _, log), v, e, m in zip(spec, x, sigma, moved):
-        value = 10 ** v if log else float(v)
+    for (name, _, _, log), value, e, m in zip(spec, _unpack(spec, x).values(), sigma, moved):
         if not m:
             report[name] = [kept[name], None, "kept"]
         elif not math.isfinite(e):
@@ -235,15 +235,12 @@ def score(runs: list[Run], hw: Hardware) -> dict:
     measured), mfu_error_median and _worst (|ratio - 1|), rank_median (per cell), pick_median
     and pick_worst (measured share of the cell's best), crash_precision and crash_recall,
     false_crash (predicted to crash among the runs that ran), cells, runs, priced."""
-    est = predictions(runs, hw)
     ratios, cells = [], {}
     crash = {"tp": 0, "fp": 0, "fn": 0, "tn": 0}
-    for r, e in zip(runs, est):
+    for r, e in zip(runs, predictions(runs, hw)):
         cells.setdefault(r.cell, []).append((r, e))
-        predicted_crash = e is None or not e.fits
-        key = ("tp" if predicted_crash else "fn") if not r.ran else ("fp" if predicted_crash
-                                                                     else "tn")
-        crash[key] += 1
+        predicted_crash = e is None or not e.fits      # a positive; t/f: the prediction held/not
+        crash[("fp" if r.ran else "tp") if predicted_crash else ("tn" if r.ran else "fn")] += 1
         if r.ran and e is not None:
             ratios.append(e.tokens_per_s / (r.tokens_per_s_gpu * r.layout.gpus))
     ranks, picks = [], []
@@ -355,15 +352,14 @@ def cmd_fit(args) -> None:
     out = profile.to_dict()
     if args.output:
         Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
-    lines = list(notes)
     notes_of = {"kept": "not moved: base value kept", "undetermined": "undetermined: no more "
                 "runs than parameters", "fitted": ""}
     rows = [[name, _value(v), _value(e), notes_of[status] or
              ("poorly determined" if e > abs(v) else "")]
             for name, (v, e, status) in report["parameters"].items()]
-    lines += [text_table(rows, ["parameter", "value", "std. error", ""]),
-              f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "
-              f"{report['log_sigma_memory']:.3f}"]
+    lines = [*notes, text_table(rows, ["parameter", "value", "std. error", ""]),
+             f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "
+             f"{report['log_sigma_memory']:.3f}"]
     for title, key in (("nodes", lambda r: r.nodes), ("tp", lambda r: r.layout.tp),
                        ("pp", lambda r: r.layout.pp), ("dp", lambda r: r.layout.dp)):
         groups = residuals_by(runs, profile, key)
@@ -400,15 +396,12 @@ def add_fit_parser(sub) -> None:
 def scores_table(hw: Hardware) -> str:
     """The fitted profile's recorded scores as the markdown table docs/reference.md shows."""
     def row(label, f):
-        pct = lambda x: f"{x:.0%}"
-        return (f"| {label} | {f['runs']:,} | {f['mfu_ratio_median']:.2f} | "
-                f"{pct(f['mfu_error_median'])} / {pct(f['mfu_error_worst'])} | "
-                f"{f['rank_median']:.2f} | {f['pick_median']:.2f} / {f['pick_worst']:.2f} | "
-                f"{f['crash_precision']:.2f} / {f['crash_recall']:.2f} | "
-                f"{f['false_crash']:.1%} |")
-    lines = ["| scored on | runs | MFU ratio (median) | MFU error median / worst | rank "
-             "(median) | pick median / worst | crash precision / recall | ran, predicted to "
-             "crash |", "| --- | --- | --- | --- | --- | --- | --- | --- |",
-             row(f"the fitted rows ({hw.fitted['data']})", hw.fitted["training"])]
-    lines += [row(f"held out: {f['holdout']}", f) for f in hw.fitted["holdout"]]
-    return "\n".join(lines)
+        return [label, f"{f['runs']:,}", f"{f['mfu_ratio_median']:.2f}",
+                f"{f['mfu_error_median']:.0%} / {f['mfu_error_worst']:.0%}",
+                f"{f['rank_median']:.2f}", f"{f['pick_median']:.2f} / {f['pick_worst']:.2f}",
+                f"{f['crash_precision']:.2f} / {f['crash_recall']:.2f}", f"{f['false_crash']:.1%}"]
+    rows = [row(f"the fitted rows ({hw.fitted['data']})", hw.fitted["training"])]
+    rows += [row(f"held out: {f['holdout']}", f) for f in hw.fitted["holdout"]]
+    return markdown_table(["scored on", "runs", "MFU ratio (median)", "MFU error median / worst",
+                           "rank (median)", "pick median / worst", "crash precision / recall",
+                           "ran, predicted to crash"], rows)

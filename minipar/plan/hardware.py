@@ -190,10 +190,13 @@ def _pairs(rows, what: str, where: str, first: str, second: str) -> None:
         previous = row[0]
 
 
-def _objects(rows, what: str, where: str) -> None:
-    """PlanError unless ``rows`` is a list of JSON objects."""
+def _objects(rows, what: str, where: str, keys: tuple[str, ...]) -> None:
+    """PlanError unless ``rows`` is a list of JSON objects, each with ``keys`` finite and > 0."""
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise PlanError(f"{where}: {what} must be a list of objects, got {rows!r}")
+    for row in rows:
+        for key in keys:
+            _positive(row.get(key), f"{what} {key}", where)
 
 
 def check_numbers(hw: Hardware, where: str) -> None:
@@ -220,10 +223,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
     for key in ("base_latency", "intra_latency", "inter_latency",
                 "bandwidth_factor") if hw.tree is not None else ():
         _positive(hw.tree.get(key), f"tree.{key}", where, zero_ok=key == "base_latency")
-    _objects(hw.local_links, "local_links", where)
-    for link in hw.local_links:
-        _positive(link.get("devices"), "local_links devices", where)
-        _positive(link.get("bandwidth"), "local_links bandwidth", where)
+    _objects(hw.local_links, "local_links", where, ("devices", "bandwidth"))
     _pairs(hw.bandwidth_by_size, "bandwidth_by_size", where, "bytes", "factor")
     _pairs(hw.inter_node_efficiency, "inter_node_efficiency", where, "nodes", "fraction")
     _pairs(hw.p2p_latency, "p2p_latency", where, "nodes", "seconds")
@@ -231,10 +231,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
     for name in ("inter_node_efficiency", "fabric_efficiency"):
         if any(row[1] > 1 for row in getattr(hw, name)):
             raise PlanError(f"{where}: {name} fractions are at most 1")
-    _objects(hw.matmul_table, "matmul_table", where)
-    for row in hw.matmul_table:
-        for key in ("m", "n", "k", "flops_per_s"):
-            _positive(row.get(key), f"matmul_table {key}", where)
+    _objects(hw.matmul_table, "matmul_table", where, ("m", "n", "k", "flops_per_s"))
 
 
 def hardware_from_dict(data: dict, where: str = "hardware") -> Hardware:

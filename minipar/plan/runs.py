@@ -87,10 +87,9 @@ def _int(row: dict, key: str, where: str, default: int | None = None) -> int:
 
 
 def _float(row: dict, key: str) -> float:
-    value = row.get(key, "")
     try:
-        return float(value) if value not in ("", None) else math.nan
-    except ValueError:
+        return float(row.get(key))
+    except (TypeError, ValueError):          # absent, empty or not a number: not measured
         return math.nan
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import replace
+from itertools import combinations
 from pathlib import Path
 
 from .anchors import all_rows
@@ -115,16 +116,13 @@ def rank_orders(computed: list[dict] | None = None) -> list[dict]:
             continue
         pub = sorted(members, key=lambda r: -r["published"])
         pred = sorted(members, key=lambda r: -r["predicted"])
-        pairs = concordant = 0
-        for i, a in enumerate(members):
-            for b in members[i + 1:]:
-                if abs(a["published"] / b["published"] - 1) < TIE:
-                    continue
-                pairs += 1
-                concordant += (a["published"] > b["published"]) == (a["predicted"] > b["predicted"])
+        pairs = [(a, b) for a, b in combinations(members, 2)
+                 if abs(a["published"] / b["published"] - 1) >= TIE]
+        concordant = sum((a["published"] > b["published"]) == (a["predicted"] > b["predicted"])
+                         for a, b in pairs)
         out.append(dict(group=name, published=[r["case"] for r in pub],
-                        predicted=[r["case"] for r in pred], agrees=concordant == pairs,
-                        pairs=(concordant, pairs)))
+                        predicted=[r["case"] for r in pred], agrees=concordant == len(pairs),
+                        pairs=(concordant, len(pairs))))
     return out
 
 

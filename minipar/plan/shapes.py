@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from .errors import PlanError
@@ -288,7 +288,7 @@ def model_from_dict(data: dict, where: str = "model") -> ModelShape:
     if not isinstance(data, dict):
         raise PlanError(f"{where} must hold a JSON object with the fields "
                         f"{', '.join(REQUIRED_FIELDS)}")
-    known = {f.name: f for f in fields(ModelShape)}
+    known = [f.name for f in fields(ModelShape)]
     missing = [k for k in REQUIRED_FIELDS if k not in data]
     if missing:
         raise PlanError(f"{where} lacks {', '.join(missing)}; a model file needs "
@@ -306,8 +306,7 @@ def model_from_dict(data: dict, where: str = "model") -> ModelShape:
     if values["arch"] == "llama":        # LLaMA's defaults: untied head, no biases
         values.setdefault("tied_head", False)
         values.setdefault("bias", False)
-    defaults = {n: f.default for n, f in known.items() if f.default is not MISSING}
-    return ModelShape(**{**defaults, **values})
+    return ModelShape(**values)
 
 
 def load_model(path: str | Path) -> ModelShape:

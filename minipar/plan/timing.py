@@ -72,11 +72,8 @@ def intra_bandwidth(per_node: int, stride: int, hw: Hardware) -> float:
 
 def size_factor(nbytes: float, hw: Hardware) -> float:
     """The ring's bandwidth derating for a message of ``nbytes`` (RCCL's step table)."""
-    factor = 1.0
-    for bound, f in hw.bandwidth_by_size:
-        if nbytes >= bound:
-            factor = f
-    return factor
+    reached = [f for bound, f in hw.bandwidth_by_size if nbytes >= bound]
+    return reached[-1] if reached else 1.0
 
 
 def by_nodes(rows: list, nodes: int, default: float) -> float:
@@ -119,11 +116,8 @@ def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware,
     beta = link_bandwidth(per_node, nodes, stride, hw, job_nodes)
     phases = 2 if op == "all_reduce" else 1
     steps = phases * (size - 1)
-    if nodes == 1:
-        inter = 0
-    else:
-        inter = 2 * nodes if op == "all_reduce" else nodes - 1
-    inter = min(inter, steps)
+    crossings = 2 * nodes if op == "all_reduce" else nodes - 1      # as NCCL counts them
+    inter = min(crossings, steps) if nodes > 1 else 0
     latency = (hw.collective_latency + (steps - inter) * hw.intra_node_latency
                + inter * hw.inter_node_latency)
     share = {"all_gather": hw.all_gather_efficiency,
@@ -172,29 +166,26 @@ def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> 
     return by_nodes([[n0, t0], [n1, t1]], nodes, t0)       # t0 when n0 == n1
 
 
-def _measured(op: str, per_node: int, hw: Hardware) -> dict[int, list]:
-    """The ``collective_table``'s (bytes, seconds) rows of ``op`` at ``per_node`` members per
-    node, by node count."""
+def _measured(op: str, size: int, stride: int, hw: Hardware) -> tuple[int, dict[int, list]]:
+    """The group's node count, and the ``collective_table``'s (bytes, seconds) rows of ``op``
+    at its members per node, by node count."""
+    per_node, nodes = placement(size, stride, hw.gpus_per_node)
     by_nodes: dict[int, list] = {}
     for r in hw.collective_table or []:
         if r["op"] == op and r["per_node"] == per_node:
             by_nodes.setdefault(r["nodes"], []).append((r["bytes"], r["seconds"]))
-    return by_nodes
+    return nodes, by_nodes
 
 
 def _bracket(op: str, size: int, stride: int, hw: Hardware):
     """The measured (nodes, [(bytes, seconds)]) rows of ``op`` at this group's members per
-    node that its node count is read from: the same count twice, or the two around it;
-    None beyond them (or without any)."""
-    per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    by_nodes = _measured(op, per_node, hw)
-    if nodes in by_nodes:
-        return (nodes, by_nodes[nodes]), (nodes, by_nodes[nodes]), nodes
-    below = [n for n in by_nodes if n < nodes]
-    above = [n for n in by_nodes if n > nodes]
-    if not below or not above:
+    node that its node count is read from: the nearest measured count at or below it and
+    the nearest at or above (its own twice where measured); None beyond them (or none)."""
+    nodes, by_nodes = _measured(op, size, stride, hw)
+    n0 = max((n for n in by_nodes if n <= nodes), default=None)
+    n1 = min((n for n in by_nodes if n >= nodes), default=None)
+    if n0 is None or n1 is None:
         return None
-    n0, n1 = max(below), min(above)
     return (n0, by_nodes[n0]), (n1, by_nodes[n1]), nodes
 
 
@@ -258,8 +249,7 @@ def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware
 def _widest_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float | None:
     """The time the widest measured group of this op and placement took for ``nbytes``,
     where this group is wider still (a floor: module docstring); else None."""
-    per_node, nodes = placement(size, stride, hw.gpus_per_node)
-    by_nodes = _measured(op, per_node, hw)
+    nodes, by_nodes = _measured(op, size, stride, hw)
     if not by_nodes or nodes <= max(by_nodes):
         return None
     return _size_time(by_nodes[max(by_nodes)], nbytes)
