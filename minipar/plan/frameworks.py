@@ -36,7 +36,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PlanError
+from .errors import PlanError, raise_if
 from .sharding import Shard, shard_specs, zero_shard
 
 DATA = Path(__file__).resolve().parent / "frameworks.json"
@@ -127,23 +127,31 @@ def load_framework(name: str | Framework) -> Framework:
                         f"{', '.join(FRAMEWORKS)}") from None
 
 
+def capability_violation(fw: Framework, sp: bool = False, v: int = 1,
+                         recompute: tuple = (), cp: int = 1) -> str | None:
+    """Why ``fw`` cannot run what was asked, or None: sequence parallelism, v > 1 chunks
+    (interleaving), recomputation where it has none of the ``recompute`` modes, cp > 1."""
+    if sp and not fw.sp:
+        return (f"{fw.name} has no sequence parallelism; leave out --sp or choose another "
+                f"--framework")
+    if v > 1 and not fw.interleaving:
+        return (f"{fw.name} has no interleaved schedule; use --chunks 1 (and no --schedule "
+                f"interleaved) or another --framework")
+    if recompute and not set(recompute) & set(fw.recompute):
+        return (f"{fw.name} has no {' or '.join(map(repr, recompute))} recomputation; it has "
+                f"{', '.join(fw.recompute)}")
+    if cp > 1 and not fw.cp:
+        frameworks = " or ".join(f.name for f in FRAMEWORKS.values() if f.cp)
+        return (f"{fw.name} has no context parallelism in this planner; use --cp 1 (and no "
+                f"--max-cp) or --framework {frameworks}")
+    return None
+
+
 def check_framework(fw: Framework, layout, dp_per_node: int | None = None,
                     shape=None) -> None:
-    """PlanError unless ``fw`` can run ``layout`` (schedule, SP, recomputation, stages of
-    ``shape`` when given, spec), whatever cp is."""
-    if layout.sp and not fw.sp:
-        raise PlanError(f"{fw.name} has no sequence parallelism; leave out --sp or choose "
-                        f"another --framework")
-    if layout.v > 1 and not fw.interleaving:
-        raise PlanError(f"{fw.name} has no interleaved schedule; use --chunks 1 or another "
-                        f"--framework")
-    if layout.recompute not in fw.recompute:
-        raise PlanError(f"{fw.name} has no {layout.recompute!r} recomputation; it has "
-                        f"{', '.join(fw.recompute)}")
-    if layout.cp > 1 and not fw.cp:
-        frameworks = ", ".join(f.name for f in FRAMEWORKS.values() if f.cp)
-        raise PlanError(f"{fw.name} has no context parallelism in this planner; use --cp 1 or "
-                        f"--framework {frameworks.replace(', ', ' or ')}")
+    """PlanError unless ``fw`` can run ``layout`` (``capability_violation``, the stages of
+    ``shape`` when given, the spec)."""
+    raise_if(capability_violation(fw, layout.sp, layout.v, (layout.recompute,), layout.cp))
     from .stages import split_violation
     why = split_violation(shape, layout.pp, fw.stage_rule, layout.v) if shape else None
     if why:

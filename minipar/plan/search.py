@@ -53,7 +53,7 @@ from dataclasses import replace
 from .errors import PlanError, raise_if
 from .estimate import (Estimate, dp_collectives, dp_exposure, dp_profile, estimate,
                        STEP_PARTS, time_parts)
-from .frameworks import Framework, load_framework
+from .frameworks import Framework, capability_violation, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_violation,
                      schedule_violation, shape_tp_violation)
@@ -130,20 +130,10 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     for mode in recomputes or ():
         if mode not in RECOMPUTE_MODES:
             raise PlanError(f"unknown recomputation {mode!r}; use {', '.join(RECOMPUTE_MODES)}")
-    if recomputes and not set(recomputes) & set(fw.recompute):
-        raise PlanError(f"{fw.name} has no {' or '.join(map(repr, recomputes))} "
-                        f"recomputation; it has {', '.join(fw.recompute)}")
-    if sp and not fw.sp:
-        raise PlanError(f"{fw.name} has no sequence parallelism; leave out --sp or choose "
-                        f"another --framework")
     if schedule is not None and schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(SCHEDULES)}")
-    if (max(cps or [1]) > 1 or (max_cp or 1) > 1) and not fw.cp:
-        raise PlanError(f"{fw.name} has no context parallelism in this planner; leave out "
-                        f"--cp and --max-cp or choose --framework minipar or megatron-lm")
-    if (schedule == "interleaved" or min(vs or [1]) > 1) and not fw.interleaving:
-        raise PlanError(f"{fw.name} has no interleaved schedule; leave out --chunks and "
-                        f"--schedule interleaved, or choose another --framework")
+    raise_if(capability_violation(fw, bool(sp), 2 if schedule == "interleaved" else min(vs or [1]),
+                                  tuple(recomputes or ()), max(*(cps or [1]), max_cp or 1)))
     # a set of chunks is refused only when none of them can run
     raise_if(vs and schedule_violation(schedule, max(vs) if schedule == "interleaved" else min(vs)))
     tokens = global_batch_tokens or shape.global_batch_tokens
