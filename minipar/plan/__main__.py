@@ -17,7 +17,7 @@ import sys
 from ..runtime.cli import ArgumentParser, count, fraction, positive_float
 from ..runtime.cli import positive_int as positive
 from ..runtime.errors import UsageError
-from . import moe as moe_plan
+from ..rules import add_moe_flags
 from .arguments import add_shape, int_set, mode_set
 from .commands import cmd_estimate, cmd_flops, cmd_memory, cmd_params, cmd_search
 from .fit import add_fit_parser
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("search", cmd_search), ("estimate", cmd_estimate)):
         sub.choices[name].set_defaults(func=func)
         if name != "params":            # the MoE flags come last, in all but params
-            moe_plan.add_arguments(sub.choices[name])
+            add_moe_flags(sub.choices[name].add_argument_group("mixture of experts"))
     add_fit_parser(sub)
 
     for action in sub.choices.values():

@@ -307,10 +307,6 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
 # --------------------------------------------------------------------------------------
 # The command line's hooks
 # --------------------------------------------------------------------------------------
-def add_arguments(p) -> None:
-    rules.add_moe_flags(p.add_argument_group("mixture of experts"))
-
-
 def from_args(args) -> MoE | None:
     if args.moe_experts < 0 or args.ep < 1:
         raise PlanError(f"--moe-experts must be >= 0 and --ep >= 1 (got {args.moe_experts}, "
