@@ -13,7 +13,7 @@ from .frameworks import FRAMEWORKS
 from .hardware import load_hardware
 from .layout import Layout, check_layout, layout_violation, schedule_violation
 from .memory import model_state_bytes
-from .search import amsp_reasons, explain, human_bytes, search
+from .search import amsp_reasons, batch_sequences, explain, human_bytes, search
 from .arguments import SHAPE_FLAGS, shape_from_args
 from .shapes import megatron_flops, megatron_params, training_flops
 
@@ -37,16 +37,8 @@ def cmd_flops(args) -> None:
     shape = shape_from_args(args, need_heads=False)
     if args.batch and args.global_batch_tokens:
         raise PlanError("give --batch (sequences) or --global-batch-tokens, not both")
-    if args.global_batch_tokens:
-        if args.global_batch_tokens % shape.seq_len:
-            raise PlanError(f"--global-batch-tokens {args.global_batch_tokens} is not a "
-                            f"multiple of the sequence length {shape.seq_len}")
-        batch = args.global_batch_tokens // shape.seq_len
-    elif args.batch or shape.global_batch_tokens:
-        batch = args.batch or shape.global_batch_tokens // shape.seq_len
-    else:
-        raise PlanError(f"model {shape.name} has no default batch; give --batch or "
-                        f"--global-batch-tokens")
+    batch = args.batch or batch_sequences(shape, args.global_batch_tokens,
+                                          "--batch or --global-batch-tokens")
     moe = moe_plan.from_args(args)                      # MoE: FLOPs follow the active params
     model_f, hardware_f = (training_flops(shape, batch, r) if moe is None
                            else moe_plan.training_flops(shape, moe, batch, r)
@@ -191,13 +183,9 @@ def cmd_estimate(args) -> None:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
     dp = args.dp or args.gpus // inner
     spec = resolve_shard(dp * args.cp, args.shard, args.zero)      # over the dp x cp ranks
-    if args.global_batch is None and args.microbatches is None \
-            and not shape.global_batch_tokens:
-        raise PlanError(f"model {shape.name} has no default batch; give --global-batch or "
-                        f"--microbatches")
-    batch = shape.global_batch_tokens // shape.seq_len if args.global_batch is None \
-        else args.global_batch
     if args.microbatches is None:
+        batch = args.global_batch or batch_sequences(shape, None,
+                                                     "--global-batch or --microbatches")
         if batch % (dp * args.micro_batch):
             raise PlanError(f"the global batch of {batch} sequences does not divide into "
                             f"dp={dp} replicas of micro-batches of {args.micro_batch}; give "

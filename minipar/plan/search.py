@@ -136,13 +136,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
                                   tuple(recomputes or ()), max(*(cps or [1]), max_cp or 1)))
     # a set of chunks is refused only when none of them can run
     raise_if(vs and schedule_violation(schedule, max(vs) if schedule == "interleaved" else min(vs)))
-    tokens = global_batch_tokens or shape.global_batch_tokens
-    if not tokens:
-        raise PlanError(f"model {shape.name} has no default batch; give --global-batch-tokens")
-    if tokens % shape.seq_len:
-        raise PlanError(f"global batch of {tokens} tokens is not a whole number of "
-                        f"{shape.seq_len}-token sequences; use a multiple of {shape.seq_len}")
-    batch = tokens // shape.seq_len
+    batch = batch_sequences(shape, global_batch_tokens)
     capacity = device_capacity(hw, fw, reserve)
     modes = [r for r in RECOMPUTE_MODES if r in fw.recompute and r in (recomputes or [r])]
     if not fw.interleaving or schedule in ("gpipe", "1f1b"):
@@ -202,6 +196,19 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
     results.sort(key=lambda e: rank_key(seconds(e.step_time, e.layout), e.memory["total"],
                                         e.layout))
     return results[:top]
+
+
+def batch_sequences(shape: ModelShape, tokens: int | None = None,
+                    flags: str = "--global-batch-tokens") -> int:
+    """Sequences in a global batch of ``tokens`` (None: the model's), a whole number of them
+    (search, flops, estimate); ``flags``: what to give where the model has no default."""
+    s, tokens = shape.seq_len, tokens or shape.global_batch_tokens
+    if not tokens:
+        raise PlanError(f"model {shape.name} has no default batch; give {flags}")
+    if tokens % s:
+        raise PlanError(f"--global-batch-tokens {tokens} is not a whole number of {s}-token "
+                        f"sequences; use a multiple of {s}")
+    return tokens // s
 
 
 def allowed(value, name: str) -> tuple | None:
