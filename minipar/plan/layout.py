@@ -108,6 +108,15 @@ def shape_tp_violation(shape: ModelShape, tp: int, sp: bool = False) -> str | No
                         seq_len=shape.seq_len, sp=sp)
 
 
+def recompute_violation(modes: tuple) -> str | None:
+    """The first of ``modes`` that is no activation-recomputation mode, said, or None."""
+    for mode in modes:
+        if mode not in RECOMPUTE_MODES:
+            return (f"unknown recomputation {mode!r} (--recompute); use one of "
+                    f"{', '.join(RECOMPUTE_MODES)}")
+    return None
+
+
 def schedule_violation(schedule: str | None, chunks: int) -> str | None:
     """The command line's schedule and model chunks per stage agree: interleaving needs two
     chunks or more, and more than one chunk needs interleaving (``schedule`` None: free)."""
@@ -150,9 +159,7 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
     if gpus is not None and layout.gpus != gpus:
         raise PlanError(f"tp*pp*cp*dp = {t}*{p}*{layout.cp}*{layout.dp} = {layout.gpus} but "
                         f"there are {gpus} GPUs; choose degrees whose product is {gpus}")
-    if layout.recompute not in RECOMPUTE_MODES:
-        raise PlanError(f"unknown recomputation {layout.recompute!r}; "
-                        f"use one of {', '.join(RECOMPUTE_MODES)}")
+    raise_if(recompute_violation((layout.recompute,)))
     if layout.schedule not in ("gpipe", "1f1b"):
         raise PlanError(f"unknown schedule {layout.schedule!r}; use gpipe or 1f1b "
                         f"(v > 1 makes 1f1b interleaved)")

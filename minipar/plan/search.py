@@ -56,7 +56,7 @@ from .estimate import (Estimate, dp_collectives, dp_exposure, dp_profile, estima
 from .frameworks import Framework, capability_violation, load_framework
 from .hardware import Hardware, load_hardware
 from .layout import (ORDERS, Layout, cp_violation, dp_per_node, interleave_violation,
-                     schedule_violation, shape_tp_violation)
+                     recompute_violation, schedule_violation, shape_tp_violation)
 from .peak import (activation_bytes, gather_bytes, stage_list, state_bytes, temporary_bytes,
                    capacity as device_capacity)
 from .stages import distinct, split_violation
@@ -127,9 +127,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         allowed(x, name) for x, name in ((tp, "tp"), (pp, "pp"), (micro_batch, "micro-batch"),
                                          (v, "chunks"), (zero, "zero"),
                                          (recompute, "recompute"), (cp, "cp")))
-    for mode in recomputes or ():
-        if mode not in RECOMPUTE_MODES:
-            raise PlanError(f"unknown recomputation {mode!r}; use {', '.join(RECOMPUTE_MODES)}")
+    raise_if(recompute_violation(recomputes or ()))
     if schedule is not None and schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(SCHEDULES)}")
     raise_if(capability_violation(fw, bool(sp), 2 if schedule == "interleaved" else min(vs or [1]),
