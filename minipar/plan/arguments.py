@@ -83,12 +83,8 @@ def shape_from_args(args, need_heads: bool = True) -> ModelShape:
 
 
 def _values(text: str, flag: str, parse, ranges: bool = False) -> tuple:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"the set of allowed {flag} values is empty; give "
-                                         f"at least one")
-    out = []
-    for item in items:
+    out = []                            # an empty set is search()'s to refuse (``allowed``)
+    for item in (x.strip() for x in text.split(",") if x.strip()):
         if ranges and "-" in item:
             lo, _, hi = item.partition("-")
             lo, hi = parse(lo), parse(hi)
@@ -102,7 +98,8 @@ def _values(text: str, flag: str, parse, ranges: bool = False) -> tuple:
         else:
             out.append(parse(item))
     values = tuple(sorted(set(out)))
-    return values[0] if "," not in text and "-" not in text else values   # "4": 4, not (4,)
+    single = values and "," not in text and "-" not in text        # "4": 4, not (4,)
+    return values[0] if single else values
 
 
 def int_set(flag: str, low: int = 1, high: int | None = None):
