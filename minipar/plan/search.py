@@ -250,7 +250,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
         states = _state_table(shape, grid, specs, dtype, fw)
         profiles: dict = {}                # (spec, full recomputation) -> dp_profile
         for b, m, chunks in _schedules(shape, p, batch // d, mbs, vs, max_v, max_micro_batch,
-                                       schedule == "interleaved", refuser(2), fw.stage_rule):
+                                       schedule, refuser(2), fw.stage_rule):
             for mode in modes:
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
                               recompute=mode, v=chunks, sp=use_sp(t, c),
@@ -384,12 +384,12 @@ def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int, st
 
 
 def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int,
-               max_micro_batch: int, interleaved: bool = False, refuse=lambda why: None,
+               max_micro_batch: int, schedule: str | None = None, refuse=lambda why: None,
                stage_rule: str = "even"):
     """(b, m, v): micro-batch size (those in ``mbs``, else 1 to ``max_micro_batch``) dividing
     the ``per_replica`` sequences, micro-batch count, chunks per stage (those in ``vs``, else
-    those up to ``max_v`` the framework's stages split into; only v >= 2 when
-    ``interleaved``) that ``split_violation`` and ``interleave_violation`` allow (pp > 1, m
+    those up to ``max_v`` the framework's stages split into) that ``schedule_violation`` (the
+    ``schedule`` asked for), ``split_violation`` and ``interleave_violation`` allow (pp > 1, m
     divisible by pp). ``refuse`` is told why a size or a given chunk count was skipped."""
     sizes = mbs if mbs is not None else range(1, min(max_micro_batch, per_replica) + 1)
     chunk_counts = vs if vs is not None else [
@@ -400,9 +400,8 @@ def _schedules(shape: ModelShape, pp: int, per_replica: int, mbs, vs, max_v: int
             continue
         m = per_replica // b
         for chunks in chunk_counts:
-            why = ("--schedule interleaved needs 2 or more chunks per stage"
-                   if interleaved and chunks < 2 else
-                   (chunks > 1 and split_violation(shape, pp, stage_rule, chunks))
+            why = (schedule_violation(schedule, chunks)
+                   or (chunks > 1 and split_violation(shape, pp, stage_rule, chunks))
                    or interleave_violation(pp, m, chunks))
             if why:
                 refuse(why)
