@@ -11,11 +11,24 @@ from .errors import PlanError, raise_if
 from .estimate import estimate
 from .frameworks import FRAMEWORKS
 from .hardware import load_hardware
-from .layout import Layout, check_layout, layout_violation, schedule_violation
+from .layout import Layout, layout_violation, schedule_violation
 from .memory import model_state_bytes
 from .search import amsp_reasons, batch_sequences, explain, human_bytes, search
 from .arguments import SHAPE_FLAGS, shape_from_args
 from .shapes import megatron_flops, megatron_params, training_flops
+
+
+def data_parallel(args) -> int:
+    """dp: ``--dp`` (estimate) or ``--gpus`` over tp x pp x cp, whose product is ``--gpus``
+    (memory, estimate: the one place they meet)."""
+    inner = args.tp * args.pp * args.cp
+    if args.gpus and args.gpus % inner:
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
+    dp = getattr(args, "dp", None) or args.gpus // inner
+    if args.gpus and dp * inner != args.gpus:
+        raise PlanError(f"--dp {dp} x tp*pp*cp {inner} makes {dp * inner} GPUs, not --gpus "
+                        f"{args.gpus}; leave out --dp or --gpus")
+    return dp
 
 
 def cmd_params(args) -> None:
@@ -83,10 +96,7 @@ def cmd_memory(args) -> None:
                         "both")
     shape = shape_from_args(args) if args.params is None else None
     n = args.params if shape is None else shape.params
-    inner = args.tp * args.pp * args.cp
-    if args.gpus % inner:
-        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
-    dp = args.gpus // inner
+    dp = data_parallel(args)
     if shape is not None:     # the rules estimate applies; even stages, as this prices them
         raise_if(layout_violation(shape, Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=dp),
                                   hint=False))
@@ -178,10 +188,7 @@ def cmd_estimate(args) -> None:
     hw = load_hardware(args.hardware)
     if not (args.dp or args.gpus):
         raise PlanError("give --dp or --gpus")
-    inner = args.tp * args.pp * args.cp
-    if args.gpus and args.gpus % inner:
-        raise PlanError(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {inner}")
-    dp = args.dp or args.gpus // inner
+    dp = data_parallel(args)
     spec = resolve_shard(dp * args.cp, args.shard, args.zero)      # over the dp x cp ranks
     if args.microbatches is None:
         batch = args.global_batch or batch_sequences(shape, None,
@@ -210,8 +217,6 @@ def cmd_estimate(args) -> None:
                     v=args.chunks, sp=args.sp, schedule=schedule, cp=args.cp)
     fw = FRAMEWORKS[args.framework]
     order = args.order or fw.order
-    check_layout(shape, layout, gpus=args.gpus, order=order,     # estimate checks the rest
-                 gpus_per_node=hw.gpus_per_node, stage_rule=fw.stage_rule)
     e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
                  flash=args.flash_attention, dtype=args.dtype, framework=fw,
                  reserve=args.reserve)

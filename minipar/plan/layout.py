@@ -144,9 +144,8 @@ def layout_violation(shape: ModelShape, layout: Layout, stage_rule: str = "even"
             or stages)
 
 
-def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
-                 order: str = "tp,pp,dp", gpus_per_node: int | None = None,
-                 stage_rule: str = "even") -> Layout:
+def check_layout(shape: ModelShape, layout: Layout, order: str = "tp,pp,dp",
+                 gpus_per_node: int | None = None, stage_rule: str = "even") -> Layout:
     """Raise PlanError (what is wrong, what would fix it) unless ``layout`` can run ``shape``
     with stages built by ``stage_rule`` (``plan.stages``: even unless the framework builds
     uneven ones; the rule's own limits, nanotron's every-stage-a-block, are
@@ -156,9 +155,6 @@ def check_layout(shape: ModelShape, layout: Layout, gpus: int | None = None,
         raise PlanError(f"unknown order {order!r}; use {' or '.join(ORDERS)}")
     if min(t, p, layout.cp, layout.dp, v, layout.micro_batch, layout.microbatches) < 1:
         raise PlanError(f"every degree and batch count must be >= 1: {layout.describe()}")
-    if gpus is not None and layout.gpus != gpus:
-        raise PlanError(f"tp*pp*cp*dp = {t}*{p}*{layout.cp}*{layout.dp} = {layout.gpus} but "
-                        f"there are {gpus} GPUs; choose degrees whose product is {gpus}")
     raise_if(recompute_violation((layout.recompute,)))
     if layout.schedule not in ("gpipe", "1f1b"):
         raise PlanError(f"unknown schedule {layout.schedule!r}; use gpipe or 1f1b "
