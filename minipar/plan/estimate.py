@@ -273,7 +273,7 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     if check:
         check_layout(shape, layout, order=order, gpus_per_node=hw.gpus_per_node,
                      stage_rule=fw.stage_rule)
-        check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order), shape)
+        check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order))
     times = time_parts(shape, hw, layout, order, dtype, flash, fw)
     profile = dp_profile(shape, hw, layout, order, dtype, fw)
     times.update(dp_exposure(profile, layout.microbatches, times, overlap, hw.overlap_slowdown,

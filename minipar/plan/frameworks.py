@@ -147,15 +147,10 @@ def capability_violation(fw: Framework, sp: bool = False, v: int = 1,
     return None
 
 
-def check_framework(fw: Framework, layout, dp_per_node: int | None = None,
-                    shape=None) -> None:
-    """PlanError unless ``fw`` can run ``layout`` (``capability_violation``, the stages of
-    ``shape`` when given, the spec)."""
+def check_framework(fw: Framework, layout, dp_per_node: int | None = None) -> None:
+    """PlanError unless ``fw`` can run ``layout`` (``capability_violation``, the spec; its
+    stages, cut by ``fw.stage_rule``, are ``layout.check_layout``'s)."""
     raise_if(capability_violation(fw, layout.sp, layout.v, (layout.recompute,), layout.cp))
-    from .stages import split_violation
-    why = split_violation(shape, layout.pp, fw.stage_rule, layout.v) if shape else None
-    if why:
-        raise PlanError(f"{why} ({fw.name})")
     specs = fw.specs(layout.replicas, layout.pp, dp_per_node)
     if fw.spec_family != "amsp" and tuple(layout.shard) not in specs:
         raise PlanError(f"{fw.name} does not run shard spec {tuple(layout.shard)} with "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .errors import PlanError, raise_if
 from .shapes import RECOMPUTE_MODES, ModelShape
 from .sharding import Shard, check_shard
-from .stages import split_violation       # Megatron-LM's uneven interleaving
+from .stages import split_violation       # each framework's stages (even, uneven, ...)
 from .timing import placement
 from ..rules import (cp_violation, interleave_violation, pp_violation,  # noqa: F401
                      tp_violation)   # one copy of each rule, shared with the trainer
@@ -134,8 +134,7 @@ def layout_violation(shape: ModelShape, layout: Layout, stage_rule: str = "even"
     ``stage_rule``), or None. ``hint``: a pp that even stages refuse names the frameworks
     that build uneven ones (off where no framework can be chosen)."""
     t, p, v = layout.tp, layout.pp, layout.v
-    stages = (split_violation(shape, p, stage_rule, v) if stage_rule == "megatron" and v > 1
-              else pp_violation(shape.layers, p, v, uneven=stage_rule != "even"))
+    stages = split_violation(shape, p, stage_rule, v)
     if stages and hint and stage_rule == "even" and v == 1 and shape.layers >= p:
         stages += " (or a framework that builds uneven stages: megatron-lm, nanotron)"
     return (cp_violation(shape.seq_len, layout.cp, t, layout.sp)   # the trainer's order
@@ -148,8 +147,7 @@ def check_layout(shape: ModelShape, layout: Layout, order: str = "tp,pp,dp",
                  gpus_per_node: int | None = None, stage_rule: str = "even") -> Layout:
     """Raise PlanError (what is wrong, what would fix it) unless ``layout`` can run ``shape``
     with stages built by ``stage_rule`` (``plan.stages``: even unless the framework builds
-    uneven ones; the rule's own limits, nanotron's every-stage-a-block, are
-    ``frameworks.check_framework``'s)."""
+    uneven ones, each rule with its own limits: nanotron's gives every stage a block)."""
     t, p, v = layout.tp, layout.pp, layout.v
     if order not in ORDERS:
         raise PlanError(f"unknown order {order!r}; use {' or '.join(ORDERS)}")
