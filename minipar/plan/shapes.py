@@ -132,16 +132,26 @@ class ModelShape:
         return 4 * self.hidden if self.arch == "gpt" else llama_ffn(self.hidden)
 
     @property
+    def mlp_weights(self) -> int:
+        """The MLP's weight matrices: 2 h F (GPT's fc1, fc2), 3 h F (LLaMA's gate, up, down)."""
+        return (3 if self.arch == "llama" else 2) * self.hidden * self.ffn
+
+    @property
+    def mlp_params(self) -> int:
+        """The MLP's parameters: its weights, and with GPT's biases F + h more."""
+        biases = self.ffn + self.hidden if self.arch == "gpt" and self.bias else 0
+        return self.mlp_weights + biases
+
+    @property
     def layer_params(self) -> int:
         """Parameters of one transformer layer."""
-        h, f = self.hidden, self.ffn
+        h = self.hidden
         if self.arch == "llama":
-            return self.attention_params + 3 * h * f + 2 * h
+            return self.attention_params + self.mlp_params + 2 * h
         b = 1 if self.bias else 0
         attention = self.attention_params + b * (2 * h + 2 * self.kv_hidden)
-        mlp = 2 * h * f + b * (f + h)
         norms = 2 * (2 * h if self.bias else h)
-        return attention + mlp + norms
+        return attention + self.mlp_params + norms
 
     @property
     def embedding_params(self) -> int:
@@ -195,9 +205,8 @@ def megatron_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: in
 def forward_flops(shape: ModelShape, batch: int, seq_len: int | None = None) -> dict:
     """Forward matmul FLOPs of ``batch`` sequences: per layer (dense + attention core), logits."""
     s = seq_len or shape.seq_len
-    h, f = shape.hidden, shape.ffn
-    mlp = 2 * h * f if shape.arch == "gpt" else 3 * h * f
-    dense = 2 * batch * s * (shape.attention_params + mlp)   # QKV, output projection, MLP
+    h = shape.hidden
+    dense = 2 * batch * s * (shape.attention_params + shape.mlp_weights)  # QKV, out projection, MLP
     attention = 4 * batch * s * s * h              # Q K^T and scores x V
     logits = 2 * batch * s * h * shape.vocab
     return {"dense": dense, "attention": attention, "logits": logits}
