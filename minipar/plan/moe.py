@@ -102,16 +102,17 @@ def params(shape: ModelShape, moe: MoE) -> dict[str, int]:
                 experts=l_moe * moe.experts * m_p, router=l_moe * router)
 
 
-def extra_forward_flops(shape: ModelShape, moe: MoE, batch: int) -> float:
-    """Forward FLOPs an MoE adds to the dense model on ``batch`` sequences."""
+def extra_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "none") -> float:
+    """Training FLOPs an MoE adds to the dense model on ``batch`` sequences: 3 x its extra
+    forward FLOPs (4 x with full recomputation)."""
     tokens, router = batch * shape.seq_len, shape.hidden * moe.experts
-    return 2.0 * tokens * moe.layers(shape) * ((moe.top_k - 1) * shape.mlp_weights + router)
+    forward = 2.0 * tokens * moe.layers(shape) * ((moe.top_k - 1) * shape.mlp_weights + router)
+    return (4 if recompute == "full" else 3) * forward
 
 
 def training_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "none") -> float:
-    factor = 4 if recompute == "full" else 3
-    return shapes.training_flops(shape, batch, recompute) + factor * extra_forward_flops(
-        shape, moe, batch)
+    return shapes.training_flops(shape, batch, recompute) + extra_flops(shape, moe, batch,
+                                                                        recompute)
 
 
 # --------------------------------------------------------------------------------------
@@ -235,7 +236,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     times = dict(e.times)
     l_stage = math.ceil(moe.layers(shape) / lay.pp)
     calls = l_stage * lay.microbatches                  # MoE layers run per step on a stage
-    extra = (4 if lay.recompute == "full" else 3) * extra_forward_flops(shape, moe, lay.global_batch)
+    extra = extra_flops(shape, moe, lay.global_batch, lay.recompute)
     extra_stage = extra * l_stage / max(1, moe.layers(shape))
     busy = times["compute"] + times["tp_comm"]
     times["compute"] += extra_stage / (lay.dp * lay.tp * lay.cp) / hw.achievable_flops
