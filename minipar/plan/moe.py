@@ -133,9 +133,8 @@ def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=Non
                   + l_stage * shape.hidden * moe.experts)
     out = model_state_bytes(non_expert, dp * cp, shard=shard, zero=zero, dtype=dtype)
     experts = l_stage * (moe.experts // ep) * m_p
-    for key, per_param in zip(("params", "grads", "optimizer"), BYTES_PER_PARAM[dtype]):
-        out[key] += per_param * experts
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    whole = model_state_bytes(experts, dtype=dtype)     # unsharded: minipar.zero leaves them out
+    out = {key: out[key] + whole[key] for key in out}
     out["expert_params"], out["non_expert_params"] = experts, non_expert
     return out
 
