@@ -143,15 +143,17 @@ class ModelShape:
         return self.mlp_weights + biases
 
     @property
+    def norm_params(self) -> int:
+        """One norm's parameters: GPT's LayerNorm a weight and a bias (2h), LLaMA's RMSNorm (or
+        a LayerNorm without biases) a weight (h)."""
+        return 2 * self.hidden if self.arch == "gpt" and self.bias else self.hidden
+
+    @property
     def layer_params(self) -> int:
-        """Parameters of one transformer layer."""
-        h = self.hidden
-        if self.arch == "llama":
-            return self.attention_params + self.mlp_params + 2 * h
-        b = 1 if self.bias else 0
-        attention = self.attention_params + b * (2 * h + 2 * self.kv_hidden)
-        norms = 2 * (2 * h if self.bias else h)
-        return attention + self.mlp_params + norms
+        """Parameters of one transformer layer: the attention (with GPT's biases, 2h + 2 h_kv
+        more), the MLP and two norms."""
+        biases = 2 * self.hidden + 2 * self.kv_hidden if self.arch == "gpt" and self.bias else 0
+        return self.attention_params + biases + self.mlp_params + 2 * self.norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -161,9 +163,7 @@ class ModelShape:
     @property
     def head_params(self) -> int:
         """Final norm (+ the untied output projection): the last pipeline stage holds these."""
-        h = self.hidden
-        norm = 2 * h if (self.arch == "gpt" and self.bias) else h
-        return norm + (0 if self.tied_head else self.vocab * h)
+        return self.norm_params + (0 if self.tied_head else self.vocab * self.hidden)
 
     @property
     def params(self) -> int:
