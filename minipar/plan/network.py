@@ -101,7 +101,7 @@ def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
     s_p, s_g, s_os = shard
     w, g, _ = BYTES_PER_PARAM[dtype]
     m = microbatches
-    psi = s_os * math.ceil(n_params / s_os)      # one flat buffer, padded for every group
+    psi = padded_params(n_params, s_os)      # one flat buffer, padded for every group
     out = []
     if s_p > 1:
         out.append(Collective("all_gather", "parameters for forward and backward", psi * w,
