@@ -179,11 +179,8 @@ def zero_comm_bytes(n_params: int | list[int], dp: int, shard: Shard | str | Non
     its own collectives (what that engine sends, byte for byte). Keys: all_reduce,
     reduce_scatter, all_gather, total.
     """
-    spec = resolve_shard(dp, shard, zero)
-    out = dict.fromkeys(OPS, 0)
-    for n in n_params if isinstance(n_params, (list, tuple)) else [n_params]:
-        for c in zero_collectives(n, dp, spec, dtype, microbatches, recompute):
-            out[c.op] += c.count * ring_bytes(c.op, c.nbytes, c.size)
+    groups = zero_comm_bytes_by_group(n_params, dp, shard, zero, dtype, microbatches, recompute)
+    out = {op: sum(group.get(op, 0) for group in groups.values()) for op in OPS}
     out["total"] = sum(out[op] for op in OPS)
     return out
 
