@@ -49,7 +49,7 @@ import math
 
 from .hardware import Hardware
 from .layout import Layout
-from .memory import ACTIVATION_BYTES, stage_params
+from .memory import ACTIVATION_BYTES, BYTES_PER_PARAM, stage_params
 from .shapes import ModelShape
 
 LOGIT_BYTES = 16           # cross-entropy: fp32 logits read and written, forward and backward
@@ -157,7 +157,7 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
     # the optimizer step over this rank's optimizer shard
     optimizer = 0.0
     if hw.hbm_bandwidth:
-        g = grad_bytes or (2 if dtype == "mixed" else 4)
+        g = grad_bytes or BYTES_PER_PARAM[dtype][1]
         per_param = (ADAM_BYTES if dtype == "mixed" else 24) + g
         phi = stage_params(shape, t, p, stage)
         optimizer = per_param * math.ceil(phi / layout.shard[2]) / hw.hbm_bandwidth

@@ -94,34 +94,25 @@ def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> N
 # --------------------------------------------------------------------------------------
 # Parameters and FLOPs
 # --------------------------------------------------------------------------------------
-def expert_params(shape: ModelShape) -> int:
-    """One expert: the dense MLP's parameters."""
-    h, f = shape.hidden, shape.ffn
-    if shape.arch == "llama":
-        return 3 * h * f
-    return 2 * h * f + (f + h if shape.bias else 0)
-
-
 def params(shape: ModelShape, moe: MoE) -> dict[str, int]:
     """Total and active (per token) parameters, and those of the experts."""
-    l_moe, m_p, router = moe.layers(shape), expert_params(shape), shape.hidden * moe.experts
+    l_moe, m_p, router = moe.layers(shape), shape.mlp_params, shape.hidden * moe.experts
     return dict(total=shape.params + l_moe * ((moe.experts - 1) * m_p + router),
                 active=shape.params + l_moe * ((moe.top_k - 1) * m_p + router),
                 experts=l_moe * moe.experts * m_p, router=l_moe * router)
 
 
-def extra_forward_flops(shape: ModelShape, moe: MoE, batch: int) -> float:
-    """Forward FLOPs an MoE adds to the dense model on ``batch`` sequences."""
-    h, f = shape.hidden, shape.ffn
-    mlp_mm = (3 if shape.arch == "llama" else 2) * h * f
-    tokens = batch * shape.seq_len
-    return 2.0 * tokens * moe.layers(shape) * ((moe.top_k - 1) * mlp_mm + h * moe.experts)
+def extra_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "none") -> float:
+    """Training FLOPs an MoE adds to the dense model on ``batch`` sequences: 3 x its extra
+    forward FLOPs (4 x with full recomputation)."""
+    tokens, router = batch * shape.seq_len, shape.hidden * moe.experts
+    forward = 2.0 * tokens * moe.layers(shape) * ((moe.top_k - 1) * shape.mlp_weights + router)
+    return (4 if recompute == "full" else 3) * forward
 
 
 def training_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "none") -> float:
-    factor = 4 if recompute == "full" else 3
-    return shapes.training_flops(shape, batch, recompute) + factor * extra_forward_flops(
-        shape, moe, batch)
+    return shapes.training_flops(shape, batch, recompute) + extra_flops(shape, moe, batch,
+                                                                        recompute)
 
 
 # --------------------------------------------------------------------------------------
@@ -134,7 +125,7 @@ def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=Non
     dp x cp replicas, experts split by ep (and pp; replicated over tp and cp) and kept whole."""
     check(moe, ep, dp)
     l_stage = math.ceil(moe.layers(shape) / pp)
-    m_p = expert_params(shape)
+    m_p = shape.mlp_params                          # one expert: the dense MLP's parameters
     # the dense MLP this replaces holds 1/tp of it here, but its row-parallel bias whole
     row_bias = shape.hidden if shape.arch != "llama" and shape.bias else 0
     dense_mlp = math.ceil((m_p - row_bias) / tp) + row_bias
@@ -142,9 +133,8 @@ def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=Non
                   + l_stage * shape.hidden * moe.experts)
     out = model_state_bytes(non_expert, dp * cp, shard=shard, zero=zero, dtype=dtype)
     experts = l_stage * (moe.experts // ep) * m_p
-    for key, per_param in zip(("params", "grads", "optimizer"), BYTES_PER_PARAM[dtype]):
-        out[key] += per_param * experts
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    whole = model_state_bytes(experts, dtype=dtype)     # unsharded: minipar.zero leaves them out
+    out = {key: out[key] + whole[key] for key in out}
     out["expert_params"], out["non_expert_params"] = experts, non_expert
     return out
 
@@ -184,7 +174,7 @@ def tp_layer_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, tp: int, sp: b
     gather = ring_bytes("all_gather", tokens * moe.top_k * COUNT_BYTES, tp)
     if not sp:
         gather += 2 * ring_bytes("all_gather", tokens * shape.hidden * elem_bytes, tp)
-    weights = shape.hidden * moe.experts + moe.experts // ep * expert_params(shape)
+    weights = shape.hidden * moe.experts + moe.experts // ep * shape.mlp_params
     return dict(all_gather=gather, all_reduce=ring_bytes("all_reduce", weights * grad_bytes, tp))
 
 
@@ -245,7 +235,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     times = dict(e.times)
     l_stage = math.ceil(moe.layers(shape) / lay.pp)
     calls = l_stage * lay.microbatches                  # MoE layers run per step on a stage
-    extra = (4 if lay.recompute == "full" else 3) * extra_forward_flops(shape, moe, lay.global_batch)
+    extra = extra_flops(shape, moe, lay.global_batch, lay.recompute)
     extra_stage = extra * l_stage / max(1, moe.layers(shape))
     busy = times["compute"] + times["tp_comm"]
     times["compute"] += extra_stage / (lay.dp * lay.tp * lay.cp) / hw.achievable_flops
@@ -272,7 +262,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
                   + (0 if lay.sp else (3 if full else 2) * collective_time("all_gather", act, t,
                                                                            stride, hw, job))
                   + collective_time("all_reduce", (shape.hidden * moe.experts + moe.experts // ep
-                                                   * expert_params(shape)) * BYTES_PER_PARAM[dtype][1],
+                                                   * shape.mlp_params) * BYTES_PER_PARAM[dtype][1],
                                     t, stride, hw, job))
         times["tp_comm"] += calls * (moe_tp - dense_mlp)
 

@@ -101,7 +101,7 @@ def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
     s_p, s_g, s_os = shard
     w, g, _ = BYTES_PER_PARAM[dtype]
     m = microbatches
-    psi = s_os * math.ceil(n_params / s_os)      # one flat buffer, padded for every group
+    psi = padded_params(n_params, s_os)      # one flat buffer, padded for every group
     out = []
     if s_p > 1:
         out.append(Collective("all_gather", "parameters for forward and backward", psi * w,
@@ -179,11 +179,8 @@ def zero_comm_bytes(n_params: int | list[int], dp: int, shard: Shard | str | Non
     its own collectives (what that engine sends, byte for byte). Keys: all_reduce,
     reduce_scatter, all_gather, total.
     """
-    spec = resolve_shard(dp, shard, zero)
-    out = dict.fromkeys(OPS, 0)
-    for n in n_params if isinstance(n_params, (list, tuple)) else [n_params]:
-        for c in zero_collectives(n, dp, spec, dtype, microbatches, recompute):
-            out[c.op] += c.count * ring_bytes(c.op, c.nbytes, c.size)
+    groups = zero_comm_bytes_by_group(n_params, dp, shard, zero, dtype, microbatches, recompute)
+    out = {op: sum(group.get(op, 0) for group in groups.values()) for op in OPS}
     out["total"] = sum(out[op] for op in OPS)
     return out
 
@@ -246,24 +243,17 @@ def tp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, tp: int, layers: 
     parameters have their gradients all-reduced every micro-batch.
     """
     e = ACTIVATION_BYTES[dtype]
-    msg = micro_batch * seq_len * hidden * e
-    calls = layers * (6 if recompute else 4) + (2 if ends else 0)
-    out = dict.fromkeys(OPS, 0)
-    if sp:   # each all-reduce becomes an all-gather and a reduce-scatter
-        out["all_gather"] = microbatches * calls * ring_bytes("all_gather", msg, tp)
-        out["reduce_scatter"] = microbatches * calls * ring_bytes("reduce_scatter", msg, tp)
-        # ... and the replicated parameters' partial gradients are summed, tensor by tensor
-        gpt_bias = arch == "gpt" and bias
-        vectors = layers * (6 if gpt_bias else 2)        # 2 norms (weight, bias), 2 row biases
-        replicated = 0
-        if ends:
-            vectors += 2 if gpt_bias else 1              # the final norm
-            if arch == "gpt":                            # the position table, s x h
-                replicated += ring_bytes("all_reduce", seq_len * hidden * e, tp)
-        replicated += vectors * ring_bytes("all_reduce", hidden * e, tp)
-        out["all_reduce"] = microbatches * replicated
-    else:
-        out["all_reduce"] = microbatches * calls * ring_bytes("all_reduce", msg, tp)
+    layer = tp_block_comm_bytes(micro_batch * seq_len, hidden, tp, sp, dtype, arch, bias)
+    # every layer's forward (twice under recomputation) and backward; the embedding's g and
+    # the head's f, two calls of b s h outside the layers, send what a layer's forward sends
+    forwards = layers * (2 if recompute else 1) + (1 if ends else 0)
+    out = {op: microbatches * (forwards * layer["forward"].get(op, 0)
+                               + layers * layer["backward"].get(op, 0)) for op in OPS}
+    if sp and ends:   # the replicated final norm's gradients, and GPT's position table's (s x h)
+        vectors = 2 if arch == "gpt" and bias else 1
+        table = ring_bytes("all_reduce", seq_len * hidden * e, tp) if arch == "gpt" else 0
+        out["all_reduce"] += microbatches * (vectors * ring_bytes("all_reduce", hidden * e, tp)
+                                             + table)
     if ends:  # the loss: max, sum of exponentials, target logit, b s fp32 values each
         out["all_reduce"] += microbatches * 3 * ring_bytes("all_reduce", micro_batch * seq_len * 4,
                                                            tp)
@@ -275,8 +265,8 @@ def tp_block_comm_bytes(tokens: int, hidden: int, tp: int, sp: bool = False,
                         dtype: str = "mixed", arch: str = "gpt",
                         bias: bool = True) -> dict[str, dict[str, int]]:
     """Bytes one rank sends for one transformer layer and a micro-batch of ``tokens`` = b s
-    tokens, by pass and op: ``{"forward": {op: bytes}, "backward": {op: bytes}}``: the
-    per-layer part of ``tp_comm_bytes`` (no recomputation; module docstring)."""
+    tokens, by pass and op: ``{"forward": {op: bytes}, "backward": {op: bytes}}`` (no
+    recomputation; module docstring): what ``tp_comm_bytes`` counts per layer."""
     if tp == 1:
         return {"forward": {}, "backward": {}}
     e = ACTIVATION_BYTES[dtype]
@@ -284,7 +274,9 @@ def tp_block_comm_bytes(tokens: int, hidden: int, tp: int, sp: bool = False,
     if not sp:
         twice = {"all_reduce": 2 * ring_bytes("all_reduce", act, tp)}
         return {"forward": dict(twice), "backward": dict(twice)}
-    vectors = 6 if arch == "gpt" and bias else 2
+    # with SP each all-reduce becomes an all-gather and a reduce-scatter, and the replicated
+    # parameters' partial gradients are summed, tensor by tensor
+    vectors = 6 if arch == "gpt" and bias else 2        # 2 norms (weight, bias), 2 row biases
     both = {"all_gather": 2 * ring_bytes("all_gather", act, tp),
             "reduce_scatter": 2 * ring_bytes("reduce_scatter", act, tp)}
     return {"forward": dict(both),

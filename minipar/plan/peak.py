@@ -96,7 +96,7 @@ def layer_bytes(shape: ModelShape, layout: Layout, flash: bool = False, dtype: s
 def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
                      dtype: str = "mixed", stage: Stage | None = None) -> float:
     """Stashed activations of ``stage`` (default: the first of equal stages)."""
-    stage = stage or Stage(0, shape.layers // layout.pp, True, layout.pp == 1)
+    stage = stage or stages(shape, layout.pp)[0]
     held = in_flight(stage, layout.pp, layout.microbatches, layout.v, layout.schedule)
     return layer_bytes(shape, layout, flash, dtype) * held
 
@@ -119,7 +119,7 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
                     dtype: str = "mixed", framework=None, stage: Stage | None = None) -> float:
     """The transient buffers of ``stage`` listed in the module docstring (default: a stage
     holding the head, as a pipeline of one does)."""
-    stage = stage or Stage(layout.pp - 1, shape.layers // layout.pp, layout.pp == 1, True)
+    stage = stage or stages(shape, layout.pp)[-1]
     t, b, s = layout.tp, layout.micro_batch, shape.seq_len // layout.cp
     act = ACTIVATION_BYTES[dtype]
     total = 0.0

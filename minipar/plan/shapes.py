@@ -132,16 +132,28 @@ class ModelShape:
         return 4 * self.hidden if self.arch == "gpt" else llama_ffn(self.hidden)
 
     @property
+    def mlp_weights(self) -> int:
+        """The MLP's weight matrices: 2 h F (GPT's fc1, fc2), 3 h F (LLaMA's gate, up, down)."""
+        return (3 if self.arch == "llama" else 2) * self.hidden * self.ffn
+
+    @property
+    def mlp_params(self) -> int:
+        """The MLP's parameters: its weights, and with GPT's biases F + h more."""
+        biases = self.ffn + self.hidden if self.arch == "gpt" and self.bias else 0
+        return self.mlp_weights + biases
+
+    @property
+    def norm_params(self) -> int:
+        """One norm's parameters: GPT's LayerNorm a weight and a bias (2h), LLaMA's RMSNorm (or
+        a LayerNorm without biases) a weight (h)."""
+        return 2 * self.hidden if self.arch == "gpt" and self.bias else self.hidden
+
+    @property
     def layer_params(self) -> int:
-        """Parameters of one transformer layer."""
-        h, f = self.hidden, self.ffn
-        if self.arch == "llama":
-            return self.attention_params + 3 * h * f + 2 * h
-        b = 1 if self.bias else 0
-        attention = self.attention_params + b * (2 * h + 2 * self.kv_hidden)
-        mlp = 2 * h * f + b * (f + h)
-        norms = 2 * (2 * h if self.bias else h)
-        return attention + mlp + norms
+        """Parameters of one transformer layer: the attention (with GPT's biases, 2h + 2 h_kv
+        more), the MLP and two norms."""
+        biases = 2 * self.hidden + 2 * self.kv_hidden if self.arch == "gpt" and self.bias else 0
+        return self.attention_params + biases + self.mlp_params + 2 * self.norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -151,9 +163,7 @@ class ModelShape:
     @property
     def head_params(self) -> int:
         """Final norm (+ the untied output projection): the last pipeline stage holds these."""
-        h = self.hidden
-        norm = 2 * h if (self.arch == "gpt" and self.bias) else h
-        return norm + (0 if self.tied_head else self.vocab * h)
+        return self.norm_params + (0 if self.tied_head else self.vocab * self.hidden)
 
     @property
     def params(self) -> int:
@@ -195,9 +205,8 @@ def megatron_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: in
 def forward_flops(shape: ModelShape, batch: int, seq_len: int | None = None) -> dict:
     """Forward matmul FLOPs of ``batch`` sequences: per layer (dense + attention core), logits."""
     s = seq_len or shape.seq_len
-    h, f = shape.hidden, shape.ffn
-    mlp = 2 * h * f if shape.arch == "gpt" else 3 * h * f
-    dense = 2 * batch * s * (shape.attention_params + mlp)   # QKV, output projection, MLP
+    h = shape.hidden
+    dense = 2 * batch * s * (shape.attention_params + shape.mlp_weights)  # QKV, out projection, MLP
     attention = 4 * batch * s * s * h              # Q K^T and scores x V
     logits = 2 * batch * s * h * shape.vocab
     return {"dense": dense, "attention": attention, "logits": logits}

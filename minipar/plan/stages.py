@@ -56,8 +56,7 @@ class Stage:
 
 def layer_cost(shape) -> float:
     """nanotron's cost of one transformer layer (``get_block_compute_costs``)."""
-    mlp = 3 if shape.arch == "llama" else 2
-    return 4 * shape.hidden * shape.hidden + mlp * shape.ffn * shape.hidden
+    return 4 * shape.hidden * shape.hidden + shape.mlp_weights
 
 
 def head_cost(shape) -> float:
