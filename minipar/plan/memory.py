@@ -134,23 +134,16 @@ def tp_rank_params(shape: ModelShape, tp: int = 1) -> dict[str, int]:
     vocabulary padded to a multiple of t. Whole on every rank: the norms, the row-parallel
     biases and the position table. Assumes t divides h and F, as the trainer checks.
     """
-    h, f, t = shape.hidden, shape.ffn, tp
+    h, t = shape.hidden, tp
     vocab_rows = math.ceil(shape.vocab / t)                    # V padded to a multiple of t
-    if shape.arch == "llama":
-        norm = h                                               # RMSNorm: a weight only
-        split = shape.attention_params + 3 * h * f             # wq, wk, wv, wo, w1, w2, w3
-        replicated = 2 * norm
-        positions = 0                                          # rotary: no table
-    else:
-        b = 1 if shape.bias else 0
-        norm = 2 * h if shape.bias else h                      # LayerNorm weight (+ bias)
-        split = (shape.attention_params + 2 * h * f          # + the column biases
-                 + b * (h + 2 * shape.kv_hidden + f))
-        replicated = 2 * norm + b * 2 * h                      # + the two row biases
-        positions = shape.seq_len * h
+    b = 1 if shape.arch == "gpt" and shape.bias else 0         # GPT's biases
+    split = (shape.attention_params + shape.mlp_weights        # wq, wk, wv, wo; the MLP's
+             + b * (h + 2 * shape.kv_hidden + shape.ffn))      # + the column biases
+    replicated = 2 * shape.norm_params + b * 2 * h             # + the two row biases
+    positions = 0 if shape.arch == "llama" else shape.seq_len * h     # rotary: no table
     return {"layer": math.ceil(split / t) + replicated,
             "embedding": vocab_rows * h + positions,
-            "head": norm + (0 if shape.tied_head else vocab_rows * h),
+            "head": shape.norm_params + (0 if shape.tied_head else vocab_rows * h),
             "tied_copy": vocab_rows * h if shape.tied_head else 0}
 
 
