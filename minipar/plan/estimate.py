@@ -115,6 +115,14 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def rates(shape: ModelShape, hw: Hardware, layout: Layout, step: float, flops: dict) -> dict:
+    """An estimate's FLOPs per step ({"model": without recomputation, "hardware": with}) and
+    what its step time makes of them: tokens/s, MFU and HFU (module docstring)."""
+    peak = step * layout.gpus * hw.peak_flops
+    return dict(flops=flops, tokens_per_s=layout.global_batch * shape.seq_len / step,
+                mfu=flops["model"] / peak, hfu=flops["hardware"] / peak)
+
+
 def tp_call_time(msg: float, layout: Layout, stride: int, hw: Hardware) -> float:
     """One of a layer's TP all-reduces of ``msg`` bytes; with sequence parallelism the
     all-gather and reduce-scatter it becomes (``moe.adjust`` prices the MLP's with it)."""
@@ -287,17 +295,14 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     if slower > 1:
         notes.append(f"{min(layout.gpus, hw.gpus_per_node)} processes share {hw.cores} cores: "
                      f"compute predicted {slower:.2g}x slower per process (time-sliced)")
-    flops_model = training_flops(shape, layout.global_batch, "none")
-    flops_hw = training_flops(shape, layout.global_batch, layout.recompute)
-    peak = times["step"] * layout.gpus * hw.peak_flops
+    flops = {"model": training_flops(shape, layout.global_batch, "none"),
+             "hardware": training_flops(shape, layout.global_batch, layout.recompute)}
     return Estimate(
         model=shape.name, hardware=hw.name, layout=layout,
         memory=device_memory(shape, layout, flash, dtype, fw),
         capacity=capacity(hw, fw, reserve),
-        times=times,
-        flops={"model": flops_model, "hardware": flops_hw},
-        tokens_per_s=layout.global_batch * shape.seq_len / times["step"],
-        mfu=flops_model / peak, hfu=flops_hw / peak, framework=fw.name, notes=notes,
+        times=times, **rates(shape, hw, layout, times["step"], flops),
+        framework=fw.name, notes=notes,
         unvalidated=unvalidated(shape, hw, layout, order, fw, dtype),
         cp_bytes=cp_comm_bytes(layout.micro_batch, shape.seq_len, shape.kv_hidden, layout.cp,
                                max(stage_list(shape, layout, fw), key=lambda st: st.layers)

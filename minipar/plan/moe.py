@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 from . import shapes
 from .errors import PlanError, raise_if
-from .estimate import STEP_PARTS, tp_call_time
+from .estimate import STEP_PARTS, rates, tp_call_time
 from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_params
 from .network import collective_time, placement, ring_bytes, zero_collectives
 from .shapes import ModelShape
@@ -280,18 +280,15 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     times["dp_comm"] = dp_comm
     times["dp_exposed"] = dp_comm * (1 - hidden_share)
     times["step"] = sum(times.get(k, 0.0) for k in (*STEP_PARTS, "ep_comm"))
-    model_flops = training_flops(shape, moe, lay.global_batch, "none")
-    hw_flops = training_flops(shape, moe, lay.global_batch, lay.recompute)
-    peak = times["step"] * lay.gpus * hw.peak_flops
+    flops = {"model": training_flops(shape, moe, lay.global_batch, "none"),
+             "hardware": training_flops(shape, moe, lay.global_batch, lay.recompute)}
     p = params(shape, moe)
     note = (f"MoE: {moe.experts} experts, top-{moe.top_k}, every {moe.every} layer(s), ep={ep}: "
             f"{p['total']:,} parameters, {p['active']:,} active per token; all-to-all "
             f"{a2a / 2**20:,.1f} MiB per device per step ({times['ep_comm'] * 1e3:.2f} ms, "
             f"blocking); activations as the dense model's")
-    return dataclasses.replace(
-        e, memory=memory, times=times, flops={"model": model_flops, "hardware": hw_flops},
-        tokens_per_s=lay.global_batch * shape.seq_len / times["step"],
-        mfu=model_flops / peak, hfu=hw_flops / peak, notes=[*e.notes, note])
+    return dataclasses.replace(e, memory=memory, times=times, notes=[*e.notes, note],
+                               **rates(shape, hw, lay, times["step"], flops))
 
 
 # --------------------------------------------------------------------------------------
