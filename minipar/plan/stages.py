@@ -94,25 +94,19 @@ def _megatron(shape, pp: int, v: int = 1) -> tuple[int, ...] | None:
     of k's range, or, where the first stage is the slowest anyway, the largest k it still
     leaves slowest. Only those few k per f are tried: O(l), not O(l^2)."""
     l, head = shape.layers, head_cost(shape) / layer_cost(shape)
-    best = None
+    splits = []                                 # layer counts: (first, the middle ones..., last)
     for first in range(v, l, v):
         if pp == 2:
-            options = [l - first]                               # the last stage: the rest
+            ks = [0]                                  # no middle stage: the last takes the rest
         else:
             top = (l - first - v) // (pp - 2) // v * v          # the last keeps v layers
             cross = (l - first + head) / (pp - 1) / v
             ks = {v, top, math.floor(cross) * v, math.ceil(cross) * v, min(first, top)}
-            options = [l - first - (pp - 2) * k for k in sorted(ks, reverse=True)
-                       if v <= k <= top]
-        for last in options:                                    # lighter last stage first
-            if last < v or last % v:
-                continue
-            rest = l - first - last
-            mid = (rest // (pp - 2),) * (pp - 2) if pp > 2 else ()
-            key = (max(first, *mid, last + head), first)
-            if best is None or key < best[0]:
-                best = (key, (first, *mid, last))
-    return None if best is None else best[1]
+            ks = [k for k in sorted(ks, reverse=True) if v <= k <= top]
+        splits += [(first, *(k,) * (pp - 2), l - first - (pp - 2) * k) for k in ks]
+    runs = [x for x in splits if x[-1] >= v and x[-1] % v == 0]     # the last too: v or more
+    # the slowest stage, then the lighter first; of equal keys min keeps the lighter last
+    return min(runs, key=lambda x: (max(*x[:-1], x[-1] + head), x[0]), default=None)
 
 
 @lru_cache(maxsize=4096)
