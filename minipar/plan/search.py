@@ -338,18 +338,15 @@ def _degrees(shape: ModelShape, gpus: int, batch: int, tps, pps, max_tp: int, st
     cp, at most ``max_cp``), dp the batch. A single value given for tp, pp or cp that cannot
     work is a PlanError; from a set such values are skipped, ``refuse`` told why. ``sp(t,
     c)``: whether that layout runs sequence parallelism (``sp_rule``)."""
-    for axis, values in (("tp", tps), ("pp", pps)):
+    t0 = tps[0] if tps and len(tps) == 1 else 1          # the tp a single cp is checked with
+    for axis, values in (("tp", tps), ("pp", pps), ("cp", cps)):
         if values is not None and len(values) == 1:
             x = values[0]
             why = (shape_tp_violation(shape, x, sp(x, 1)) if axis == "tp"
-                   else split_violation(shape, x, stage_rule))
+                   else split_violation(shape, x, stage_rule) if axis == "pp"
+                   else cp_violation(shape.seq_len, x, t0, sp(t0, x)))
             if why or gpus % x:
                 raise PlanError(why or f"{axis}={x} must divide the {gpus} GPUs")
-    if cps is not None and len(cps) == 1 and cps[0] > 1:
-        c, t0 = cps[0], (tps[0] if tps and len(tps) == 1 else 1)
-        why = cp_violation(shape.seq_len, c, t0, sp(t0, c))
-        if gpus % c or why:
-            raise PlanError(why or f"cp={c} must divide the {gpus} GPUs")
     tps = tps or [t for t in divisors(shape.heads) if t <= max_tp]
     # assumption, a bound on the work and not a framework's rule: no framework here gives a
     # stage less than a layer, bar nanotron's balance, whose extra stages hold the blocks
