@@ -323,11 +323,10 @@ def scaled_layout(layout: Layout, dp: int, weak: bool = True) -> Layout | None:
     spec given at the target width). None when the batch does not divide."""
     from math import gcd
     m = layout.microbatches
-    if not weak:
-        per_replica, rest = divmod(layout.global_batch, dp * layout.micro_batch)
-        if rest or per_replica < 1:
+    if not weak:                       # the global batch over dp replicas of micro-batches
+        m, rest = divmod(layout.global_batch, dp * layout.micro_batch)
+        if rest or m < 1:
             return None
-        m = per_replica
     if layout.v > 1 and m % layout.pp:
         return None
     replicas = dp * layout.cp                  # ZeRO shards over dp x cp
