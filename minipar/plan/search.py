@@ -141,7 +141,6 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
         max_v, vs = 1, (1,)
     use_sp = sp_rule(shape, fw.sp if sp is None else sp, given=sp is not None)
 
-    keep = max(4 * top, 20)
     if not fw.cp:                      # the cp to scan, in turn (None: every cp)
         tries = [[1]]
     elif cps is not None:
@@ -165,7 +164,7 @@ def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
             max_micro_batch=max_micro_batch, schedule=schedule, use_sp=use_sp, order=order,
             overlap=overlap, flash=flash, dtype=dtype, specs_per_layout=specs_per_layout,
             seconds=seconds)
-        pool = heapq.nsmallest(keep, candidates, key=lambda x: x[0])
+        pool = heapq.nsmallest(max(4 * top, 20), candidates, key=lambda x: x[0])
         # the pruned scan ranked candidates; the full model has the last word, same key
         found = [e for e in (estimate(shape, hw, layout, order=order, overlap=overlap,
                                       flash=flash, dtype=dtype, reserve=reserve, check=False,
