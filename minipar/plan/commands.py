@@ -166,7 +166,6 @@ def cmd_search(args) -> None:
         why += "\n  " + results[0].notes[-1]
     data = [e.to_json() for e in results]
     data[0]["explain"] = why
-    first = results[0].layout
     ranked = "predicted step time"
     if args.objective == "amsp":
         ranked = ("AMSP's data-parallel communication time, nothing hidden, each group on the "
@@ -175,7 +174,7 @@ def cmd_search(args) -> None:
             shape, hw, results[0], fw, order, args.dtype or hw.dtype, args.flash_attention,
             args.reserve))
     header = (f"{shape.name} on {args.gpus} x {args.hardware} with {args.framework}, global "
-              f"batch {first.global_batch} sequences; ranked by {ranked}, best first\n")
+              f"batch {results[0].layout.global_batch} sequences; ranked by {ranked}, best first\n")
     if args.cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):
         header += (f"context parallelism weighed: without it, sequences of {shape.seq_len:,} tokens "
                    f"fit only with full recomputation or not at all, or no layout divides "
