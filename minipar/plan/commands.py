@@ -66,10 +66,9 @@ def cmd_flops(args) -> None:
         rows += [["MoE parameters (total)", f"{data['moe']['total_params']:,}"],
                  ["MoE parameters active per token", f"{data['moe']['active_params']:,}"]]
     if shape.arch == "gpt" and moe is None:
-        data["megatron_flops"] = megatron_flops(batch, shape.seq_len, shape.layers,
-                                                shape.hidden, shape.vocab,
-                                                recompute=args.recompute == "full")
-        data["flops"] = data["megatron_flops"]
+        data["megatron_flops"] = data["flops"] = megatron_flops(
+            batch, shape.seq_len, shape.layers, shape.hidden, shape.vocab,
+            recompute=args.recompute == "full")
         rows.insert(1, ["Megatron-LM formula", f"{data['flops']:.4g}"])
     else:
         data["flops"] = hardware_f
