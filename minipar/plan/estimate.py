@@ -305,9 +305,9 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
         framework=fw.name, notes=notes,
         unvalidated=unvalidated(shape, hw, layout, order, fw, dtype),
         cp_bytes=cp_comm_bytes(layout.micro_batch, shape.seq_len, shape.kv_hidden, layout.cp,
-                               max(stage_list(shape, layout, fw), key=lambda st: st.layers)
-                               .layers, layout.microbatches, layout.tp,
-                               ACTIVATION_BYTES[dtype], layout.recompute))
+                               max(st.layers for st in stage_list(shape, layout, fw)),
+                               layout.microbatches, layout.tp, ACTIVATION_BYTES[dtype],
+                               layout.recompute))
 
 
 # --------------------------------------------------------------------------------------
