@@ -107,8 +107,7 @@ def attention_core(shape: ModelShape, hw: Hardware, micro_batch: int, tp: int = 
         rate = hw.peak_flops * (hw.attention_efficiency or hw.compute_efficiency)
         fwd = cp * 4.0 * b * s * s * h / tp / rate
     else:
-        heads = a // tp if a % tp == 0 else a / tp
-        d = h // a
+        heads, d = a / tp, h // a           # heads per rank (a fraction where tp does not divide a)
         fwd = cp * b * heads * (matmul_time(s, s, d, hw, e) + matmul_time(s, d, s, hw, e))
     return fwd, 2 * fwd
 
