@@ -56,7 +56,7 @@ def ring_bytes(op: str, nbytes: int, n: int) -> int:
 
 def placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
     """(members per node, nodes) of a group of ``size`` ranks ``stride`` devices apart."""
-    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    per_node = max(1, min(size, gpus_per_node // stride))     # 1 once stride >= a node
     return per_node, math.ceil(size / per_node)
 
 
