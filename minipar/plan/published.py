@@ -51,10 +51,9 @@ def row(label: str, e: Estimate, published: float | None = None) -> dict:
             "published": published, "shares": e.shares(), "estimate": e}
 
 
-def amsp_rows(objective: str = "step", framework: str = "minipar",
-              hardware="a800-ib") -> list:
+def amsp_rows(objective: str = "step", framework: str = "minipar") -> list:
     """LLaMA on 1,024 A800s, TP = PP = 1: the searched spec per model."""
-    return [row(model, search(model, 1024, hardware, tp=1, pp=1, objective=objective,
+    return [row(model, search(model, 1024, "a800-ib", tp=1, pp=1, objective=objective,
                               framework=framework)[0], AMSP_MFU) for model in LLAMAS]
 
 
