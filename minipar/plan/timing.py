@@ -206,7 +206,7 @@ def coverage(op: str, size: int, stride: int, hw: Hardware,
     bracket = _bracket(op, size, stride, hw)
     if bracket is not None:             # the node count is measured, this size is not
         smallest = max(min(b for b, _ in rows_) for _, rows_ in bracket[:2])
-        return f"{op} of {_size(nbytes)} {where}: measured only from {_size(smallest)}"
+        return f"{op} of {size_text(nbytes)} {where}: measured only from {size_text(smallest)}"
     if not placed and nodes == 1:      # rows measured at another placement say nothing here
         return None
     widths = sorted({r["per_node"] * r["nodes"] for r in placed})
@@ -221,7 +221,8 @@ def coverage(op: str, size: int, stride: int, hw: Hardware,
     return f"{op} {where}: {measured}"
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit it reaches, to 3 significant digits."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
