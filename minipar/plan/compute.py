@@ -134,8 +134,8 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
 
     # the attention core
     att_f, att_b = attention_core(shape, hw, b, t, cp, dtype, flash)
-    again = recompute in ("full", "selective") and (not flash or cp > 1)
-    attention = layers * (att_f + att_b + (att_f if again or recompute == "full" else 0))
+    again = recompute == "full" or (recompute == "selective" and (not flash or cp > 1))
+    attention = layers * (att_f + att_b + (att_f if again else 0))
 
     # memory-bound kernels (module docstring), bytes of one micro-batch's forward
     mem_f = mem_b = 0.0
