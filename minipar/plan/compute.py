@@ -107,8 +107,7 @@ def attention_core(shape: ModelShape, hw: Hardware, micro_batch: int, tp: int = 
         rate = hw.peak_flops * (hw.attention_efficiency or hw.compute_efficiency)
         fwd = cp * 4.0 * b * s * s * h / tp / rate
     else:
-        heads = a // tp if a % tp == 0 else a / tp
-        d = h // a
+        heads, d = a / tp, h // a           # heads per rank (a fraction where tp does not divide a)
         fwd = cp * b * heads * (matmul_time(s, s, d, hw, e) + matmul_time(s, d, s, hw, e))
     return fwd, 2 * fwd
 
@@ -135,8 +134,8 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
 
     # the attention core
     att_f, att_b = attention_core(shape, hw, b, t, cp, dtype, flash)
-    again = recompute in ("full", "selective") and (not flash or cp > 1)
-    attention = layers * (att_f + att_b + (att_f if again or recompute == "full" else 0))
+    again = recompute == "full" or (recompute == "selective" and (not flash or cp > 1))
+    attention = layers * (att_f + att_b + (att_f if again else 0))
 
     # memory-bound kernels (module docstring), bytes of one micro-batch's forward
     mem_f = mem_b = 0.0

@@ -336,15 +336,14 @@ def cmd_fit(args) -> None:
     fitted = {"data": Path(args.runs).name, "sha256": digest(args.runs), "rows": len(runs),
               "base": base.name, **report, "training": score(runs, hw), "holdout": folds}
     where = f"{fitted['data']} (sha256 {fitted['sha256'][:12]}..., {len(runs)} runs)"
-    sources, done = dict(base.sources), set()
+    said: dict = {}          # by field: what the fit did to each of its parameters
     for name, (value, error, status) in report["parameters"].items():
-        key = name.partition("@")[0]
-        said = {"fitted": f"{name} fitted to {where}: {value:.4g} +- {error or 0:.2g}",
-                "kept": f"{name} not moved by {where}: {base.name}'s value kept",
-                "undetermined": f"{name} fitted to {where}: {value:.4g}, its error "
-                                f"undetermined (no more runs than parameters)"}[status]
-        sources[key] = f"{sources[key]}; {said}" if key in done else said
-        done.add(key)
+        said.setdefault(name.partition("@")[0], []).append(
+            {"fitted": f"{name} fitted to {where}: {value:.4g} +- {error or 0:.2g}",
+             "kept": f"{name} not moved by {where}: {base.name}'s value kept",
+             "undetermined": f"{name} fitted to {where}: {value:.4g}, its error "
+                             f"undetermined (no more runs than parameters)"}[status])
+    sources = {**base.sources, **{key: "; ".join(texts) for key, texts in said.items()}}
     sources["memory_sigma"] = f"fitted to {where}: the memory residuals' robust sd"
     profile = replace(hw, name=args.name or f"{base.name}-fitted", fitted=fitted,
                       sources=sources, description=f"{base.description}; efficiencies "

@@ -177,17 +177,15 @@ def _pairs(rows, what: str, where: str, first: str, second: str) -> None:
                "minipar.plan fit)" if isinstance(rows, (int, float)) else "")
         raise PlanError(f"{where}: {what} must be a list of [{first}, {second}] pairs, got "
                         f"{rows!r}{old}")
-    previous = None
-    for row in rows:
+    for i, row in enumerate(rows):
         if not isinstance(row, (list, tuple)) or len(row) != 2:
             raise PlanError(f"{where}: each {what} row is a pair [{first}, {second}], got "
                             f"{row!r}")
         _positive(row[0], f"{what} {first}", where)
         _positive(row[1], f"{what} {second}", where)
-        if previous is not None and row[0] <= previous:
+        if i and row[0] <= rows[i - 1][0]:
             raise PlanError(f"{where}: {what} rows must go by strictly increasing {first}, "
-                            f"one row each; got {row[0]!r} after {previous!r}")
-        previous = row[0]
+                            f"one row each; got {row[0]!r} after {rows[i - 1][0]!r}")
 
 
 def _objects(rows, what: str, where: str, keys: tuple[str, ...]) -> None:

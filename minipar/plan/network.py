@@ -149,21 +149,17 @@ def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: i
         grad_overlap = framework.dp_overlap
     out = []
     for c in zero_collectives(n_params, dp, shard, dtype, microbatches, recompute):
+        reduce = c.kind in ("grad", "step_reduce")
         if c.kind == "gather":
             calls = gathers or units
-        elif bucket is None:
-            calls = units
-        else:
-            calls = max(1, math.ceil(c.nbytes / (w if c.kind.endswith("gather") else g16) / bucket))
-        if c.kind == "gather":
             window = "prefetch" if framework.param_prefetch else "none"
-        elif c.kind in ("grad", "step_reduce"):
+        elif reduce:
+            calls = units if bucket is None else max(1, math.ceil(c.nbytes / g16 / bucket))
             window = "backward" if grad_overlap else "none"
         else:
+            calls = units if bucket is None else max(1, math.ceil(c.nbytes / w / bucket))
             window = "forward" if framework.gather_overlaps_forward else "none"
-        nbytes = c.nbytes
-        if c.kind in ("grad", "step_reduce") and g != g16:
-            nbytes = c.nbytes // g16 * g                      # fp32 gradient buffers
+        nbytes = c.nbytes // g16 * g if reduce else c.nbytes     # fp32 gradient buffers
         out.append(replace(c, nbytes=nbytes, calls=min(calls, max(1, nbytes)), window=window))
     return out
 

@@ -25,7 +25,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from . import scorecard
+from . import scorecard, timing
 from .estimate import Estimate, estimate
 from .hardware import load_hardware
 from .layout import Layout
@@ -51,10 +51,9 @@ def row(label: str, e: Estimate, published: float | None = None) -> dict:
             "published": published, "shares": e.shares(), "estimate": e}
 
 
-def amsp_rows(objective: str = "step", framework: str = "minipar",
-              hardware="a800-ib") -> list:
+def amsp_rows(objective: str = "step", framework: str = "minipar") -> list:
     """LLaMA on 1,024 A800s, TP = PP = 1: the searched spec per model."""
-    return [row(model, search(model, 1024, hardware, tp=1, pp=1, objective=objective,
+    return [row(model, search(model, 1024, "a800-ib", tp=1, pp=1, objective=objective,
                               framework=framework)[0], AMSP_MFU) for model in LLAMAS]
 
 
@@ -110,15 +109,13 @@ def table_vs_model(presets=("frontier-mi250x", "a800-ib")) -> list[dict]:
 
 def table_vs_model_table(rows: list[dict] | None = None) -> str:
     """``table_vs_model()`` as the Markdown table docs/reference.md carries."""
-    def size(b):
-        return f"{b / 2**30:g} GiB" if b >= 2**30 else (
-            f"{b / 2**20:g} MiB" if b >= 2**20 else f"{b / 2**10:g} KiB")
     rows = table_vs_model() if rows is None else rows
     cells = []
     for r in rows:
         (lo, hi), (small, large) = r["ratio"], r["sizes"]
         cells.append([r["hardware"], r["op"], f"{r['per_node']} x {r['nodes']}",
-                      size(small) + ("" if small == large else f"-{size(large)}"),
+                      timing.size_text(small)
+                      + ("" if small == large else f"-{timing.size_text(large)}"),
                       f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}"])
     return scorecard.markdown_table(
         ["preset", "op", "ranks per node x nodes", "sizes", "measured / modelled"], cells)

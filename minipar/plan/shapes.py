@@ -310,12 +310,10 @@ def model_from_dict(data: dict, where: str = "model") -> ModelShape:
     for key in ("tied_head", "bias", "dropout"):
         if key in data and not isinstance(data[key], bool):
             raise PlanError(f"{where}: {key} must be true or false, got {data[key]!r}")
-    values = dict(data)
-    values.setdefault("name", Path(where).stem if where != "model" else "custom")
-    if values["arch"] == "llama":        # LLaMA's defaults: untied head, no biases
-        values.setdefault("tied_head", False)
-        values.setdefault("bias", False)
-    return ModelShape(**values)
+    defaults = {"name": Path(where).stem if where != "model" else "custom"}
+    if data["arch"] == "llama":          # LLaMA's defaults: untied head, no biases
+        defaults.update(tied_head=False, bias=False)
+    return ModelShape(**{**defaults, **data})
 
 
 def load_model(path: str | Path) -> ModelShape:

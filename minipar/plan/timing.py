@@ -56,7 +56,7 @@ def ring_bytes(op: str, nbytes: int, n: int) -> int:
 
 def placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
     """(members per node, nodes) of a group of ``size`` ranks ``stride`` devices apart."""
-    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    per_node = max(1, min(size, gpus_per_node // stride))     # 1 once stride >= a node
     return per_node, math.ceil(size / per_node)
 
 
@@ -206,7 +206,7 @@ def coverage(op: str, size: int, stride: int, hw: Hardware,
     bracket = _bracket(op, size, stride, hw)
     if bracket is not None:             # the node count is measured, this size is not
         smallest = max(min(b for b, _ in rows_) for _, rows_ in bracket[:2])
-        return f"{op} of {_size(nbytes)} {where}: measured only from {_size(smallest)}"
+        return f"{op} of {size_text(nbytes)} {where}: measured only from {size_text(smallest)}"
     if not placed and nodes == 1:      # rows measured at another placement say nothing here
         return None
     widths = sorted({r["per_node"] * r["nodes"] for r in placed})
@@ -221,7 +221,8 @@ def coverage(op: str, size: int, stride: int, hw: Hardware,
     return f"{op} {where}: {measured}"
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit it reaches, to 3 significant digits."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
