@@ -158,8 +158,7 @@ def cmd_search(args) -> None:
     hw, fw = load_hardware(args.hardware), FRAMEWORKS[args.framework]
     order = args.order or fw.order
     if moe is not None:                                 # MoE: re-rank the dense candidates
-        results = moe_plan.rerank(results, shape, moe, args.ep, hw, args.top, order,
-                                  args.overlap, args.dtype)
+        results = moe_plan.rerank(results, shape, moe, args.ep, hw, args.top, order, args.dtype)
     why = explain(results[0], results[1] if len(results) > 1 else None)
     if moe is not None:
         why += "\n  " + results[0].notes[-1]
@@ -220,7 +219,7 @@ def cmd_estimate(args) -> None:
                  reserve=args.reserve)
     moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
     if moe is not None:
-        e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.overlap, args.dtype)
+        e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.dtype)
     data = e.to_json()
     data["explain"] = explain(e, label="layout")
     data["notes"] = [note]

@@ -218,9 +218,10 @@ def edp_stride(lay, order: str, gpus_per_node: int, ep: int) -> int:
 
 
 def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
-           overlap: float | None = None, dtype: str | None = None):
+           dtype: str | None = None):
     """The dense ``Estimate`` of ``shape`` turned into the MoE model's (module docstring): a
-    new Estimate, ``times['ep_comm']`` added and its MoE figures in ``notes``."""
+    new Estimate, ``times['ep_comm']`` added and its MoE figures in ``notes``; the share of
+    data-parallel traffic hidden is the dense estimate's (its ``overlap``)."""
     lay = e.layout
     dtype = dtype or hw.dtype
     check(moe, ep, lay.dp, lay.tp)
@@ -311,11 +312,11 @@ def summary(shape: ModelShape, moe: MoE) -> dict:
 
 
 def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
-           order: str = "tp,pp,dp", overlap: float | None = None, dtype: str | None = None) -> list:
+           order: str = "tp,pp,dp", dtype: str | None = None) -> list:
     """The dense search's candidates (``cmd_search`` asks it for many) as MoE layouts:
     adjusted, those that fit, the ``top`` fastest first. Layouts whose dp is not a multiple of
     ep, or whose TP ranks cannot split a cp rank's tokens (``tp_violation``), are skipped."""
-    out = [adjust(e, shape, moe, ep, hw, order, overlap, dtype) for e in results
+    out = [adjust(e, shape, moe, ep, hw, order, dtype) for e in results
            if e.layout.dp % ep == 0
            and tp_violation(shape.seq_len, e.layout.tp, e.layout.cp) is None]
     out = sorted((e for e in out if e.fits), key=lambda e: e.step_time)
