@@ -214,6 +214,10 @@ def moe_violation(experts: int, top_k: int = 1, every: int = 1, ep: int = 1,
                   dp: int | None = None, layers: int | None = None) -> str | None:
     """An MoE of ``experts`` per layer (0: dense), ``top_k`` per token, every ``every``-th
     layer of ``layers``, its experts split over ``ep`` of the ``dp`` ranks (E/ep each)."""
+    if experts < 0:
+        return f"--moe-experts must be >= 0, got {experts}"
+    if ep < 1:
+        return f"--ep must be >= 1, got {ep}"
     if experts == 0:
         return "--ep splits the experts of an MoE model; give --moe-experts E too" if ep > 1 else None
     if not 1 <= top_k <= experts:

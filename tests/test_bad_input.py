@@ -75,6 +75,8 @@ TRAIN = [
     ("--save /proc/minipar-run", "cannot be written"),        # tried, not read off mode bits
     ("--moe-top-k 3", "--moe-top-k applies to an MoE model"),   # dense: would be ignored
     ("--capacity-factor nan", "--capacity-factor"),
+    ("--moe-experts -4", "--moe-experts must be >= 0"),     # rules.moe_violation, as the plan's
+    ("--moe-experts 4 --ep 0", "--ep must be >= 1"),
     # zero, negative, NaN, infinity, huge
     ("--nproc 0", "--nproc"),
     ("--nproc -2", "--nproc"),
@@ -156,6 +158,9 @@ PLAN = [
     ("flops --model gpt-175b --batch 8 --step-time -1 --gpus 8 --hardware dgx-a100", "--step-time"),
     ("flops --model gpt-175b --batch 8 --step-time inf --gpus 8 --hardware dgx-a100", "--step-time"),
     ("search --model gpt-175b --gpus 8", "--hardware"),
+    ("estimate --model llama-7b --gpus 8 --hardware dgx-h100 --moe-experts -4",
+     "--moe-experts must be >= 0"),
+    ("flops --model llama-7b --ep 0", "--ep must be >= 1"),
     ("search --model nope --gpus 8 --hardware dgx-a100", "nope"),
     ("search --model gpt-175b --gpus 8 --hardware nope", "nope"),
     ("search --model gpt-175b --gpus 8 --hardware {tmp}/bad.json", "bad.json"),

@@ -296,9 +296,6 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
 # The command line's hooks
 # --------------------------------------------------------------------------------------
 def from_args(args) -> MoE | None:
-    if args.moe_experts < 0 or args.ep < 1:
-        raise PlanError(f"--moe-experts must be >= 0 and --ep >= 1 (got {args.moe_experts}, "
-                        f"{args.ep})")
     moe = MoE(args.moe_experts, args.moe_top_k, args.moe_every) if args.moe_experts else None
     check(moe, args.ep)
     return moe

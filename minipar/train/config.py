@@ -307,10 +307,6 @@ def _refuse(why: str | None) -> None:
 def _check_moe(cfg: GPTConfig, ep: int, dp: int, tp: int = 1, cp: int = 1) -> None:
     """An MoE/EP layout minipar can run (``minipar.moe``), or UsageError (one line)."""
     E = cfg.moe_experts
-    if E < 0:
-        raise UsageError(f"--moe-experts must be >= 0, got {E}")
-    if ep < 1:
-        raise UsageError(f"--ep must be >= 1, got {ep}")
     for name, value in (("capacity-factor", cfg.capacity_factor), ("moe-aux-coef", cfg.moe_aux_coef),
                         ("moe-z-coef", cfg.moe_z_coef)):
         if not (math.isfinite(value) and value >= 0):
