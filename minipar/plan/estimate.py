@@ -299,7 +299,7 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
              "hardware": training_flops(shape, layout.global_batch, layout.recompute)}
     return Estimate(
         model=shape.name, hardware=hw.name, layout=layout,
-        memory=device_memory(shape, layout, flash, dtype, fw),
+        memory=device_memory(shape, layout, flash, dtype, fw, hw.layer_buffer_bytes),
         capacity=capacity(hw, fw, reserve),
         times=times, **rates(shape, hw, layout, times["step"], flops),
         framework=fw.name, notes=notes,

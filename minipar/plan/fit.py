@@ -18,6 +18,7 @@ few efficiencies the planner cannot know from a datasheet:
              overlap_exposed         the share of hideable traffic that stays exposed
     memory   runtime_bytes           per rank, before the model
              fragmentation           the allocator's reserve, (reserved - live) / reserved
+             layer_buffer_bytes      per layer on the device, beyond the planner's accounting
 
 Time: least squares of log(predicted / measured tokens/s) over the runs that ran (the whole
 estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of
@@ -51,6 +52,7 @@ from .errors import PlanError
 from .estimate import estimate
 from .frameworks import load_framework
 from .hardware import Hardware, load_hardware
+from .peak import device_memory
 from .runs import Run, digest, read_runs, select
 from .scorecard import markdown_table
 from .timing import by_nodes
@@ -76,7 +78,8 @@ TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
 # looking at the 8B rows' validation errors: 8B is a development holdout, not an untouched one.
 LOSS, F_SCALE = "cauchy", 0.2
 MAX_EVALUATIONS = 200      # trials of the whole model (each Jacobian's columns not counted)
-MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False))
+MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False),
+                     ("layer_buffer_bytes", 2.0**10, None, True))
 
 
 def _estimate(run: Run, hw: Hardware, check: bool = False):
@@ -198,18 +201,21 @@ def fit_time(runs: list[Run], base: Hardware) -> tuple[Hardware, dict, float]:
 
 
 def fit_memory(runs: list[Run], hw: Hardware) -> tuple[Hardware, dict, float]:
-    """``hw`` with the runtime bytes and the allocator's reserve fitted to the runs' logged
-    peaks: measured = runtime + live / (1 - reserve), the live bytes the planner's
-    ``device_memory``; and ``memory_sigma``, the robust spread of what remains."""
-    pairs = [(r.peak_mem_gib * 2**30, e.memory["total"])
-             for r, e in zip(runs, predictions(runs, hw))
-             if e is not None and r.ran and math.isfinite(r.peak_mem_gib)]
-    if len(pairs) < 3:
+    """``hw`` with the runtime bytes, the allocator's reserve and the buffers per layer
+    fitted to the runs' logged peaks: measured = runtime + live / (1 - reserve), the live
+    bytes the planner's ``device_memory`` (the buffers among them, each trial's); and
+    ``memory_sigma``, the robust spread of what remains."""
+    logged = [r for r, e in zip(runs, predictions(runs, hw))
+              if e is not None and r.ran and math.isfinite(r.peak_mem_gib)]
+    if len(logged) < 3:
         return hw, {name: [getattr(hw, name), None, "kept"] for name, *_ in MEMORY_PARAMETERS}, \
             math.nan
-    measured, live = np.log([m for m, _ in pairs]), np.array([p for _, p in pairs])
+    measured = np.log([r.peak_mem_gib * 2**30 for r in logged])
 
     def residuals_of(h):
+        live = np.array([device_memory(r.shape, r.layout, r.flash, r.dtype,
+                                       load_framework(r.framework), h.layer_buffer_bytes)
+                         ["total"] for r in logged])
         return np.log(h.runtime_bytes + live / (1 - h.fragmentation)) - measured
 
     hw, report, s = _fit(MEMORY_PARAMETERS, hw, residuals_of)

@@ -44,7 +44,8 @@ bandwidths per direction.
   grid's at 32 and 64 nodes); none unless fitted.
 * ``runtime_bytes``: memory the runtime and libraries take before the model (context,
   communication buffers, workspaces); ``fragmentation``: the fraction of the rest an
-  allocator loses. Together they set the usable memory (``peak``).
+  allocator loses. Together they set the usable memory (``peak``). ``layer_buffer_bytes``:
+  what each layer on a device holds beyond the planner's accounting; 0 unless fitted.
 * ``overlap_slowdown``: how much compute slows while a collective runs beside it (0.1:
   hidden communication costs a tenth of its time in compute); 0 unless measured.
   ``overlap_exposed``: the share of the traffic that could hide behind compute which stays
@@ -117,6 +118,7 @@ class Hardware:
     all_gather_efficiency: float = 1.0
     reduce_scatter_efficiency: float = 1.0
     memory_sigma: float = 0.0
+    layer_buffer_bytes: float = 0.0
     fitted: dict = field(default_factory=dict, compare=False)
     cores: int = 0                  # CPU cores a node's devices share; 0: one engine each
     sources: dict = field(default_factory=dict, compare=False)
@@ -207,7 +209,8 @@ def check_numbers(hw: Hardware, where: str) -> None:
                  "all_gather_efficiency", "reduce_scatter_efficiency"):
         _positive(getattr(hw, name), name, where)
     for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency", "runtime_bytes",
-                 "cores", "gemm_half_flops", "layer_overhead", "memory_sigma"):
+                 "cores", "gemm_half_flops", "layer_overhead", "memory_sigma",
+                 "layer_buffer_bytes"):
         _positive(getattr(hw, name), name, where, zero_ok=True)
     for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency",
                  "all_gather_efficiency", "reduce_scatter_efficiency"):

@@ -33,6 +33,9 @@ their own layers, embedding and head), so the peak is the largest of the stages'
   - gradient buckets in flight: two of the framework's buckets (Megatron-LM's 40M
     parameters, DeepSpeed's 5e8 elements; minipar and FSDP reduce one unit at a time, and
     PyTorch DDP's default 25 MiB stands in for them), or of the whole gradient, if smaller.
+  - buffers each layer keeps beyond all this (the runtime's per-layer workspaces and
+    bookkeeping): a fitted profile's ``layer_buffer_bytes`` per layer of the stage, 0 unless
+    ``plan fit`` measured it.
 
 What the device can give to all of this (``capacity``) is ``Hardware.usable_bytes``: its
 memory less the runtime's share (``runtime_bytes``: context, the collective library's
@@ -116,13 +119,14 @@ def gather_bytes(shape: ModelShape, tp: int, shard, dtype: str = "mixed") -> flo
 
 
 def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
-                    dtype: str = "mixed", framework=None, stage: Stage | None = None) -> float:
+                    dtype: str = "mixed", framework=None, stage: Stage | None = None,
+                    layer_buffer: float = 0.0) -> float:
     """The transient buffers of ``stage`` listed in the module docstring (default: a stage
     holding the head, as a pipeline of one does)."""
     stage = stage or stages(shape, layout.pp)[-1]
     t, b, s = layout.tp, layout.micro_batch, shape.seq_len // layout.cp
     act = ACTIVATION_BYTES[dtype]
-    total = 0.0
+    total = stage.layers * layer_buffer
     if stage.head:
         total += b * s * math.ceil(shape.vocab / t) * logit_bytes(dtype, framework)
     if stage.layers:       # backward's working set (module docstring)
@@ -155,21 +159,25 @@ def state_bytes(shape: ModelShape, layout: Layout, dtype: str = "mixed", framewo
 
 
 def stage_memory(shape: ModelShape, layout: Layout, stage: Stage, flash: bool = False,
-                 dtype: str = "mixed", framework=None) -> dict[str, float]:
+                 dtype: str = "mixed", framework=None, layer_buffer: float = 0.0
+                 ) -> dict[str, float]:
     """Everything one device of ``stage`` holds at its peak (module docstring)."""
     _check_dtype(dtype)
     out = state_bytes(shape, layout, dtype, framework, stage)
     out["activations"] = activation_bytes(shape, layout, flash, dtype, stage)
-    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage)
+    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage,
+                                       layer_buffer)
     out["total"] = sum(out.values())
     return out
 
 
 def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
-                  dtype: str = "mixed", framework=None) -> dict[str, float]:
+                  dtype: str = "mixed", framework=None, layer_buffer: float = 0.0
+                  ) -> dict[str, float]:
     """The largest stage's peak: params, grads, optimizer, activations, temporary, total
     (bytes), and "stage", the index of the stage that holds it."""
-    peaks = [dict(stage_memory(shape, layout, st, flash, dtype, framework), stage=st.index)
+    peaks = [dict(stage_memory(shape, layout, st, flash, dtype, framework, layer_buffer),
+                  stage=st.index)
              for st in distinct(stage_list(shape, layout, framework))]
     return max(peaks, key=lambda mem: mem["total"])       # the first of equal peaks
 

@@ -254,7 +254,8 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
                               recompute=mode, v=chunks, sp=use_sp(t, c),
                               schedule="gpipe" if schedule == "gpipe" else "1f1b")
-                table = _memory_table(shape, base, states, flash, dtype, fw)
+                table = _memory_table(shape, base, states, flash, dtype, fw,
+                                      hw.layer_buffer_bytes)
                 leanest = min(leanest, (table[0][0], base), key=lambda x: x[0])
                 fitting = bisect.bisect_right([row[0] for row in table], capacity)
                 if not fitting:
@@ -308,11 +309,11 @@ def _state_table(shape, grid: Layout, specs, dtype, fw) -> dict:
             for spec, lay in ((spec, replace(grid, shard=spec)) for spec in specs)}
 
 
-def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw) -> list:
+def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw, layer_buffer) -> list:
     """[(bytes per device, spec)] sorted: for each spec the largest stage's peak (``peak``):
     its states (``_state_table``) and what this schedule holds on it."""
     held = {st.index: (activation_bytes(shape, base, flash, dtype, st)
-                       + temporary_bytes(shape, base, flash, dtype, fw, st))
+                       + temporary_bytes(shape, base, flash, dtype, fw, st, layer_buffer))
             for st in distinct(stage_list(shape, base, fw))}
     return sorted((max(state + held[st.index] for st, state in rows) + gather, spec)
                   for spec, (rows, gather) in states.items())
