@@ -85,7 +85,7 @@ class MoE:
         return shape.layers // self.every
 
 
-def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> None:
+def check(moe: MoE | None, ep: int = 1, dp: int | None = None) -> None:
     """PlanError (one line) for an MoE/EP that cannot be laid out."""
     raise_if(rules.moe_violation(0, ep=ep) if moe is None else
              rules.moe_violation(moe.experts, moe.top_k, moe.every, ep, dp))
@@ -224,7 +224,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     data-parallel traffic hidden is the dense estimate's (its ``overlap``)."""
     lay = e.layout
     dtype = dtype or hw.dtype
-    check(moe, ep, lay.dp, lay.tp)
+    check(moe, ep, lay.dp)
     raise_if(tp_violation(shape.seq_len, lay.tp, lay.cp))
     memory = dict(e.memory)
     states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,
