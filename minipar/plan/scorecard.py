@@ -59,7 +59,7 @@ def predict(row: dict):
                   shard=row["shard"])[0]
 
 
-def _measured(row: dict, e) -> float:
+def _measured(row: dict) -> float:
     """The published figure in the row's compared metric (an iteration time as MFU)."""
     if row["metric"] == "seconds":
         flops = training_flops(row["shape"], row["batch"], "none")
@@ -93,7 +93,7 @@ def rows() -> list[dict]:
     for row in all_rows():
         e = predict(row)
         compared = "MFU" if row["metric"] == "seconds" else row["metric"]
-        published, predicted = _measured(row, e), _predicted(row, e)
+        published, predicted = _measured(row), _predicted(row, e)
         memory = None if row["memory_gib"] is None else reserved_gib(row, e)
         out.append(dict(row, compared=compared, published=published, predicted=predicted,
                         error=predicted / published - 1, layout=e.layout.describe(), estimate=e,
