@@ -220,9 +220,7 @@ def cmd_estimate(args) -> None:
     moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
     if moe is not None:
         e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.dtype)
-    data = e.to_json()
-    data["explain"] = explain(e, label="layout")
-    data["notes"] = [note]
+    data = dict(e.to_json(), explain=explain(e, label="layout"), notes=[note])
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
         data["explain"] += "\n  " + e.notes[-1]
