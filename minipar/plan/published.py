@@ -92,13 +92,12 @@ def table_vs_model(presets=("frontier-mi250x", "a800-ib")) -> list[dict]:
     per (op, ranks per node, nodes): the range of measured / modelled time over the sizes
     measured. {"hardware", "op", "per_node", "nodes", "sizes" (bytes, smallest and largest),
     "ratio" (min, max)}."""
-    from .network import collective_time
     groups: dict = {}
     for name in presets:
         hw = load_hardware(name)
         model = replace(hw, collective_table=None)
         for r in hw.collective_table or []:
-            t = collective_time(r["op"], r["bytes"], r["per_node"] * r["nodes"], 1, model)
+            t = timing.collective_time(r["op"], r["bytes"], r["per_node"] * r["nodes"], 1, model)
             groups.setdefault((name, r["op"], r["per_node"], r["nodes"]), []).append(
                 (r["bytes"], r["seconds"] / t))
     return [dict(hardware=k[0], op=k[1], per_node=k[2], nodes=k[3],
