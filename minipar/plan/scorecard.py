@@ -160,21 +160,6 @@ def ranks_table(orders: list[dict] | None = None) -> str:
                             "{} of {}".format(*o["pairs"])] for o in orders])
 
 
-def summary(computed: list[dict] | None = None) -> dict:
-    """The error range over the utilisation rows (MFU and HFU), and the median |error|."""
-    computed = rows() if computed is None else computed
-    errors = [r["error"] for r in computed if r["compared"] in UTILISATION]
-    return dict(n=len(errors), low=min(errors), high=max(errors),
-                median_abs=statistics.median(abs(x) for x in errors))
-
-
-def summary_line(computed: list[dict] | None = None) -> str:
-    """``summary()`` as the sentence docs/reference.md carries."""
-    s = summary(computed)
-    return (f"{s['n']} utilisation rows (MFU or HFU): errors from {s['low']:+.0%} to "
-            f"{s['high']:+.0%}, median |error| {s['median_abs']:.0%}.")
-
-
 def bias(computed: list[dict] | None = None) -> list[dict]:
     """The utilisation rows' signed median error per framework and per hardware, then pooled:
     [{"by" ("framework", "hardware" or "all"), "name", "n", "signed", "abs" (median |error|),
@@ -189,6 +174,20 @@ def bias(computed: list[dict] | None = None) -> list[dict]:
     return [dict(by=by, name=name, n=len(e), signed=statistics.median(e),
                  abs=statistics.median(abs(x) for x in e), low=min(e), high=max(e))
             for (by, name), e in groups.items()]
+
+
+def summary(computed: list[dict] | None = None) -> dict:
+    """The error range over the utilisation rows (MFU and HFU), and the median |error|:
+    ``bias()``'s pooled group."""
+    pooled = next(g for g in bias(computed) if g["by"] == "all")
+    return dict(n=pooled["n"], low=pooled["low"], high=pooled["high"], median_abs=pooled["abs"])
+
+
+def summary_line(computed: list[dict] | None = None) -> str:
+    """``summary()`` as the sentence docs/reference.md carries."""
+    s = summary(computed)
+    return (f"{s['n']} utilisation rows (MFU or HFU): errors from {s['low']:+.0%} to "
+            f"{s['high']:+.0%}, median |error| {s['median_abs']:.0%}.")
 
 
 def bias_table(groups: list[dict] | None = None) -> str:
