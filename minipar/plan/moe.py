@@ -243,39 +243,38 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     times["bubble"] *= (times["compute"] + times["tp_comm"]) / busy    # the bubble scales with it
 
     strides, job = lay.strides(order), hw.nodes(lay.gpus)
+
+    def timed(op: str, nbytes: float, size: int, stride: int) -> float:    # one call, this job
+        return collective_time(op, nbytes, size, stride, hw, job)
+
     seq = shape.seq_len // lay.cp                       # this cp rank's tokens of a sequence
     tokens = lay.micro_batch * seq // lay.tp            # each TP rank routes its share
-    elem = ACTIVATION_BYTES[dtype]
+    elem, grad = ACTIVATION_BYTES[dtype], BYTES_PER_PARAM[dtype][1]
     a2a = calls * all_to_all_bytes_balanced(tokens, moe.top_k, shape.hidden, ep, elem)
     times["ep_comm"] = all_to_all_time(a2a, 4 * calls, ep, strides["dp"], hw)
     choices = lay.micro_batch * seq * moe.top_k * COUNT_BYTES     # this cp rank's, int64
     if lay.cp > 1:      # the whole sequence's choices, gathered over cp before capacity
-        gather = calls * collective_time("all_gather", choices * lay.cp, lay.cp, strides["cp"], hw,
-                                         job)
+        gather = calls * timed("all_gather", choices * lay.cp, lay.cp, strides["cp"])
         times["cp_comm"] = times.get("cp_comm", 0.0) + gather
         times["cp_exposed"] = times.get("cp_exposed", 0.0) + gather
     if lay.tp > 1:     # the MoE layer's TP collectives in place of the dense MLP's
         t, stride = lay.tp, strides["tp"]
         act = lay.micro_batch * seq * shape.hidden * elem
-        full = lay.recompute == "full"
-        dense_mlp = (3 if full else 2) * tp_call_time(act, lay, stride, hw)   # as estimate's
-        moe_tp = (collective_time("all_gather", choices, t, stride, hw, job)
-                  + (0 if lay.sp else (3 if full else 2) * collective_time("all_gather", act, t,
-                                                                           stride, hw, job))
-                  + collective_time("all_reduce", (shape.hidden * moe.experts + moe.experts // ep
-                                                   * shape.mlp_params) * BYTES_PER_PARAM[dtype][1],
-                                    t, stride, hw, job))
+        passes = 3 if lay.recompute == "full" else 2    # forward, backward (+ forward again)
+        dense_mlp = passes * tp_call_time(act, lay, stride, hw)   # as estimate's
+        router_experts = shape.hidden * moe.experts + moe.experts // ep * shape.mlp_params
+        moe_tp = (timed("all_gather", choices, t, stride)
+                  + (0 if lay.sp else passes * timed("all_gather", act, t, stride))
+                  + timed("all_reduce", router_experts * grad, t, stride))
         times["tp_comm"] += calls * (moe_tp - dense_mlp)
 
     collectives = zero_collectives(states["non_expert_params"], lay.replicas, lay.shard, dtype,
                                    lay.microbatches, recompute=lay.recompute == "full")
     replica = lay.replica_stride(order, hw.gpus_per_node)
-    dp_comm = sum(c.count * c.calls * collective_time(c.op, c.nbytes / c.calls, c.size,
-                                                      c.stride * replica, hw, job)
+    dp_comm = sum(c.count * c.calls * timed(c.op, c.nbytes / c.calls, c.size, c.stride * replica)
                   for c in collectives)
-    dp_comm += collective_time("all_reduce", states["expert_params"] * BYTES_PER_PARAM[dtype][1],
-                               lay.dp // ep * lay.cp, edp_stride(lay, order, hw.gpus_per_node, ep),
-                               hw, job)
+    dp_comm += timed("all_reduce", states["expert_params"] * grad, lay.dp // ep * lay.cp,
+                     edp_stride(lay, order, hw.gpus_per_node, ep))
     # the same share of it hides behind compute as in the dense estimate
     hidden_share = 1 - e.times["dp_exposed"] / e.times["dp_comm"] if e.times.get("dp_comm") else 0.0
     times["dp_comm"] = dp_comm
