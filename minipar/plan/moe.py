@@ -70,7 +70,6 @@ from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_
 from .network import collective_time, placement, ring_bytes, zero_collectives
 from .shapes import ModelShape
 from .. import rules
-from ..rules import moe_tp_violation as tp_violation
 
 COUNT_BYTES = 8     # int64 routing counts
 
@@ -225,7 +224,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     lay = e.layout
     dtype = dtype or hw.dtype
     check(moe, ep, lay.dp)
-    raise_if(tp_violation(shape.seq_len, lay.tp, lay.cp))
+    raise_if(rules.moe_tp_violation(shape.seq_len, lay.tp, lay.cp))
     memory = dict(e.memory)
     states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,
                          dtype=dtype, cp=lay.cp)
@@ -311,10 +310,10 @@ def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
            order: str = "tp,pp,dp", dtype: str | None = None) -> list:
     """The dense search's candidates (``cmd_search`` asks it for many) as MoE layouts:
     adjusted, those that fit, the ``top`` fastest first. Layouts whose dp is not a multiple of
-    ep, or whose TP ranks cannot split a cp rank's tokens (``tp_violation``), are skipped."""
+    ep, or whose TP ranks cannot split a cp rank's tokens (``moe_tp_violation``), are skipped."""
     out = [adjust(e, shape, moe, ep, hw, order, dtype) for e in results
            if e.layout.dp % ep == 0
-           and tp_violation(shape.seq_len, e.layout.tp, e.layout.cp) is None]
+           and rules.moe_tp_violation(shape.seq_len, e.layout.tp, e.layout.cp) is None]
     out = sorted((e for e in out if e.fits), key=lambda e: e.step_time)
     if not out:
         raise PlanError(f"no layout of the {len(results)} candidates fits the MoE model with "
