@@ -119,10 +119,9 @@ def cmd_memory(args) -> None:
                            expert_params_per_device=out["expert_params"])
     rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"] for k in parts]
     cp = f" cp={args.cp}" if args.cp > 1 else ""
-    text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp}{cp} dp={dp}, "
-            f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
-            + text_table(rows, ["part", "bytes", "GiB"]))
-    emit(args, data, text)
+    emit(args, data, f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp}{cp} "
+         f"dp={dp}, shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
+         + text_table(rows, ["part", "bytes", "GiB"]))
 
 
 def _results_table(results) -> str:
