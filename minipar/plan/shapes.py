@@ -127,9 +127,8 @@ class ModelShape:
 
     @property
     def ffn(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return 4 * self.hidden if self.arch == "gpt" else llama_ffn(self.hidden)
+        return self.ffn_hidden or (4 * self.hidden if self.arch == "gpt"
+                                   else llama_ffn(self.hidden))
 
     @property
     def mlp_weights(self) -> int:
