@@ -102,8 +102,7 @@ def params(shape: ModelShape, moe: MoE) -> dict[str, int]:
 
 
 def extra_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "none") -> float:
-    """Training FLOPs an MoE adds to the dense model on ``batch`` sequences: 3 x its extra
-    forward FLOPs (4 x with full recomputation)."""
+    """Training FLOPs an MoE adds to the dense model on ``batch`` sequences (module docstring)."""
     tokens, router = batch * shape.seq_len, shape.hidden * moe.experts
     forward = 2.0 * tokens * moe.layers(shape) * ((moe.top_k - 1) * shape.mlp_weights + router)
     return (4 if recompute == "full" else 3) * forward
