@@ -119,8 +119,7 @@ def training_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "no
 def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=None,
                 zero: int | None = None, tp: int = 1, pp: int = 1,
                 dtype: str = "mixed", cp: int = 1) -> dict[str, int]:
-    """Model-state bytes per device: non-expert parameters sharded by the spec over the
-    dp x cp replicas, experts split by ep (and pp; replicated over tp and cp) and kept whole."""
+    """Model-state bytes per device (module docstring), and its expert_params, non_expert_params."""
     check(moe, ep, dp)
     l_stage = math.ceil(moe.layers(shape) / pp)
     m_p = shape.mlp_params                          # one expert: the dense MLP's parameters

@@ -64,8 +64,7 @@ EXECUTED = Path(__file__).resolve().parent / "executed.json"
 
 
 def executed_runs() -> list[dict]:
-    """Published training runs that ran, with the layout they ran: the planner's memory
-    model must fit each one on its hardware and framework profile. Each names its source.
+    """Published runs that ran, with their layouts (module docstring); each names its source.
 
     They live in ``executed.json`` beside this module: each run's model is a preset's name
     (with the ``seq_len`` it ran, where that differs) or the fields of a model file
