@@ -182,9 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
-        if argv[:1] in (["calibrate"], ["validate"]):
-            # they measure this machine and need torch, so they live in minipar.bench; the
-            # planner (torch-free, importing nothing from bench) hands the command over whole
+        if argv[:1] in (["calibrate"], ["validate"]):     # minipar.bench's (module docstring)
             return subprocess.run([sys.executable, "-m", "minipar.bench", *argv]).returncode
         args = build_parser().parse_args(argv)
         args.func(args)

@@ -119,10 +119,9 @@ def cmd_memory(args) -> None:
                            expert_params_per_device=out["expert_params"])
     rows = [[k, f"{out[k]:,}", f"{out[k] / 2**30:,.2f}"] for k in parts]
     cp = f" cp={args.cp}" if args.cp > 1 else ""
-    text = (f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp}{cp} dp={dp}, "
-            f"shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
-            + text_table(rows, ["part", "bytes", "GiB"]))
-    emit(args, data, text)
+    emit(args, data, f"model states per device: {n:,} parameters, tp={args.tp} pp={args.pp}{cp} "
+         f"dp={dp}, shard (s_p, s_g, s_os) = {spec}, {args.dtype}\n"
+         + text_table(rows, ["part", "bytes", "GiB"]))
 
 
 def _results_table(results) -> str:
@@ -220,9 +219,7 @@ def cmd_estimate(args) -> None:
     moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
     if moe is not None:
         e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.dtype)
-    data = e.to_json()
-    data["explain"] = explain(e, label="layout")
-    data["notes"] = [note]
+    data = dict(e.to_json(), explain=explain(e, label="layout"), notes=[note])
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
         data["explain"] += "\n  " + e.notes[-1]

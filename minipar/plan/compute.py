@@ -51,6 +51,7 @@ from .hardware import Hardware
 from .layout import Layout
 from .memory import ACTIVATION_BYTES, BYTES_PER_PARAM, stage_params
 from .shapes import ModelShape
+from .timing import log_interp
 
 LOGIT_BYTES = 16           # cross-entropy: fp32 logits read and written, forward and backward
 ADAM_BYTES = 26            # fp32 master, m, v read and written; the 16-bit weight written
@@ -59,26 +60,13 @@ ADAM_BYTES = 26            # fp32 master, m, v read and written; the 16-bit weig
 def matmul_time(m: float, n: float, k: float, hw: Hardware, element_bytes: int = 2) -> float:
     """Seconds for one (m x k) @ (k x n) GEMM on ``hw``."""
     flops = 2.0 * m * n * k
-    if hw.matmul_table:
-        return flops / _table_rate(flops, hw.matmul_table)
+    if hw.matmul_table:          # the measured rate of the GEMMs nearest in log FLOPs
+        rows = sorted((2.0 * r["m"] * r["n"] * r["k"], r["flops_per_s"]) for r in hw.matmul_table)
+        return flops / log_interp(rows, flops, math.log)
     t = (flops + hw.gemm_half_flops) / hw.achievable_flops
     if hw.hbm_bandwidth:
         t = max(t, element_bytes * (m * k + k * n + m * n) / hw.hbm_bandwidth)
     return t
-
-
-def _table_rate(flops: float, table: list) -> float:
-    """The measured FLOP/s of the table's GEMM nearest in log FLOPs, interpolated."""
-    rows = sorted((2.0 * r["m"] * r["n"] * r["k"], r["flops_per_s"]) for r in table)
-    if flops <= rows[0][0]:
-        return rows[0][1]
-    if flops >= rows[-1][0]:
-        return rows[-1][1]
-    for (f0, r0), (f1, r1) in zip(rows, rows[1:]):
-        if f0 <= flops <= f1:
-            w = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
-            return (1 - w) * r0 + w * r1
-    return rows[-1][1]
 
 
 def layer_gemms(shape: ModelShape, tokens: int, tp: int) -> list[tuple[int, int, int]]:

@@ -127,12 +127,10 @@ def model_state_bytes(n_params: int | Sequence[int] | ModelShape, dp: int = 1,
 
 def tp_rank_params(shape: ModelShape, tp: int = 1) -> dict[str, int]:
     """Parameters one of ``tp`` tensor-parallel ranks holds, as ``minipar.tp`` and
-    Megatron-LM split them: {"layer", "embedding", "head", "tied_copy"} (module docstring).
-
-    Split by t: the QKV and fc/gate/up matrices by output features (with their biases), the
-    output projections by input features, the token table and the untied head by rows of a
-    vocabulary padded to a multiple of t. Whole on every rank: the norms, the row-parallel
-    biases and the position table. Assumes t divides h and F, as the trainer checks.
+    Megatron-LM split them: {"layer", "embedding", "head", "tied_copy"} (module docstring:
+    what every rank keeps whole, the padded vocabulary). The QKV and fc/gate/up matrices are
+    split by output features (with their biases), the output projections by input features;
+    t must divide h and F, as the trainer checks.
     """
     h, t = shape.hidden, tp
     vocab_rows = math.ceil(shape.vocab / t)                    # V padded to a multiple of t
@@ -149,9 +147,8 @@ def tp_rank_params(shape: ModelShape, tp: int = 1) -> dict[str, int]:
 
 def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage=None) -> int:
     """Parameters one device holds before data-parallel sharding: one TP rank's share of
-    pipeline stage ``stage`` (a ``stages.Stage``; default the heaviest of equal stages:
-    first, embeddings; last, final norm, head, and with a tied head and pp > 1 a copy of the
-    embedding, as Megatron-LM keeps), counted exactly (``tp_rank_params``)."""
+    pipeline stage ``stage`` (a ``stages.Stage``; default the heavier of the first and the
+    last of equal stages: module docstring), counted exactly (``tp_rank_params``)."""
     per_rank = tp_rank_params(shape, tp)
     if stage is not None:
         ends = (per_rank["embedding"] if stage.embedding else 0) + (

@@ -70,7 +70,6 @@ from .memory import BYTES_PER_PARAM, ACTIVATION_BYTES, model_state_bytes, stage_
 from .network import collective_time, placement, ring_bytes, zero_collectives
 from .shapes import ModelShape
 from .. import rules
-from ..rules import moe_tp_violation as tp_violation
 
 COUNT_BYTES = 8     # int64 routing counts
 
@@ -85,7 +84,7 @@ class MoE:
         return shape.layers // self.every
 
 
-def check(moe: MoE | None, ep: int = 1, dp: int | None = None, tp: int = 1) -> None:
+def check(moe: MoE | None, ep: int = 1, dp: int | None = None) -> None:
     """PlanError (one line) for an MoE/EP that cannot be laid out."""
     raise_if(rules.moe_violation(0, ep=ep) if moe is None else
              rules.moe_violation(moe.experts, moe.top_k, moe.every, ep, dp))
@@ -103,8 +102,7 @@ def params(shape: ModelShape, moe: MoE) -> dict[str, int]:
 
 
 def extra_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "none") -> float:
-    """Training FLOPs an MoE adds to the dense model on ``batch`` sequences: 3 x its extra
-    forward FLOPs (4 x with full recomputation)."""
+    """Training FLOPs an MoE adds to the dense model on ``batch`` sequences (module docstring)."""
     tokens, router = batch * shape.seq_len, shape.hidden * moe.experts
     forward = 2.0 * tokens * moe.layers(shape) * ((moe.top_k - 1) * shape.mlp_weights + router)
     return (4 if recompute == "full" else 3) * forward
@@ -121,8 +119,7 @@ def training_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "no
 def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=None,
                 zero: int | None = None, tp: int = 1, pp: int = 1,
                 dtype: str = "mixed", cp: int = 1) -> dict[str, int]:
-    """Model-state bytes per device: non-expert parameters sharded by the spec over the
-    dp x cp replicas, experts split by ep (and pp; replicated over tp and cp) and kept whole."""
+    """Model-state bytes per device (module docstring), and its expert_params, non_expert_params."""
     check(moe, ep, dp)
     l_stage = math.ceil(moe.layers(shape) / pp)
     m_p = shape.mlp_params                          # one expert: the dense MLP's parameters
@@ -224,8 +221,8 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     data-parallel traffic hidden is the dense estimate's (its ``overlap``)."""
     lay = e.layout
     dtype = dtype or hw.dtype
-    check(moe, ep, lay.dp, lay.tp)
-    raise_if(tp_violation(shape.seq_len, lay.tp, lay.cp))
+    check(moe, ep, lay.dp)
+    raise_if(rules.moe_tp_violation(shape.seq_len, lay.tp, lay.cp))
     memory = dict(e.memory)
     states = state_bytes(shape, moe, lay.dp, ep, shard=lay.shard, tp=lay.tp, pp=lay.pp,
                          dtype=dtype, cp=lay.cp)
@@ -243,39 +240,38 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     times["bubble"] *= (times["compute"] + times["tp_comm"]) / busy    # the bubble scales with it
 
     strides, job = lay.strides(order), hw.nodes(lay.gpus)
+
+    def timed(op: str, nbytes: float, size: int, stride: int) -> float:    # one call, this job
+        return collective_time(op, nbytes, size, stride, hw, job)
+
     seq = shape.seq_len // lay.cp                       # this cp rank's tokens of a sequence
     tokens = lay.micro_batch * seq // lay.tp            # each TP rank routes its share
-    elem = ACTIVATION_BYTES[dtype]
+    elem, grad = ACTIVATION_BYTES[dtype], BYTES_PER_PARAM[dtype][1]
     a2a = calls * all_to_all_bytes_balanced(tokens, moe.top_k, shape.hidden, ep, elem)
     times["ep_comm"] = all_to_all_time(a2a, 4 * calls, ep, strides["dp"], hw)
     choices = lay.micro_batch * seq * moe.top_k * COUNT_BYTES     # this cp rank's, int64
     if lay.cp > 1:      # the whole sequence's choices, gathered over cp before capacity
-        gather = calls * collective_time("all_gather", choices * lay.cp, lay.cp, strides["cp"], hw,
-                                         job)
+        gather = calls * timed("all_gather", choices * lay.cp, lay.cp, strides["cp"])
         times["cp_comm"] = times.get("cp_comm", 0.0) + gather
         times["cp_exposed"] = times.get("cp_exposed", 0.0) + gather
     if lay.tp > 1:     # the MoE layer's TP collectives in place of the dense MLP's
         t, stride = lay.tp, strides["tp"]
         act = lay.micro_batch * seq * shape.hidden * elem
-        full = lay.recompute == "full"
-        dense_mlp = (3 if full else 2) * tp_call_time(act, lay, stride, hw)   # as estimate's
-        moe_tp = (collective_time("all_gather", choices, t, stride, hw, job)
-                  + (0 if lay.sp else (3 if full else 2) * collective_time("all_gather", act, t,
-                                                                           stride, hw, job))
-                  + collective_time("all_reduce", (shape.hidden * moe.experts + moe.experts // ep
-                                                   * shape.mlp_params) * BYTES_PER_PARAM[dtype][1],
-                                    t, stride, hw, job))
+        passes = 3 if lay.recompute == "full" else 2    # forward, backward (+ forward again)
+        dense_mlp = passes * tp_call_time(act, lay, stride, hw)   # as estimate's
+        router_experts = shape.hidden * moe.experts + moe.experts // ep * shape.mlp_params
+        moe_tp = (timed("all_gather", choices, t, stride)
+                  + (0 if lay.sp else passes * timed("all_gather", act, t, stride))
+                  + timed("all_reduce", router_experts * grad, t, stride))
         times["tp_comm"] += calls * (moe_tp - dense_mlp)
 
     collectives = zero_collectives(states["non_expert_params"], lay.replicas, lay.shard, dtype,
                                    lay.microbatches, recompute=lay.recompute == "full")
     replica = lay.replica_stride(order, hw.gpus_per_node)
-    dp_comm = sum(c.count * c.calls * collective_time(c.op, c.nbytes / c.calls, c.size,
-                                                      c.stride * replica, hw, job)
+    dp_comm = sum(c.count * c.calls * timed(c.op, c.nbytes / c.calls, c.size, c.stride * replica)
                   for c in collectives)
-    dp_comm += collective_time("all_reduce", states["expert_params"] * BYTES_PER_PARAM[dtype][1],
-                               lay.dp // ep * lay.cp, edp_stride(lay, order, hw.gpus_per_node, ep),
-                               hw, job)
+    dp_comm += timed("all_reduce", states["expert_params"] * grad, lay.dp // ep * lay.cp,
+                     edp_stride(lay, order, hw.gpus_per_node, ep))
     # the same share of it hides behind compute as in the dense estimate
     hidden_share = 1 - e.times["dp_exposed"] / e.times["dp_comm"] if e.times.get("dp_comm") else 0.0
     times["dp_comm"] = dp_comm
@@ -312,10 +308,10 @@ def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
            order: str = "tp,pp,dp", dtype: str | None = None) -> list:
     """The dense search's candidates (``cmd_search`` asks it for many) as MoE layouts:
     adjusted, those that fit, the ``top`` fastest first. Layouts whose dp is not a multiple of
-    ep, or whose TP ranks cannot split a cp rank's tokens (``tp_violation``), are skipped."""
+    ep, or whose TP ranks cannot split a cp rank's tokens (``moe_tp_violation``), are skipped."""
     out = [adjust(e, shape, moe, ep, hw, order, dtype) for e in results
            if e.layout.dp % ep == 0
-           and tp_violation(shape.seq_len, e.layout.tp, e.layout.cp) is None]
+           and rules.moe_tp_violation(shape.seq_len, e.layout.tp, e.layout.cp) is None]
     out = sorted((e for e in out if e.fits), key=lambda e: e.step_time)
     if not out:
         raise PlanError(f"no layout of the {len(results)} candidates fits the MoE model with "

@@ -170,10 +170,8 @@ def zero_comm_bytes(n_params: int | list[int], dp: int, shard: Shard | str | Non
     """Bytes one rank sends per optimizer step for data parallelism / ZeRO / AMSP, by op.
 
     ``n_params``: the parameters this rank's data-parallel group replicates (the whole
-    model without TP/PP), as one flat buffer; or a list, the parameter counts of the units
-    ``minipar.zero`` keeps in separate buffers, each padded to a multiple of s_os and sent in
-    its own collectives (what that engine sends, byte for byte). Keys: all_reduce,
-    reduce_scatter, all_gather, total.
+    model without TP/PP), as one flat buffer, or the sizes of ``minipar.zero``'s units, each
+    its own buffer (module docstring). Keys: all_reduce, reduce_scatter, all_gather, total.
     """
     groups = zero_comm_bytes_by_group(n_params, dp, shard, zero, dtype, microbatches, recompute)
     out = {op: sum(group.get(op, 0) for group in groups.values()) for op in OPS}
@@ -283,9 +281,8 @@ def pp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, pp: int, microbat
                   v: int = 1, stage: int = 0, tp: int = 1, split: bool = False,
                   dtype: str = "mixed") -> dict[str, int]:
     """Bytes pipeline stage ``stage`` (0 .. pp-1) sends per step, point to point: m (a_r + g_r)
-    messages of b s h elements (module docstring); ``split``: each message is cut over the
-    ``tp`` ranks (Megatron-LM's scatter/gather, or minipar's sequence parallelism). Keys:
-    send, total."""
+    messages of b s h elements, each cut over the ``tp`` ranks when ``split`` (module
+    docstring). Keys: send, total."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is not one of the {pp} pipeline stages")
     if pp == 1:

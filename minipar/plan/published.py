@@ -64,8 +64,7 @@ EXECUTED = Path(__file__).resolve().parent / "executed.json"
 
 
 def executed_runs() -> list[dict]:
-    """Published training runs that ran, with the layout they ran: the planner's memory
-    model must fit each one on its hardware and framework profile. Each names its source.
+    """Published runs that ran, with their layouts (module docstring); each names its source.
 
     They live in ``executed.json`` beside this module: each run's model is a preset's name
     (with the ``seq_len`` it ran, where that differs) or the fields of a model file
@@ -92,13 +91,12 @@ def table_vs_model(presets=("frontier-mi250x", "a800-ib")) -> list[dict]:
     per (op, ranks per node, nodes): the range of measured / modelled time over the sizes
     measured. {"hardware", "op", "per_node", "nodes", "sizes" (bytes, smallest and largest),
     "ratio" (min, max)}."""
-    from .network import collective_time
     groups: dict = {}
     for name in presets:
         hw = load_hardware(name)
         model = replace(hw, collective_table=None)
         for r in hw.collective_table or []:
-            t = collective_time(r["op"], r["bytes"], r["per_node"] * r["nodes"], 1, model)
+            t = timing.collective_time(r["op"], r["bytes"], r["per_node"] * r["nodes"], 1, model)
             groups.setdefault((name, r["op"], r["per_node"], r["nodes"]), []).append(
                 (r["bytes"], r["seconds"] / t))
     return [dict(hardware=k[0], op=k[1], per_node=k[2], nodes=k[3],

@@ -113,12 +113,10 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
         tok, mem = _float(row, "tok_s_gpu"), _float(row, "mem_gb")
         status = "ok" if math.isfinite(tok) else "crashed"
     else:
-        shape = ModelShape(row["model"], row["arch"], _int(row, "layers", where),
-                           _int(row, "hidden", where), _int(row, "heads", where),
-                           _int(row, "vocab", where), _int(row, "seq_len", where),
-                           _int(row, "ffn_hidden", where, 0), tied_head=row["tied"] == "1",
-                           bias=row["bias"] == "1", kv_heads=_int(row, "kv_heads", where, 0),
-                           dropout=row["dropout"] == "1")
+        dims = (_int(row, k, where) for k in ("layers", "hidden", "heads", "vocab", "seq_len"))
+        shape = ModelShape(row["model"], row["arch"], *dims, _int(row, "ffn_hidden", where, 0),
+                           tied_head=row["tied"] == "1", bias=row["bias"] == "1",
+                           kv_heads=_int(row, "kv_heads", where, 0), dropout=row["dropout"] == "1")
         gpus_per_node, framework = _int(row, "gpus_per_node", where), row["framework"]
         recompute, schedule = row["recompute"] or "none", row["schedule"] or "1f1b"
         dp, cp = _int(row, "dp", where), _int(row, "cp", where, 1)

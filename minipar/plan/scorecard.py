@@ -59,7 +59,7 @@ def predict(row: dict):
                   shard=row["shard"])[0]
 
 
-def _measured(row: dict, e) -> float:
+def _measured(row: dict) -> float:
     """The published figure in the row's compared metric (an iteration time as MFU)."""
     if row["metric"] == "seconds":
         flops = training_flops(row["shape"], row["batch"], "none")
@@ -93,7 +93,7 @@ def rows() -> list[dict]:
     for row in all_rows():
         e = predict(row)
         compared = "MFU" if row["metric"] == "seconds" else row["metric"]
-        published, predicted = _measured(row, e), _predicted(row, e)
+        published, predicted = _measured(row), _predicted(row, e)
         memory = None if row["memory_gib"] is None else reserved_gib(row, e)
         out.append(dict(row, compared=compared, published=published, predicted=predicted,
                         error=predicted / published - 1, layout=e.layout.describe(), estimate=e,
@@ -160,21 +160,6 @@ def ranks_table(orders: list[dict] | None = None) -> str:
                             "{} of {}".format(*o["pairs"])] for o in orders])
 
 
-def summary(computed: list[dict] | None = None) -> dict:
-    """The error range over the utilisation rows (MFU and HFU), and the median |error|."""
-    computed = rows() if computed is None else computed
-    errors = [r["error"] for r in computed if r["compared"] in UTILISATION]
-    return dict(n=len(errors), low=min(errors), high=max(errors),
-                median_abs=statistics.median(abs(x) for x in errors))
-
-
-def summary_line(computed: list[dict] | None = None) -> str:
-    """``summary()`` as the sentence docs/reference.md carries."""
-    s = summary(computed)
-    return (f"{s['n']} utilisation rows (MFU or HFU): errors from {s['low']:+.0%} to "
-            f"{s['high']:+.0%}, median |error| {s['median_abs']:.0%}.")
-
-
 def bias(computed: list[dict] | None = None) -> list[dict]:
     """The utilisation rows' signed median error per framework and per hardware, then pooled:
     [{"by" ("framework", "hardware" or "all"), "name", "n", "signed", "abs" (median |error|),
@@ -189,6 +174,20 @@ def bias(computed: list[dict] | None = None) -> list[dict]:
     return [dict(by=by, name=name, n=len(e), signed=statistics.median(e),
                  abs=statistics.median(abs(x) for x in e), low=min(e), high=max(e))
             for (by, name), e in groups.items()]
+
+
+def summary(computed: list[dict] | None = None) -> dict:
+    """The error range over the utilisation rows (MFU and HFU), and the median |error|:
+    ``bias()``'s pooled group."""
+    pooled = next(g for g in bias(computed) if g["by"] == "all")
+    return dict(n=pooled["n"], low=pooled["low"], high=pooled["high"], median_abs=pooled["abs"])
+
+
+def summary_line(computed: list[dict] | None = None) -> str:
+    """``summary()`` as the sentence docs/reference.md carries."""
+    s = summary(computed)
+    return (f"{s['n']} utilisation rows (MFU or HFU): errors from {s['low']:+.0%} to "
+            f"{s['high']:+.0%}, median |error| {s['median_abs']:.0%}.")
 
 
 def bias_table(groups: list[dict] | None = None) -> str:

@@ -127,9 +127,8 @@ class ModelShape:
 
     @property
     def ffn(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return 4 * self.hidden if self.arch == "gpt" else llama_ffn(self.hidden)
+        return self.ffn_hidden or (4 * self.hidden if self.arch == "gpt"
+                                   else llama_ffn(self.hidden))
 
     @property
     def mlp_weights(self) -> int:
@@ -204,12 +203,10 @@ def megatron_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: in
 
 def forward_flops(shape: ModelShape, batch: int, seq_len: int | None = None) -> dict:
     """Forward matmul FLOPs of ``batch`` sequences: per layer (dense + attention core), logits."""
-    s = seq_len or shape.seq_len
-    h = shape.hidden
-    dense = 2 * batch * s * (shape.attention_params + shape.mlp_weights)  # QKV, out projection, MLP
-    attention = 4 * batch * s * s * h              # Q K^T and scores x V
-    logits = 2 * batch * s * h * shape.vocab
-    return {"dense": dense, "attention": attention, "logits": logits}
+    s, h = seq_len or shape.seq_len, shape.hidden
+    return {"dense": 2 * batch * s * (shape.attention_params + shape.mlp_weights),  # QKV, out, MLP
+            "attention": 4 * batch * s * s * h,          # Q K^T and scores x V
+            "logits": 2 * batch * s * h * shape.vocab}
 
 
 def training_flops(shape: ModelShape, batch: int, recompute: str = "none",

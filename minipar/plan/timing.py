@@ -76,19 +76,24 @@ def size_factor(nbytes: float, hw: Hardware) -> float:
     return reached[-1] if reached else 1.0
 
 
+def log_interp(rows: list, x: float, log=math.log2) -> float:
+    """The value at ``x`` of [[x, value], ...] rows in order of x: linear in log(x) between
+    the two rows around it, held beyond the first and the last (the base of ``log`` changes
+    only the rounding, not the line: each caller keeps its own)."""
+    if x <= rows[0][0]:
+        return rows[0][1]
+    if x >= rows[-1][0]:
+        return rows[-1][1]
+    for (x0, v0), (x1, v1) in zip(rows, rows[1:]):
+        if x0 <= x <= x1:
+            w = (log(x) - log(x0)) / (log(x1) - log(x0))
+            return (1 - w) * v0 + w * v1
+
+
 def by_nodes(rows: list, nodes: int, default: float) -> float:
     """A table's value at ``nodes`` from its [[nodes, value], ...] rows (by node count, as
-    loading checked): linear in log2(nodes) between two rows, held beyond the first and the
-    last; ``default`` without rows."""
-    if not rows:
-        return default
-    if nodes <= rows[0][0]:
-        return rows[0][1]
-    for (n0, e0), (n1, e1) in zip(rows, rows[1:]):
-        if n0 <= nodes <= n1:
-            w = (math.log2(nodes) - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
-            return (1 - w) * e0 + w * e1
-    return rows[-1][1]
+    loading checked): ``log_interp`` in log2(nodes); ``default`` without rows."""
+    return log_interp(rows, nodes) if rows else default
 
 
 def network_efficiency(nodes: int, hw: Hardware) -> float:
