@@ -40,11 +40,6 @@ import sys
 import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .. import __version__, comm
 from ..runtime import cli, dist
@@ -86,7 +81,12 @@ class SerialPart(torch.Tensor):
     def __repr__(self):
         return f"SerialPart({tuple(self.shape)}, {len(self.boxes)} boxes)"
 
-    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+    # DCP calls these three, so it is imported by then (``_dcp_call`` says why not before)
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                           TensorProperties)
+        from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
+                                                          WriteItemType)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(
                               chunk=ChunkStorageMetadata(torch.Size(o), t.size()),
@@ -94,10 +94,11 @@ class SerialPart(torch.Tensor):
                               size=self.shape))
                 for o, t in self.boxes]
 
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(torch.Size(o), t.size()) for o, t in self.boxes]
 
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
         for o, t in self.boxes:
             if torch.Size(o) == index.offset:
                 return t
@@ -206,8 +207,8 @@ def save(root: str, step: int, manifest: dict, mesh, runner, engine, keep: int =
         group["params"] = list(serial_shapes(model_config_of(manifest)))
         state["optim.param_groups"] = [group]
         state["trainer.rng"] = torch.get_rng_state()
-    with _dcp_call():
-        dcp.save(state, checkpoint_id=tmp, planner=DefaultSavePlanner())
+    with _dcp_call() as dcp:
+        dcp.save(state, checkpoint_id=tmp, planner=dcp.DefaultSavePlanner())
     if mesh.rank == 0:
         _fsync_write(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=2) + "\n")
         _fsync_write(os.path.join(tmp, COMPLETE), f"step {step}\n")
@@ -222,11 +223,14 @@ def save(root: str, step: int, manifest: dict, mesh, runner, engine, keep: int =
 
 @contextlib.contextmanager
 def _dcp_call():
-    """DCP calls are bookkeeping (untracked); without a process group DCP warns that it runs in
-    one process, which is what we mean."""
+    """DCP itself, for one call. It is imported here, not at the top: it pulls in DTensor, about
+    a second of start-up that a rank which never saves or loads need not pay. Its calls are
+    bookkeeping (untracked); without a process group DCP warns that it runs in one process,
+    which is what we mean."""
+    import torch.distributed.checkpoint as dcp
     with comm.untracked(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        yield dcp
 
 
 def _barrier():
@@ -303,7 +307,8 @@ def check(path: str, model_cfg: GPTConfig | None = None) -> dict:
     Returns the manifest; raises UsageError with one line."""
     manifest = read_manifest(path)
     try:
-        meta = dcp.FileSystemReader(path).read_metadata()
+        with _dcp_call() as dcp:
+            meta = dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001  a torn or foreign file can fail in many ways
         raise UsageError(f"checkpoint {path}: its DCP metadata is damaged ({type(e).__name__}); "
                          f"resume from another checkpoint") from None
@@ -337,8 +342,8 @@ def load(path: str, mesh, runner, engine) -> dict:
     wrote it); returns its manifest. Collective."""
     state = rank_state_dict(mesh, runner, engine, owned_only=False)
     state["trainer.rng"] = torch.get_rng_state()
-    with _dcp_call():
-        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner())
+    with _dcp_call() as dcp:
+        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner())
     with comm.untracked():
         engine.sync_params()
     torch.set_rng_state(state["trainer.rng"])
@@ -354,8 +359,8 @@ def load_serial(path: str, device="cpu") -> tuple[GPTConfig, dict[str, torch.Ten
     manifest = check(path)
     cfg = model_config_of(manifest)
     state = {f"model.{n}": torch.empty(s) for n, s in serial_shapes(cfg).items()}
-    with _dcp_call():
-        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner())
+    with _dcp_call() as dcp:
+        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner())
     return cfg, {k[len("model."):]: v.to(device) for k, v in state.items()}
 
 
