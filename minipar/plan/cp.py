@@ -40,6 +40,11 @@ from .network import p2p_time, placement
 from .shapes import ModelShape
 
 
+def ring_messages(cp: int, recompute: str = "none") -> tuple[int, int]:
+    """(forward, backward) K/V messages a rank sends per layer and micro-batch (above)."""
+    return (cp - 1) * (1 if recompute == "none" else 2), 2 * cp - 1
+
+
 def cp_attention_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int = 1,
                        bytes_per_elem: int = 4, recompute: str = "none") -> dict[str, int]:
     """Bytes one rank sends for ring attention in one layer and micro-batch (forward and
@@ -48,8 +53,8 @@ def cp_attention_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp:
     if cp == 1:
         return dict(forward=0, backward=0, total=0)
     block = kv_block_bytes(micro_batch, seq_len, hidden, cp, tp, bytes_per_elem)
-    forwards = 1 if recompute == "none" else 2
-    out = dict(forward=forwards * (cp - 1) * block, backward=(2 * cp - 1) * block)
+    forward, backward = ring_messages(cp, recompute)
+    out = dict(forward=forward * block, backward=backward * block)
     out["total"] = out["forward"] + out["backward"]
     return out
 
@@ -99,9 +104,9 @@ def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp",
     step = ring_step_times(shape, hardware, cp, layout.tp, layout.micro_batch, dtype, flash,
                            layout.strides(order)["cp"], layout.gpus)
     send = step["send"]
-    forwards = 1 if layout.recompute == "none" else 2
-    per_layer_comm = (forwards * (cp - 1) + 2 * cp - 1) * send
-    per_layer_exposed = (forwards * (cp - 1) * max(0.0, send - step["compute"])
+    forward, backward = ring_messages(cp, layout.recompute)
+    per_layer_comm = (forward + backward) * send
+    per_layer_exposed = (forward * max(0.0, send - step["compute"])
                          + (cp - 1) * max(0.0, send - step["compute_backward"]) + cp * send)
     times = layout.microbatches * (-(-shape.layers // layout.pp) if layers is None else layers)
     return dict(cp_comm=times * per_layer_comm, cp_exposed=times * per_layer_exposed)

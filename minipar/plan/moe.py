@@ -162,16 +162,26 @@ def step_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, ep: int,
     return {k: v for k, v in out.items() if v}
 
 
+def choice_bytes(moe: MoE, tokens: int) -> int:
+    """The expert choices of ``tokens`` tokens, k int64 indices each (gathered over tp, cp)."""
+    return tokens * moe.top_k * COUNT_BYTES
+
+
+def tp_replicated_params(shape: ModelShape, moe: MoE, ep: int) -> int:
+    """An MoE layer's parameters every TP rank holds whole: the router and its experts."""
+    return shape.hidden * moe.experts + moe.experts // ep * shape.mlp_params
+
+
 def tp_layer_comm_bytes(shape: ModelShape, moe: MoE, tokens: int, tp: int, sp: bool,
                         ep: int = 1, elem_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
     """One MoE layer and micro-batch of ``tokens`` = b s under TP (experts replicated,
     tokens split: ``minipar.moe``): the bytes one rank sends, by op (no recomputation)."""
     if tp == 1:
         return {}
-    gather = ring_bytes("all_gather", tokens * moe.top_k * COUNT_BYTES, tp)
+    gather = ring_bytes("all_gather", choice_bytes(moe, tokens), tp)
     if not sp:
         gather += 2 * ring_bytes("all_gather", tokens * shape.hidden * elem_bytes, tp)
-    weights = shape.hidden * moe.experts + moe.experts // ep * shape.mlp_params
+    weights = tp_replicated_params(shape, moe, ep)
     return dict(all_gather=gather, all_reduce=ring_bytes("all_reduce", weights * grad_bytes, tp))
 
 
@@ -181,7 +191,7 @@ def cp_layer_comm_bytes(moe: MoE, tokens: int, cp: int) -> dict[str, float]:
     recomputed forward replays them), so capacity and f_e see whole sequences in order."""
     if cp == 1:
         return {}
-    return dict(all_gather=ring_bytes("all_gather", tokens * moe.top_k * COUNT_BYTES, cp))
+    return dict(all_gather=ring_bytes("all_gather", choice_bytes(moe, tokens), cp))
 
 
 def all_to_all_time(nbytes: float, calls: int, ep: int, stride: int, hw) -> float:
@@ -249,7 +259,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     elem, grad = ACTIVATION_BYTES[dtype], BYTES_PER_PARAM[dtype][1]
     a2a = calls * all_to_all_bytes_balanced(tokens, moe.top_k, shape.hidden, ep, elem)
     times["ep_comm"] = all_to_all_time(a2a, 4 * calls, ep, strides["dp"], hw)
-    choices = lay.micro_batch * seq * moe.top_k * COUNT_BYTES     # this cp rank's, int64
+    choices = choice_bytes(moe, lay.micro_batch * seq)           # this cp rank's
     if lay.cp > 1:      # the whole sequence's choices, gathered over cp before capacity
         gather = calls * timed("all_gather", choices * lay.cp, lay.cp, strides["cp"])
         times["cp_comm"] = times.get("cp_comm", 0.0) + gather
@@ -259,10 +269,9 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
         act = lay.micro_batch * seq * shape.hidden * elem
         passes = 3 if lay.recompute == "full" else 2    # forward, backward (+ forward again)
         dense_mlp = passes * tp_call_time(act, lay, stride, hw)   # as estimate's
-        router_experts = shape.hidden * moe.experts + moe.experts // ep * shape.mlp_params
         moe_tp = (timed("all_gather", choices, t, stride)
                   + (0 if lay.sp else passes * timed("all_gather", act, t, stride))
-                  + timed("all_reduce", router_experts * grad, t, stride))
+                  + timed("all_reduce", tp_replicated_params(shape, moe, ep) * grad, t, stride))
         times["tp_comm"] += calls * (moe_tp - dense_mlp)
 
     collectives = zero_collectives(states["non_expert_params"], lay.replicas, lay.shard, dtype,
