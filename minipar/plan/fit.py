@@ -77,6 +77,10 @@ TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
 # throughput), and plain squares would let them move the fit. Chosen over soft L1 while
 # looking at the 8B rows' validation errors: 8B is a development holdout, not an untouched one.
 LOSS, F_SCALE = "cauchy", 0.2
+# Tables that never rise (-1) or never fall (+1) with more nodes: a wider ring or job never
+# gets more of the NICs, nor a cheaper message. Fitted as the first node count's value, then
+# one bounded step per next node count (``_steps``).
+TRENDS = {"inter_node_efficiency": -1, "fabric_efficiency": -1, "p2p_latency": 1}
 MAX_EVALUATIONS = 200      # trials of the whole model (each Jacobian's columns not counted)
 MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False),
                      ("layer_buffer_bytes", 2.0**10, None, True))
@@ -129,7 +133,8 @@ def _with(hw: Hardware, values: dict) -> Hardware:
 
 
 def _least_squares(residuals, bounds, x0):
-    """scipy's bounded trust-region least squares: (x, standard errors, which parameters the
+    """scipy's bounded trust-region least squares: (x, the covariance of x (0 where the data
+    does not move a parameter; None with no more runs than parameters), which parameters the
     data moves at all, the residuals' sd). PlanError when it does not converge."""
     from scipy.optimize import least_squares
     lo, hi = np.array(bounds).T
@@ -142,25 +147,51 @@ def _least_squares(residuals, bounds, x0):
     jac, n = sol.jac, len(sol.fun)
     moved = np.linalg.norm(jac, axis=0) > 1e-6 * max(1.0, np.linalg.norm(jac))
     s2 = float(sol.fun @ sol.fun) / max(1, n - int(moved.sum()))
-    sigma = np.full(len(x0), np.inf)
-    if moved.any() and n > moved.sum():      # as many runs as parameters: no error to tell
-        j = jac[:, moved]
-        sigma[moved] = np.sqrt(np.clip(np.diag(s2 * np.linalg.pinv(j.T @ j)), 0, None))
-    return sol.x, sigma, moved, float(np.sqrt(s2))
+    cov = None                               # as many runs as parameters: no error to tell
+    if moved.any() and n > moved.sum():
+        cov = np.zeros((len(x0), len(x0)))
+        cov[np.ix_(moved, moved)] = s2 * np.linalg.pinv(jac[:, moved].T @ jac[:, moved])
+    return sol.x, cov, moved, float(np.sqrt(s2))
+
+
+def _steps(spec) -> np.ndarray:
+    """The map from fitted coordinates to values' (log10 or linear) coordinates: the identity,
+    except that in a table with a ``TRENDS`` entry each node count's value is the previous
+    one's plus its own step (so y = A x, A lower triangular within the table)."""
+    a = np.eye(len(spec))
+    for i in range(1, len(spec)):
+        field = spec[i][0].partition("@")[0]
+        if field in TRENDS and spec[i - 1][0].partition("@")[0] == field:
+            a[i] += a[i - 1]
+    return a
 
 
 def _pack(spec, hw):
-    x0, bounds = [], []
+    """Start and bounds in fitted coordinates: a step of a ``TRENDS`` table may only go its
+    way, by at most the table's whole range."""
+    y0, bounds = [], []
     for name, lo, hi, log in spec:
         value = _get(hw, name)
         hi = hi if hi is not None else hw.memory_bytes / 2
-        x0.append(math.log10(max(value, lo)) if log else value)
+        y0.append(math.log10(max(value, lo)) if log else value)
         bounds.append((math.log10(lo), math.log10(hi)) if log else (lo, hi))
-    return x0, bounds
+    a = _steps(spec)
+    x0 = np.linalg.solve(a, np.clip(y0, *np.array(bounds).T))
+    for i, (name, *_) in enumerate(spec):
+        if a[i].sum() > 1:                   # a step: its bound is the sign the trend allows
+            lo, hi = bounds[i]
+            bounds[i] = (lo - hi, 0.0) if TRENDS[name.partition("@")[0]] < 0 else (0.0, hi - lo)
+    return list(x0), bounds
 
 
 def _unpack(spec, x):
-    return {name: (10 ** v if log else float(v)) for (name, _, _, log), v in zip(spec, x)}
+    """Values from fitted coordinates, each held inside its bounds (a table's steps add up)."""
+    out = {}
+    for (name, lo, hi, log), y in zip(spec, _steps(spec) @ np.asarray(x, dtype=float)):
+        hi = math.inf if hi is None else hi
+        y = min(max(y, math.log10(lo) if log else lo), math.log10(hi) if log else hi)
+        out[name] = 10 ** y if log else float(y)
+    return out
 
 
 def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
@@ -173,8 +204,11 @@ def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
     exceeds it."""
     kept = {name: _get(base, name) for name, *_ in spec}
     x0, bounds = _pack(spec, base)
-    x, sigma, moved, s = _least_squares(
+    x, cov, moved, s = _least_squares(
         lambda v: residuals_of(_with(base, _unpack(spec, v))), bounds, x0)
+    a = _steps(spec)                         # the values' errors from the steps' covariance
+    sigma = np.sqrt(np.diag(a @ cov @ a.T)) if cov is not None else np.full(len(x), np.inf)
+    moved = np.abs(a) @ moved > 0
     report = {}
     for (name, _, _, log), value, e, m in zip(spec, _unpack(spec, x).values(), sigma, moved):
         if not m:
