@@ -23,11 +23,12 @@ few efficiencies the planner cannot know from a datasheet:
 Time: least squares of log(predicted / measured tokens/s) over the runs that ran (the whole
 estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of
 it), each parameter bounded by physics (no efficiency above 1, so no bandwidth above its
-datasheet) and fitted in log space where it spans decades. The latencies per ring step stay
-NCCL's (``tuning.cc``, cited by BASE): fitted, they took the framework's cost per TP call
-(ten times NCCL's per step, on the Playbook grid), which then priced a reduce-scatter over 128
-ranks at four times the all-reduce of the same bytes. Memory: least squares of
-log(predicted / measured peak) over the runs that logged one. Each value comes with its
+datasheet; ``TRENDS``: the two tables of efficiencies never rise with more nodes, the
+message's cost never falls) and fitted in log space where it spans decades. The latencies
+per ring step stay NCCL's (``tuning.cc``, cited by BASE): fitted, they took the framework's
+cost per TP call (ten times NCCL's per step, on the Playbook grid), which then priced a
+reduce-scatter over 128 ranks at four times the all-reduce of the same bytes. Memory: least
+squares of log(predicted / measured peak) over the runs that logged one. Each value comes with its
 standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a parameter the
 runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), and with no more
 runs than parameters the errors are "undetermined". The profile records the data's sha256
@@ -155,9 +156,8 @@ def _least_squares(residuals, bounds, x0):
 
 
 def _steps(spec) -> np.ndarray:
-    """The map from fitted coordinates to values' (log10 or linear) coordinates: the identity,
-    except that in a table with a ``TRENDS`` entry each node count's value is the previous
-    one's plus its own step (so y = A x, A lower triangular within the table)."""
+    """A, values' (log10 or linear) coordinates y = A x from fitted ones x: in a ``TRENDS``
+    table each node count's value is the previous one's plus its own step."""
     a = np.eye(len(spec))
     for i in range(1, len(spec)):
         field = spec[i][0].partition("@")[0]
@@ -167,8 +167,7 @@ def _steps(spec) -> np.ndarray:
 
 
 def _pack(spec, hw):
-    """Start and bounds in fitted coordinates: a step of a ``TRENDS`` table may only go its
-    way, by at most the table's whole range."""
+    """Start and bounds in fitted coordinates: a ``TRENDS`` step goes one way only."""
     y0, bounds = [], []
     for name, lo, hi, log in spec:
         value = _get(hw, name)
@@ -207,7 +206,8 @@ def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
     x, cov, moved, s = _least_squares(
         lambda v: residuals_of(_with(base, _unpack(spec, v))), bounds, x0)
     a = _steps(spec)                         # the values' errors from the steps' covariance
-    sigma = np.sqrt(np.diag(a @ cov @ a.T)) if cov is not None else np.full(len(x), np.inf)
+    sigma = np.sqrt(np.clip(np.diag(a @ cov @ a.T), 0, None)) if cov is not None \
+        else np.full(len(x), np.inf)
     moved = np.abs(a) @ moved > 0
     report = {}
     for (name, _, _, log), value, e, m in zip(spec, _unpack(spec, x).values(), sigma, moved):
