@@ -76,6 +76,7 @@ def test_a_fit_recovers_the_parameters_a_synthetic_grid_was_made_from(tmp_path):
         assert abs(value - truth[name]) <= 3 * sigma + 1e-3 * abs(truth[name]), \
             (name, value, sigma, truth[name])
     assert report["log_sigma_time"] < 0.05           # the noise put in, not a misfit
+    assert _follows_trends(hw)
 
 
 def test_the_playbook_profile_reproduces_what_it_records():
@@ -86,6 +87,23 @@ def test_the_playbook_profile_reproduces_what_it_records():
     got = score(runs, profile)
     for key, value in fitted["training"].items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def _follows_trends(hw) -> bool:
+    """Each table by node count goes the way ``fit.TRENDS`` says, or stays level."""
+    from minipar.plan.fit import TRENDS
+    for field, way in TRENDS.items():
+        values = [v for _, v in getattr(hw, field)]
+        if len(values) < 2 or any(way * (b - a) < 0 for a, b in zip(values, values[1:])):
+            return False
+    return True
+
+
+def test_the_playbook_tables_never_improve_with_more_nodes():
+    from minipar.plan.fit import fold_hardware
+    profile = load_hardware("playbook-h100")
+    assert _follows_trends(profile) and _follows_trends(fold_hardware(profile, "model=8B"))
+    assert not _follows_trends(replace(profile, p2p_latency=profile.p2p_latency[::-1]))
 
 
 def test_the_playbook_holdout_figures_are_those_of_the_fit_without_8b():
