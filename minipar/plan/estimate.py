@@ -145,8 +145,7 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
     msg = b * s * h * ACTIVATION_BYTES[dtype]
     calls = m * (stage.layers * (6 if layout.recompute == "full" else 4)
                  + stage.embedding + stage.head)       # + the embedding's g, the head's f
-    per_call = tp_call_time(msg, layout, tp_stride, hw)
-    tp_comm = calls * per_call + (3 * m * collective_time(
+    tp_comm = calls * tp_call_time(msg, layout, tp_stride, hw) + (3 * m * collective_time(
         "all_reduce", b * s * 4, t, tp_stride, hw, hw.nodes(layout.gpus)) if stage.head else 0)
     hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
     ring = ring_times(shape, hw, layout, order, dtype, flash, layers=stage.layers)
@@ -208,11 +207,10 @@ def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     [(count, per micro-batch?, calls, seconds per call, window)]. Independent of the
     micro-batch count and size, so the search computes it once per spec."""
     stride = layout.replica_stride(order, hw.gpus_per_node)
-    one = replace(layout, microbatches=1)
     return [(c.count, c.kind in ("gather", "grad"), c.calls,
              collective_time(c.op, c.nbytes / c.calls, c.size, c.stride * stride, hw,
                              hw.nodes(layout.gpus)), c.window)
-            for c in dp_collectives(shape, one, framework, dtype)]
+            for c in dp_collectives(shape, replace(layout, microbatches=1), framework, dtype)]
 
 
 def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | None = None,
@@ -233,8 +231,7 @@ def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | 
         elif window == "forward":
             hideable, hide = occurrence, min(occurrence, fwd)
         elif window == "backward":
-            hideable = occurrence - one
-            hide = min(hideable, bwd)
+            hideable, hide = occurrence - one, min(occurrence - one, bwd)
         else:            # prefetch: each gather behind the unit before it (its share of a pass)
             hideable = occurrence - one
             hide = (pieces - 1) * min(one, (fwd + bwd) / 2 / max(1, pieces))
