@@ -137,8 +137,7 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
         total += 4 * kv_block_bytes(b, shape.seq_len, shape.kv_hidden, layout.cp, t, act)
     total += gather_bytes(shape, t, layout.shard, dtype)
     if layout.replicas > 1:        # gradients reduce over dp x cp
-        g = (framework.grad_bytes if framework and framework.grad_bytes
-             else BYTES_PER_PARAM[dtype][1])
+        g = (framework.grad_bytes if framework else None) or BYTES_PER_PARAM[dtype][1]
         gradient = stage_params(shape, t, layout.pp, stage) * g
         bucket = framework.bucket_params(layout.replicas) if framework else None
         total += 2 * min(bucket * g if bucket else BUCKET_BYTES, gradient)
