@@ -54,9 +54,8 @@ def cp_attention_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp:
         return dict(forward=0, backward=0, total=0)
     block = kv_block_bytes(micro_batch, seq_len, hidden, cp, tp, bytes_per_elem)
     forward, backward = ring_messages(cp, recompute)
-    out = dict(forward=forward * block, backward=backward * block)
-    out["total"] = out["forward"] + out["backward"]
-    return out
+    return dict(forward=forward * block, backward=backward * block,
+                total=(forward + backward) * block)
 
 
 def cp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, layers: int,
