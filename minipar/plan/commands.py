@@ -214,8 +214,7 @@ def cmd_estimate(args) -> None:
     fw = FRAMEWORKS[args.framework]
     order = args.order or fw.order
     e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
-                 flash=args.flash_attention, dtype=args.dtype, framework=fw,
-                 reserve=args.reserve)
+                 flash=args.flash_attention, dtype=args.dtype, framework=fw, reserve=args.reserve)
     moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
     if moe is not None:
         e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.dtype)

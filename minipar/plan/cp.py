@@ -85,8 +85,7 @@ def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_bat
     fwd, bwd = attention_core(shape, hw, micro_batch, tp, cp, dtype, flash)
     c = hw.step_calibration * hw.oversubscription(gpus or cp * tp)    # as compute_parts
     return dict(send=p2p_time(block, across, hw, hw.nodes(gpus or cp * tp)),
-                compute=c * fwd / cp / 2,
-                compute_backward=c * bwd / cp / 2, across_nodes=across)
+                compute=c * fwd / cp / 2, compute_backward=c * bwd / cp / 2, across_nodes=across)
 
 
 def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp",

@@ -93,8 +93,7 @@ class Estimate:
         lay = self.layout
         s_p, s_g, s_os = lay.shard
         return {
-            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp,
-            "micro_batch": lay.micro_batch,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp, "micro_batch": lay.micro_batch,
             "microbatches": lay.microbatches, "shard": {"p": s_p, "g": s_g, "os": s_os},
             "recompute": lay.recompute != "none", "memory_bytes": int(self.memory["total"]),
             "step_time_s": self.step_time, "mfu": self.mfu,
@@ -347,8 +346,7 @@ def scaling(shape: ModelShape, hardware: Hardware | str, layout: Layout, gpus: l
         if new is None:
             continue
         e = estimate(shape, hw, new, check=False, **kwargs)
-        rows.append({"gpus": n, "estimate": e, "fits": e.fits,
-                     "per_gpu": e.tokens_per_s / n})
+        rows.append({"gpus": n, "estimate": e, "fits": e.fits, "per_gpu": e.tokens_per_s / n})
     base = next((r for r in rows if r["fits"]), None)
     for r in rows:
         r["efficiency"] = r["per_gpu"] / base["per_gpu"] if base else float("nan")

@@ -164,8 +164,7 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: Stage, flash: bool = 
     _check_dtype(dtype)
     out = state_bytes(shape, layout, dtype, framework, stage)
     out["activations"] = activation_bytes(shape, layout, flash, dtype, stage)
-    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage,
-                                       layer_buffer)
+    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage, layer_buffer)
     out["total"] = sum(out.values())
     return out
 

@@ -254,8 +254,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
                               recompute=mode, v=chunks, sp=use_sp(t, c),
                               schedule="gpipe" if schedule == "gpipe" else "1f1b")
-                table = _memory_table(shape, base, states, flash, dtype, fw,
-                                      hw.layer_buffer_bytes)
+                table = _memory_table(shape, base, states, flash, dtype, fw, hw.layer_buffer_bytes)
                 leanest = min(leanest, (table[0][0], base), key=lambda x: x[0])
                 fitting = bisect.bisect_right([row[0] for row in table], capacity)
                 if not fitting:
