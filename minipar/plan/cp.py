@@ -88,9 +88,8 @@ def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_bat
                 compute=c * fwd / cp / 2, compute_backward=c * bwd / cp / 2, across_nodes=across)
 
 
-def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp",
-               dtype: str = "mixed", flash: bool = False,
-               layers: int | None = None) -> dict[str, float]:
+def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp", dtype: str = "mixed",
+               flash: bool = False, layers: int | None = None) -> dict[str, float]:
     """Seconds per step of the ring on a stage of ``layers`` layers (default the heaviest of
     equal stages), as ``minipar.cp`` runs it (module docstring): per layer and micro-batch
     cp-1 K/V sends forward (x2 when recomputed) and cp-1 backward, each exposed by

@@ -176,9 +176,8 @@ def zero_comm_bytes(n_params: int | list[int], dp: int, shard: Shard | str | Non
 ZERO_GROUPS = ("zero_p", "zero_g", "zero_os", "zero_rep")
 
 
-def zero_comm_bytes_by_group(n_params: int | list[int], dp: int,
-                             shard: Shard | str | None = None, zero: int | None = None,
-                             dtype: str = "mixed", microbatches: int = 1,
+def zero_comm_bytes_by_group(n_params: int | list[int], dp: int, shard: Shard | str | None = None,
+                             zero: int | None = None, dtype: str = "mixed", microbatches: int = 1,
                              recompute: bool = False) -> dict[str, dict[str, int]]:
     """``zero_comm_bytes`` split over ``minipar.zero``'s mesh groups, by op.
 
@@ -249,9 +248,8 @@ def tp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, tp: int, layers: 
     return out
 
 
-def tp_block_comm_bytes(tokens: int, hidden: int, tp: int, sp: bool = False,
-                        dtype: str = "mixed", arch: str = "gpt",
-                        bias: bool = True) -> dict[str, dict[str, int]]:
+def tp_block_comm_bytes(tokens: int, hidden: int, tp: int, sp: bool = False, dtype: str = "mixed",
+                        arch: str = "gpt", bias: bool = True) -> dict[str, dict[str, int]]:
     """Bytes one rank sends for one transformer layer and a micro-batch of ``tokens`` = b s
     tokens, by pass and op: ``{"forward": {op: bytes}, "backward": {op: bytes}}`` (no
     recomputation; module docstring): what ``tp_comm_bytes`` counts per layer."""

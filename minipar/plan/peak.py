@@ -169,9 +169,8 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: Stage, flash: bool = 
     return out
 
 
-def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
-                  dtype: str = "mixed", framework=None, layer_buffer: float = 0.0
-                  ) -> dict[str, float]:
+def device_memory(shape: ModelShape, layout: Layout, flash: bool = False, dtype: str = "mixed",
+                  framework=None, layer_buffer: float = 0.0) -> dict[str, float]:
     """The largest stage's peak: params, grads, optimizer, activations, temporary, total
     (bytes), and "stage", the index of the stage that holds it."""
     peaks = [dict(stage_memory(shape, layout, st, flash, dtype, framework, layer_buffer),

@@ -89,16 +89,14 @@ def rank_key(seconds: float | tuple, memory: float, layout: Layout) -> tuple:
             RECOMPUTE_MODES.index(layout.recompute), layout.schedule)
 
 
-def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
-           tp: int | None = None, pp: int | None = None, cp: int | None = None,
-           max_cp: int | None = None, global_batch_tokens: int | None = None,
-           seq_len: int | None = None,
+def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *, tp: int | None = None,
+           pp: int | None = None, cp: int | None = None, max_cp: int | None = None,
+           global_batch_tokens: int | None = None, seq_len: int | None = None,
            micro_batch: int | None = None, shard: Shard | str | None = None,
            zero: int | None = None, recompute: str | None = None, v: int | None = None,
-           top: int = 5, max_tp: int | None = None, max_v: int = 8,
-           max_micro_batch: int = 16, order: str | None = None,
-           overlap: float | None = None, flash: bool = False, sp: bool | None = None,
-           dtype: str | None = None, reserve: float | None = None,
+           top: int = 5, max_tp: int | None = None, max_v: int = 8, max_micro_batch: int = 16,
+           order: str | None = None, overlap: float | None = None, flash: bool = False,
+           sp: bool | None = None, dtype: str | None = None, reserve: float | None = None,
            specs_per_layout: int = 1, framework: Framework | str = "minipar",
            schedule: str | None = None, objective: str = "step") -> list[Estimate]:
     """Ranked layouts (best first) of ``model`` on ``gpus`` devices of ``hardware`` (module
