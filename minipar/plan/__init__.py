@@ -116,8 +116,7 @@ from .network import (collective_time, engine_collectives, pp_comm_bytes, ring_b
                       zero_comm_bytes_by_group, zero_group_span)
 from .search import explain, search
 from .shapes import (PRESETS, ModelShape, forward_flops, gpt_params, llama_ffn, llama_params,
-                     megatron_flops, megatron_params, model_preset, stage_flops,
-                     training_flops)
+                     megatron_flops, megatron_params, model_preset, stage_flops, training_flops)
 from .sharding import check_shard, parse_shard, shard_specs, zero_shard
 
 

@@ -122,8 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batch sizes allowed (one, a set or a range); default: 1 to 16, "
                         "each dividing the batch per replica")
     p.add_argument("--top", type=positive, default=5, help="how many layouts to list")
-    p.add_argument("--max-tp", type=positive,
-                   help="largest TP degree to try (default: one node)")
+    p.add_argument("--max-tp", type=positive, help="largest TP degree to try (default: one node)")
     p.add_argument("--recompute", type=mode_set, metavar="MODE",
                    help=f"recomputation allowed: one of {', '.join(RECOMPUTE_MODES)}, or a "
                         f"set of them (none,full)")

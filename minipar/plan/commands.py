@@ -129,12 +129,10 @@ def _results_table(results) -> str:
     for i, e in enumerate(results, 1):
         lay = e.layout
         rows.append([i, lay.tp, lay.pp, lay.v, lay.cp, lay.dp, lay.micro_batch, lay.microbatches,
-                     "{},{},{}".format(*lay.shard), lay.recompute,
-                     human_bytes(e.memory["total"]), f"{e.step_time:.4g}",
-                     f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
+                     "{},{},{}".format(*lay.shard), lay.recompute, human_bytes(e.memory["total"]),
+                     f"{e.step_time:.4g}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
     return (text_table(rows, ["#", "tp", "pp", "v", "cp", "dp", "b", "m", "shard", "recompute",
-                          "memory", "step s", "tokens/s", "MFU"])
-            + "\n" + LEGEND)
+                              "memory", "step s", "tokens/s", "MFU"]) + "\n" + LEGEND)
 
 
 LEGEND = ("v: model chunks per pipeline stage (interleaved 1F1B when > 1); cp: ranks each "
@@ -214,8 +212,7 @@ def cmd_estimate(args) -> None:
     fw = FRAMEWORKS[args.framework]
     order = args.order or fw.order
     e = estimate(shape, hw, layout, order=order, overlap=args.overlap,
-                 flash=args.flash_attention, dtype=args.dtype, framework=fw,
-                 reserve=args.reserve)
+                 flash=args.flash_attention, dtype=args.dtype, framework=fw, reserve=args.reserve)
     moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
     if moe is not None:
         e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.dtype)

@@ -54,9 +54,8 @@ def cp_attention_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp:
         return dict(forward=0, backward=0, total=0)
     block = kv_block_bytes(micro_batch, seq_len, hidden, cp, tp, bytes_per_elem)
     forward, backward = ring_messages(cp, recompute)
-    out = dict(forward=forward * block, backward=backward * block)
-    out["total"] = out["forward"] + out["backward"]
-    return out
+    return dict(forward=forward * block, backward=backward * block,
+                total=(forward + backward) * block)
 
 
 def cp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, layers: int,
@@ -86,13 +85,11 @@ def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_bat
     fwd, bwd = attention_core(shape, hw, micro_batch, tp, cp, dtype, flash)
     c = hw.step_calibration * hw.oversubscription(gpus or cp * tp)    # as compute_parts
     return dict(send=p2p_time(block, across, hw, hw.nodes(gpus or cp * tp)),
-                compute=c * fwd / cp / 2,
-                compute_backward=c * bwd / cp / 2, across_nodes=across)
+                compute=c * fwd / cp / 2, compute_backward=c * bwd / cp / 2, across_nodes=across)
 
 
-def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp",
-               dtype: str = "mixed", flash: bool = False,
-               layers: int | None = None) -> dict[str, float]:
+def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp", dtype: str = "mixed",
+               flash: bool = False, layers: int | None = None) -> dict[str, float]:
     """Seconds per step of the ring on a stage of ``layers`` layers (default the heaviest of
     equal stages), as ``minipar.cp`` runs it (module docstring): per layer and micro-batch
     cp-1 K/V sends forward (x2 when recomputed) and cp-1 backward, each exposed by

@@ -93,8 +93,7 @@ class Estimate:
         lay = self.layout
         s_p, s_g, s_os = lay.shard
         return {
-            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp,
-            "micro_batch": lay.micro_batch,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp, "micro_batch": lay.micro_batch,
             "microbatches": lay.microbatches, "shard": {"p": s_p, "g": s_g, "os": s_os},
             "recompute": lay.recompute != "none", "memory_bytes": int(self.memory["total"]),
             "step_time_s": self.step_time, "mfu": self.mfu,
@@ -145,8 +144,7 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
     msg = b * s * h * ACTIVATION_BYTES[dtype]
     calls = m * (stage.layers * (6 if layout.recompute == "full" else 4)
                  + stage.embedding + stage.head)       # + the embedding's g, the head's f
-    per_call = tp_call_time(msg, layout, tp_stride, hw)
-    tp_comm = calls * per_call + (3 * m * collective_time(
+    tp_comm = calls * tp_call_time(msg, layout, tp_stride, hw) + (3 * m * collective_time(
         "all_reduce", b * s * 4, t, tp_stride, hw, hw.nodes(layout.gpus)) if stage.head else 0)
     hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
     ring = ring_times(shape, hw, layout, order, dtype, flash, layers=stage.layers)
@@ -208,11 +206,10 @@ def dp_profile(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     [(count, per micro-batch?, calls, seconds per call, window)]. Independent of the
     micro-batch count and size, so the search computes it once per spec."""
     stride = layout.replica_stride(order, hw.gpus_per_node)
-    one = replace(layout, microbatches=1)
     return [(c.count, c.kind in ("gather", "grad"), c.calls,
              collective_time(c.op, c.nbytes / c.calls, c.size, c.stride * stride, hw,
                              hw.nodes(layout.gpus)), c.window)
-            for c in dp_collectives(shape, one, framework, dtype)]
+            for c in dp_collectives(shape, replace(layout, microbatches=1), framework, dtype)]
 
 
 def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | None = None,
@@ -233,8 +230,7 @@ def dp_exposure(profile: list, microbatches: int, parts: dict, overlap: float | 
         elif window == "forward":
             hideable, hide = occurrence, min(occurrence, fwd)
         elif window == "backward":
-            hideable = occurrence - one
-            hide = min(hideable, bwd)
+            hideable, hide = occurrence - one, min(occurrence - one, bwd)
         else:            # prefetch: each gather behind the unit before it (its share of a pass)
             hideable = occurrence - one
             hide = (pieces - 1) * min(one, (fwd + bwd) / 2 / max(1, pieces))
@@ -350,8 +346,7 @@ def scaling(shape: ModelShape, hardware: Hardware | str, layout: Layout, gpus: l
         if new is None:
             continue
         e = estimate(shape, hw, new, check=False, **kwargs)
-        rows.append({"gpus": n, "estimate": e, "fits": e.fits,
-                     "per_gpu": e.tokens_per_s / n})
+        rows.append({"gpus": n, "estimate": e, "fits": e.fits, "per_gpu": e.tokens_per_s / n})
     base = next((r for r in rows if r["fits"]), None)
     for r in rows:
         r["efficiency"] = r["per_gpu"] / base["per_gpu"] if base else float("nan")

@@ -80,8 +80,7 @@ class Framework:
         if self.spec_family == "amsp":
             return shard_specs(dp, per_node)
         if self.spec_family == "zero01":        # DeepSpeed: ZeRO-2/3 refuse pipelines
-            stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
-            return sorted({zero_shard(z, dp) for z in stages})
+            return sorted({zero_shard(z, dp) for z in ((0, 1) if pp > 1 else (0, 1, 2, 3))})
         if self.spec_family == "dist-opt":      # Megatron-LM: DDP or distributed optimizer
             return sorted({zero_shard(0, dp), zero_shard(1, dp)})
         if self.spec_family == "fsdp":          # NO_SHARD, SHARD_GRAD_OP, FULL/HYBRID_SHARD
@@ -94,10 +93,9 @@ class Framework:
 
 def _profiles() -> dict[str, Framework]:
     """The profiles of ``frameworks.json``, in its order (``--framework``'s choices)."""
-    data = json.loads(DATA.read_text())
     return {name: Framework(name, **{k: tuple(v) if isinstance(v, list) else v
                                      for k, v in profile.items()})
-            for name, profile in data.items()}
+            for name, profile in json.loads(DATA.read_text()).items()}
 
 
 FRAMEWORKS: dict[str, Framework] = _profiles()
@@ -113,8 +111,7 @@ MODULES_PER_LAYER = {"gpt": 6, "llama": 9}     # modules holding parameters, per
 def gather_calls(fw: Framework, arch: str, layers: int, ends: int) -> int:
     """Parameter gathers one pass of a stage with ``layers`` layers and ``ends`` end units
     (embedding, head) issues under ``fw``."""
-    per_layer = MODULES_PER_LAYER[arch] if fw.gather_per_module else 1
-    return layers * per_layer + ends
+    return layers * (MODULES_PER_LAYER[arch] if fw.gather_per_module else 1) + ends
 
 
 def load_framework(name: str | Framework) -> Framework:

@@ -137,9 +137,7 @@ class Hardware:
         """How many times slower each device computes when ``devices`` of them share a
         node's ``cores`` (time-slicing: 4 one-thread processes on 2 cores each get half a
         core); 1 when every device has its own engine or core."""
-        if not self.cores:
-            return 1.0
-        return max(1.0, min(devices, self.gpus_per_node) / self.cores)
+        return max(1.0, min(devices, self.gpus_per_node) / self.cores) if self.cores else 1.0
 
     def nodes(self, devices: int) -> int:
         """Nodes a job of ``devices`` spans: where the fabric's share and the p2p cost are

@@ -139,8 +139,7 @@ def tp_rank_params(shape: ModelShape, tp: int = 1) -> dict[str, int]:
              + b * (h + 2 * shape.kv_hidden + shape.ffn))      # + the column biases
     replicated = 2 * shape.norm_params + b * 2 * h             # + the two row biases
     positions = 0 if shape.arch == "llama" else shape.seq_len * h     # rotary: no table
-    return {"layer": math.ceil(split / t) + replicated,
-            "embedding": vocab_rows * h + positions,
+    return {"layer": math.ceil(split / t) + replicated, "embedding": vocab_rows * h + positions,
             "head": shape.norm_params + (0 if shape.tied_head else vocab_rows * h),
             "tied_copy": vocab_rows * h if shape.tied_head else 0}
 

@@ -102,26 +102,20 @@ def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
     w, g, _ = BYTES_PER_PARAM[dtype]
     m = microbatches
     psi = padded_params(n_params, s_os)      # one flat buffer, padded for every group
-    out = []
-    if s_p > 1:
-        out.append(Collective("all_gather", "parameters for forward and backward", psi * w,
-                              s_p, 1, m * (3 if recompute else 2), "gather"))
-    if s_g > 1:
-        out.append(Collective("reduce_scatter", "gradients, every micro-batch", psi * g,
-                              s_g, 1, m, "grad"))
-    if s_os > s_g:
-        out.append(Collective("reduce_scatter", "gradient shard down to the optimizer shard",
-                              psi // s_g * g, s_os // s_g, s_g, 1, "step_reduce"))
-    if dp > s_os:
-        out.append(Collective("all_reduce", "optimizer-shard gradient across replicas",
-                              psi // s_os * g, dp // s_os, s_os, 1, "step_reduce"))
-    if s_os > s_g:
-        out.append(Collective("all_gather", "updated optimizer shards into the G shard",
-                              psi // s_g * w, s_os // s_g, s_g, 1, "step_gather"))
-    if s_g > s_p:
-        out.append(Collective("all_gather", "updated G shards into the P shard",
-                              psi // s_p * w, s_g // s_p, s_p, 1, "step_gather"))
-    return out
+    steps = [   # (whether it runs, op, what, nbytes, size, stride, count, kind)
+        (s_p > 1, "all_gather", "parameters for forward and backward", psi * w, s_p, 1,
+         m * (3 if recompute else 2), "gather"),
+        (s_g > 1, "reduce_scatter", "gradients, every micro-batch", psi * g, s_g, 1, m, "grad"),
+        (s_os > s_g, "reduce_scatter", "gradient shard down to the optimizer shard",
+         psi // s_g * g, s_os // s_g, s_g, 1, "step_reduce"),
+        (dp > s_os, "all_reduce", "optimizer-shard gradient across replicas",
+         psi // s_os * g, dp // s_os, s_os, 1, "step_reduce"),
+        (s_os > s_g, "all_gather", "updated optimizer shards into the G shard",
+         psi // s_g * w, s_os // s_g, s_g, 1, "step_gather"),
+        (s_g > s_p, "all_gather", "updated G shards into the P shard",
+         psi // s_p * w, s_g // s_p, s_p, 1, "step_gather"),
+    ]
+    return [Collective(*fields) for runs, *fields in steps if runs]
 
 
 def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: int,
@@ -182,9 +176,8 @@ def zero_comm_bytes(n_params: int | list[int], dp: int, shard: Shard | str | Non
 ZERO_GROUPS = ("zero_p", "zero_g", "zero_os", "zero_rep")
 
 
-def zero_comm_bytes_by_group(n_params: int | list[int], dp: int,
-                             shard: Shard | str | None = None, zero: int | None = None,
-                             dtype: str = "mixed", microbatches: int = 1,
+def zero_comm_bytes_by_group(n_params: int | list[int], dp: int, shard: Shard | str | None = None,
+                             zero: int | None = None, dtype: str = "mixed", microbatches: int = 1,
                              recompute: bool = False) -> dict[str, dict[str, int]]:
     """``zero_comm_bytes`` split over ``minipar.zero``'s mesh groups, by op.
 
@@ -255,9 +248,8 @@ def tp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, tp: int, layers: 
     return out
 
 
-def tp_block_comm_bytes(tokens: int, hidden: int, tp: int, sp: bool = False,
-                        dtype: str = "mixed", arch: str = "gpt",
-                        bias: bool = True) -> dict[str, dict[str, int]]:
+def tp_block_comm_bytes(tokens: int, hidden: int, tp: int, sp: bool = False, dtype: str = "mixed",
+                        arch: str = "gpt", bias: bool = True) -> dict[str, dict[str, int]]:
     """Bytes one rank sends for one transformer layer and a micro-batch of ``tokens`` = b s
     tokens, by pass and op: ``{"forward": {op: bytes}, "backward": {op: bytes}}`` (no
     recomputation; module docstring): what ``tp_comm_bytes`` counts per layer."""

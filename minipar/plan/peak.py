@@ -137,8 +137,7 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
         total += 4 * kv_block_bytes(b, shape.seq_len, shape.kv_hidden, layout.cp, t, act)
     total += gather_bytes(shape, t, layout.shard, dtype)
     if layout.replicas > 1:        # gradients reduce over dp x cp
-        g = (framework.grad_bytes if framework and framework.grad_bytes
-             else BYTES_PER_PARAM[dtype][1])
+        g = (framework.grad_bytes if framework else None) or BYTES_PER_PARAM[dtype][1]
         gradient = stage_params(shape, t, layout.pp, stage) * g
         bucket = framework.bucket_params(layout.replicas) if framework else None
         total += 2 * min(bucket * g if bucket else BUCKET_BYTES, gradient)
@@ -165,15 +164,13 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: Stage, flash: bool = 
     _check_dtype(dtype)
     out = state_bytes(shape, layout, dtype, framework, stage)
     out["activations"] = activation_bytes(shape, layout, flash, dtype, stage)
-    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage,
-                                       layer_buffer)
+    out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage, layer_buffer)
     out["total"] = sum(out.values())
     return out
 
 
-def device_memory(shape: ModelShape, layout: Layout, flash: bool = False,
-                  dtype: str = "mixed", framework=None, layer_buffer: float = 0.0
-                  ) -> dict[str, float]:
+def device_memory(shape: ModelShape, layout: Layout, flash: bool = False, dtype: str = "mixed",
+                  framework=None, layer_buffer: float = 0.0) -> dict[str, float]:
     """The largest stage's peak: params, grads, optimizer, activations, temporary, total
     (bytes), and "stage", the index of the stage that holds it."""
     peaks = [dict(stage_memory(shape, layout, st, flash, dtype, framework, layer_buffer),

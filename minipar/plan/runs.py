@@ -164,8 +164,7 @@ def read_runs(path: str | Path) -> tuple[list[Run], list[str]]:
             reader = csv.DictReader(f)
             header = reader.fieldnames or []
             playbook = "tok_s_gpu" in header
-            need = PLAYBOOK_COLUMNS if playbook else COLUMNS
-            missing = [c for c in need if c not in header]
+            missing = [c for c in (PLAYBOOK_COLUMNS if playbook else COLUMNS) if c not in header]
             if missing:
                 raise PlanError(f"{path}: missing column(s) {', '.join(missing)}; a runs CSV "
                                 f"has {', '.join(COLUMNS)}")

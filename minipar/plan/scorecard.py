@@ -210,8 +210,7 @@ def markdown(computed: list[dict] | None = None) -> str:
 
 def write_docs(path: Path = DOC) -> None:
     """Rewrite ``path`` between ``BEGIN`` and ``END`` with ``markdown()``."""
-    text = path.read_text()
-    head, rest = text.split(BEGIN + "\n", 1)
+    head, rest = path.read_text().split(BEGIN + "\n", 1)
     path.write_text(head + BEGIN + "\n" + markdown() + "\n" + END + rest.split(END, 1)[1])
 
 

@@ -89,16 +89,14 @@ def rank_key(seconds: float | tuple, memory: float, layout: Layout) -> tuple:
             RECOMPUTE_MODES.index(layout.recompute), layout.schedule)
 
 
-def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *,
-           tp: int | None = None, pp: int | None = None, cp: int | None = None,
-           max_cp: int | None = None, global_batch_tokens: int | None = None,
-           seq_len: int | None = None,
+def search(model: ModelShape | str, gpus: int, hardware: Hardware | str, *, tp: int | None = None,
+           pp: int | None = None, cp: int | None = None, max_cp: int | None = None,
+           global_batch_tokens: int | None = None, seq_len: int | None = None,
            micro_batch: int | None = None, shard: Shard | str | None = None,
            zero: int | None = None, recompute: str | None = None, v: int | None = None,
-           top: int = 5, max_tp: int | None = None, max_v: int = 8,
-           max_micro_batch: int = 16, order: str | None = None,
-           overlap: float | None = None, flash: bool = False, sp: bool | None = None,
-           dtype: str | None = None, reserve: float | None = None,
+           top: int = 5, max_tp: int | None = None, max_v: int = 8, max_micro_batch: int = 16,
+           order: str | None = None, overlap: float | None = None, flash: bool = False,
+           sp: bool | None = None, dtype: str | None = None, reserve: float | None = None,
            specs_per_layout: int = 1, framework: Framework | str = "minipar",
            schedule: str | None = None, objective: str = "step") -> list[Estimate]:
     """Ranked layouts (best first) of ``model`` on ``gpus`` devices of ``hardware`` (module
@@ -254,8 +252,7 @@ def _scan(shape, gpus, hw, fw, batch, capacity, modes, cps, rejected, *, tps, pp
                 base = Layout(tp=t, pp=p, cp=c, dp=d, micro_batch=b, microbatches=m,
                               recompute=mode, v=chunks, sp=use_sp(t, c),
                               schedule="gpipe" if schedule == "gpipe" else "1f1b")
-                table = _memory_table(shape, base, states, flash, dtype, fw,
-                                      hw.layer_buffer_bytes)
+                table = _memory_table(shape, base, states, flash, dtype, fw, hw.layer_buffer_bytes)
                 leanest = min(leanest, (table[0][0], base), key=lambda x: x[0])
                 fitting = bisect.bisect_right([row[0] for row in table], capacity)
                 if not fitting:

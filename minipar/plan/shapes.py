@@ -250,10 +250,9 @@ PRESETS_DATA = Path(__file__).resolve().parent / "presets.json"
 def _presets() -> dict[str, ModelShape]:
     """The shapes of ``presets.json``, in its order (``model_from_dict``; "source" says
     where each comes from)."""
-    data = json.loads(PRESETS_DATA.read_text())
     return {name: model_from_dict({"name": name, **{k: v for k, v in entry.items()
                                                     if k != "source"}}, where=name)
-            for name, entry in data.items()}
+            for name, entry in json.loads(PRESETS_DATA.read_text()).items()}
 
 
 def trainer_presets() -> dict[str, ModelShape]:

@@ -7,8 +7,7 @@ from ..rules import (Shard, contiguous, divisors, parse_shard, resolve_shard,  #
 from .errors import raise_if
 
 
-def check_shard(shard: Shard, dp: int, per_node: int | None = None,
-                amsp: bool = False) -> Shard:
+def check_shard(shard: Shard, dp: int, per_node: int | None = None, amsp: bool = False) -> Shard:
     """``shard`` as a tuple, or PlanError saying which rule it breaks (``shard_violation``)."""
     raise_if(shard_violation(tuple(shard), dp, per_node, amsp))
     return tuple(shard)  # type: ignore[return-value]
