@@ -70,13 +70,15 @@ def cli(*args, timeout=120):
 def _warm_forkserver():
     """Every ``dist.launch`` forks its ranks from one forkserver per test process. With the
     package imported there as well as torch, a rank starts with minipar loaded instead of
-    importing it again (0.8 to 0.9 s per rank, measured on the 2-core VM at load 19)."""
+    importing it again (0.8 to 0.9 s per rank, measured on the 2-core VM at load 19).
+    DCP, which ``minipar.checkpoint`` imports only when a checkpoint is read or written, and
+    DTensor with it, are preloaded too: many tests' ranks save, load or build torch's twins."""
     from minipar.runtime import dist
     ctx = dist._context()
     if hasattr(ctx, "set_forkserver_preload"):
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "einops",
                                     "minipar.train", "minipar.checkpoint", "minipar.sample",
-                                    "minipar.exercises"])
+                                    "minipar.exercises", "torch.distributed.checkpoint"])
 
 
 _warm_forkserver()
