@@ -306,12 +306,12 @@ def check(path: str, model_cfg: GPTConfig | None = None) -> dict:
     data file present and long enough, and (given ``model_cfg``) the same model shapes.
     Returns the manifest; raises UsageError with one line."""
     manifest = read_manifest(path)
-    try:
-        with _dcp_call() as dcp:
+    with _dcp_call() as dcp:               # imported outside the try: only the file is judged
+        try:
             meta = dcp.FileSystemReader(path).read_metadata()
-    except Exception as e:  # noqa: BLE001  a torn or foreign file can fail in many ways
-        raise UsageError(f"checkpoint {path}: its DCP metadata is damaged ({type(e).__name__}); "
-                         f"resume from another checkpoint") from None
+        except Exception as e:  # noqa: BLE001  a torn or foreign file can fail in many ways
+            raise UsageError(f"checkpoint {path}: its DCP metadata is damaged "
+                             f"({type(e).__name__}); resume from another checkpoint") from None
     ends: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
