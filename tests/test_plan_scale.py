@@ -54,6 +54,28 @@ def test_gqa_shrinks_k_and_v_everywhere():
             ["send"])
 
 
+def test_megatron_fused_swiglu_keeps_three_f_wide_tensors():
+    """Megatron-LM's fused SwiGLU saves its input (gate and up) and fc2 its own: one F-wide
+    16-bit tensor per token fewer than PyTorch's silu and mul keep (frameworks.json)."""
+    from minipar.plan.frameworks import load_framework
+    from minipar.plan.memory import layer_activation_bytes
+    from minipar.plan.peak import device_memory
+    shape = model_preset("llama3-8b")
+    s, f = shape.seq_len, shape.ffn
+    for tp, sp in ((1, False), (4, False), (4, True)):
+        saved = (layer_activation_bytes(shape, 2, tp, sp, glu_saved=4)
+                 - layer_activation_bytes(shape, 2, tp, sp, glu_saved=3))
+        assert saved == pytest.approx(2 * s * f * 2 / tp)        # b s F, 2 bytes
+    megatron = load_framework("megatron-lm")
+    assert megatron.glu_saved == 3 and load_framework("nanotron").glu_saved == 4
+    lay = Layout(tp=4, pp=1, dp=2, micro_batch=1, sp=True, recompute="selective")
+    fused = device_memory(shape, lay, flash=True, framework=megatron)
+    plain = device_memory(shape, lay, flash=True, framework=replace(megatron, glu_saved=4))
+    assert plain["activations"] - fused["activations"] == pytest.approx(
+        shape.layers * s * f * 2 / 4)
+    assert fused["total"] < plain["total"]
+
+
 def test_tp_must_split_whole_key_value_heads():
     from minipar.plan.layout import tp_violation
     assert tp_violation(32, 8, 8) is None and tp_violation(32, 8) is None

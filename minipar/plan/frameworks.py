@@ -68,6 +68,7 @@ class Framework:
                                           # whether a pp that does not divide the layers runs
     logit_bytes: float = 10               # bytes per logit at the loss's peak, mixed (plan.peak)
     tp_overlap: bool = False              # TP collectives overlap the GEMMs they feed
+    glu_saved: int = 4                    # F-wide tensors a SwiGLU MLP keeps (plan.memory)
     sources: tuple = ()
 
     def bucket_params(self, dp: int) -> float | None:

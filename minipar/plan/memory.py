@@ -56,9 +56,11 @@ activations and 1-byte dropout masks:
 The 34 is 10 s b h that TP alone cannot split (LayerNorm inputs, the inputs of the first
 matmuls, dropout masks) plus 24 that it can (Q, K, V, the attention output, the MLP's two
 4h-wide activations). We generalise the MLP part to any width F (GELU: 4F/h in place of 16)
-and to LLaMA's SwiGLU without dropout (8 replicated, 8 + 8F/h split, 2 a s / h for the
-scores), and a GPT trained without dropout (MPT) drops the masks (8 replicated, 4 a s / h);
-the GPT case with dropout is exactly the paper's. fp32 activations double every term.
+and to LLaMA's SwiGLU without dropout (8 replicated, 8 + 2 g F/h split, 2 a s / h for the
+scores; g = ``glu_saved`` F-wide tensors: PyTorch's ops keep 4, gate, up, silu(gate) and
+their product, Megatron-LM's fused SwiGLU 3, its input gate and up and the product), and a
+GPT without dropout (MPT) drops the masks (8 replicated, 4 a s / h); the GPT case with
+dropout is exactly the paper's. fp32 activations double every term.
 
 What one device holds at its peak (the activations a pipeline stage keeps, the transient
 buffers, the allocator's reserve) is ``peak``'s: stage by stage, as the framework builds them.
@@ -159,14 +161,14 @@ def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage=None) -> int
     return layers + max(per_rank["embedding"], per_rank["head"] + per_rank["tied_copy"])
 
 
-def activation_coefficients(shape: ModelShape) -> tuple[float, float, float]:
+def activation_coefficients(shape: ModelShape, glu_saved: int = 4) -> tuple[float, float, float]:
     """(replicated, tp-split, scores) so one layer keeps s b h (rep + split + scores a s / h).
     The split attention part is Q, K, V and the attention's output (2 bytes each): 8, of which
-    K and V shrink to h_kv / h under grouped-query attention."""
+    K and V shrink to h_kv / h under grouped-query attention; ``glu_saved``: module docstring."""
     ratio = shape.ffn / shape.hidden
     attention = 4.0 + 4.0 * shape.kv_hidden / shape.hidden
     if shape.arch == "llama":
-        return 8.0, attention + 8.0 * ratio, 2.0
+        return 8.0, attention + 2.0 * glu_saved * ratio, 2.0
     if not shape.has_dropout:      # no masks: 1 s b h each after attention and MLP, a s^2 b
         return 8.0, attention + 4.0 * ratio, 4.0
     return 10.0, attention + 4.0 * ratio, 5.0
@@ -174,7 +176,7 @@ def activation_coefficients(shape: ModelShape) -> tuple[float, float, float]:
 
 def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1, sp: bool = False,
                            recompute: str = "none", flash: bool = False,
-                           dtype: str = "mixed") -> float:
+                           dtype: str = "mixed", glu_saved: int = 4) -> float:
     """Bytes one layer keeps for backward, for one micro-batch (Korthikanti et al. 2022)."""
     _check_dtype(dtype)
     s, b, h, a = shape.seq_len, micro_batch, shape.hidden, shape.heads
@@ -182,7 +184,7 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1, sp:
     sbh = s * b * h * scale
     if recompute == "full":
         return 2 * sbh / (tp if sp else 1)
-    replicated, split, scores = activation_coefficients(shape)
+    replicated, split, scores = activation_coefficients(shape, glu_saved)
     if recompute == "selective" or flash:
         scores = 0.0
     if sp:
@@ -199,10 +201,10 @@ def kv_block_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int
 
 def cp_layer_activation_bytes(shape: ModelShape, micro_batch: int, cp: int = 1, tp: int = 1,
                               sp: bool = False, recompute: str = "none", flash: bool = False,
-                              dtype: str = "mixed") -> float:
+                              dtype: str = "mixed", glu_saved: int = 4) -> float:
     """One layer's activations on one rank of a cp ring: the layer at s/cp tokens, the
     scores never stored at cp > 1 (ring attention computes them block by block)."""
     raise_if(cp_violation(shape.seq_len, cp))
     local = dataclasses.replace(shape, seq_len=shape.seq_len // cp)
     return layer_activation_bytes(local, micro_batch, tp=tp, sp=sp, recompute=recompute,
-                                  flash=flash or cp > 1, dtype=dtype)
+                                  flash=flash or cp > 1, dtype=dtype, glu_saved=glu_saved)

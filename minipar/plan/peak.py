@@ -88,20 +88,20 @@ def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
 
 
 def layer_bytes(shape: ModelShape, layout: Layout, flash: bool = False, dtype: str = "mixed",
-                recompute: str | None = None) -> float:
+                recompute: str | None = None, framework=None) -> float:
     """Bytes one layer keeps for one micro-batch on one rank of this layout (under cp a layer
-    of s/cp tokens, the scores never stored)."""
+    of s/cp tokens, the scores never stored), its SwiGLU as ``framework`` builds it."""
     recompute = layout.recompute if recompute is None else recompute
     return cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp, layout.sp,
-                                     recompute, flash, dtype)
+                                     recompute, flash, dtype, getattr(framework, "glu_saved", 4))
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
-                     dtype: str = "mixed", stage: Stage | None = None) -> float:
+                     dtype: str = "mixed", stage: Stage | None = None, framework=None) -> float:
     """Stashed activations of ``stage`` (default: the first of equal stages)."""
     stage = stage or stages(shape, layout.pp)[0]
     held = in_flight(stage, layout.pp, layout.microbatches, layout.v, layout.schedule)
-    return layer_bytes(shape, layout, flash, dtype) * held
+    return layer_bytes(shape, layout, flash, dtype, framework=framework) * held
 
 
 def logit_bytes(dtype: str, framework=None) -> float:
@@ -132,7 +132,7 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
     if stage.layers:       # backward's working set (module docstring)
         total += (4 * shape.ffn / shape.hidden + 2) * b * s * shape.hidden * act / 2 / t
     if stage.layers and layout.recompute == "full":
-        total += layer_bytes(shape, layout, flash, dtype, recompute="none")
+        total += layer_bytes(shape, layout, flash, dtype, "none", framework)
     if layout.cp > 1:
         total += 4 * kv_block_bytes(b, shape.seq_len, shape.kv_hidden, layout.cp, t, act)
     total += gather_bytes(shape, t, layout.shard, dtype)
@@ -163,7 +163,7 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: Stage, flash: bool = 
     """Everything one device of ``stage`` holds at its peak (module docstring)."""
     _check_dtype(dtype)
     out = state_bytes(shape, layout, dtype, framework, stage)
-    out["activations"] = activation_bytes(shape, layout, flash, dtype, stage)
+    out["activations"] = activation_bytes(shape, layout, flash, dtype, stage, framework)
     out["temporary"] = temporary_bytes(shape, layout, flash, dtype, framework, stage, layer_buffer)
     out["total"] = sum(out.values())
     return out

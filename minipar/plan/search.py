@@ -309,7 +309,7 @@ def _state_table(shape, grid: Layout, specs, dtype, fw) -> dict:
 def _memory_table(shape, base: Layout, states: dict, flash, dtype, fw, layer_buffer) -> list:
     """[(bytes per device, spec)] sorted: for each spec the largest stage's peak (``peak``):
     its states (``_state_table``) and what this schedule holds on it."""
-    held = {st.index: (activation_bytes(shape, base, flash, dtype, st)
+    held = {st.index: (activation_bytes(shape, base, flash, dtype, st, fw)
                        + temporary_bytes(shape, base, flash, dtype, fw, st, layer_buffer))
             for st in distinct(stage_list(shape, base, fw))}
     return sorted((max(state + held[st.index] for st, state in rows) + gather, spec)
