@@ -63,7 +63,8 @@ def matmul_time(m: float, n: float, k: float, hw: Hardware, element_bytes: int =
     if hw.matmul_table:          # the measured rate of the GEMMs nearest in log FLOPs
         rows = sorted((2.0 * r["m"] * r["n"] * r["k"], r["flops_per_s"]) for r in hw.matmul_table)
         return flops / log_interp(rows, flops, math.log)
-    t = (flops + hw.gemm_half_flops) / hw.achievable_flops
+    half = hw.gemm_half_flops
+    t = (flops + half * (half / flops) ** (hw.gemm_sharpness - 1)) / hw.achievable_flops
     if hw.hbm_bandwidth:
         t = max(t, element_bytes * (m * k + k * n + m * n) / hw.hbm_bandwidth)
     return t

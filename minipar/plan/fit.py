@@ -6,6 +6,7 @@ few efficiencies the planner cannot know from a datasheet:
 
     time     compute_efficiency      large GEMMs' fraction of peak            (0, 1]
              gemm_half_flops         GEMM size at half that efficiency        (compute)
+             gemm_sharpness          how steeply smaller GEMMs fall below it
              intra_node_efficiency   collectives' fraction of the node links  (0, 1]
              inter_node_efficiency   the NICs' fraction over each node count the runs span
              fabric_efficiency       the share of it left in a job of each of those widths
@@ -63,6 +64,7 @@ from .timing import by_nodes
 # read between them as the planner reads them (``timing.by_nodes``)
 TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
                    ("gemm_half_flops", 1e6, 1e13, True),
+                   ("gemm_sharpness", 0.5, 4.0, False),
                    ("intra_node_efficiency", 0.02, 1.0, False),
                    ("inter_node_efficiency@", 1e-4, 1.0, True),
                    ("fabric_efficiency@", 1e-3, 1.0, True),
@@ -172,6 +174,8 @@ def _pack(spec, hw):
     for name, lo, hi, log in spec:
         value = _get(hw, name)
         hi = hi if hi is not None else hw.memory_bytes / 2
+        if log and value < lo:      # none in the base: start mid-range, not on a floor where
+            value = math.sqrt(lo * hi)          # the data may not move it (docs/decisions.md)
         y0.append(math.log10(max(value, lo)) if log else value)
         bounds.append((math.log10(lo), math.log10(hi)) if log else (lo, hi))
     a = _steps(spec)
