@@ -25,7 +25,8 @@ from minipar.plan.runs import Run, read_runs, select, write_runs
 from minipar.plan.shapes import ModelShape
 
 GRID = PRESET_DIR / "runs" / "playbook-grid-1B-8B.csv"
-TRUE = dict(compute_efficiency=0.55, gemm_half_flops=4e10, intra_node_efficiency=0.8,
+TRUE = dict(compute_efficiency=0.55, gemm_half_flops=4e10, gemm_sharpness=2.0,
+            intra_node_efficiency=0.8,
             inter_node_efficiency=[[2, 0.6], [8, 0.3]], collective_latency=3e-5,
             layer_overhead=2e-4,
             p2p_latency=[[2, 2e-3], [8, 8e-3]], all_gather_efficiency=0.7,
@@ -68,8 +69,8 @@ def test_a_fit_recovers_the_parameters_a_synthetic_grid_was_made_from(tmp_path):
                           "p2p_latency@2": 2e-3, "p2p_latency@8": 8e-3,
                           "fabric_efficiency@2": 1.0, "fabric_efficiency@8": 1.0})
     identified = {k: v[:2] for k, v in report["parameters"].items() if v[2] == "fitted"}
-    for name in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency@2",
-                 "inter_node_efficiency@8",
+    for name in ("compute_efficiency", "gemm_half_flops", "gemm_sharpness",
+                 "intra_node_efficiency", "inter_node_efficiency@2", "inter_node_efficiency@8",
                  "layer_overhead", "runtime_bytes", "fragmentation", "layer_buffer_bytes"):
         assert name in identified, f"{name} not identified by a grid that varies it"
     for name, (value, sigma) in identified.items():
