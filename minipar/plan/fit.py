@@ -22,21 +22,21 @@ few efficiencies the planner cannot know from a datasheet:
              layer_buffer_bytes      per layer on the device, beyond the planner's accounting
 
 Time: least squares of log(predicted / measured tokens/s) over the runs that ran (the whole
-estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of
-it), each parameter bounded by physics (no efficiency above 1, so no bandwidth above its
-datasheet; ``TRENDS``: the two tables of efficiencies never rise with more nodes, the
-message's cost never falls) and fitted in log space where it spans decades. The latencies
-per ring step stay NCCL's (``tuning.cc``, cited by BASE): fitted, they took the framework's
-cost per TP call (ten times NCCL's per step, on the Playbook grid), which then priced a
-reduce-scatter over 128 ranks at four times the all-reduce of the same bytes. Memory: least
-squares of log(predicted / measured peak) over the runs that logged one. Each value comes with its
-standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a parameter the
-runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), and with no more
-runs than parameters the errors are "undetermined". The profile records the data's sha256
-and, with ``--holdout``, the errors on the runs kept out (``score``): MFU error (median,
-worst), the median per-cell rank correlation (a cell: one model on one node count), the
-regret of the planner's pick in each cell (the measured throughput of the layout it ranks
-first among the cell's, over the cell's best: 0 when its pick crashed) and the precision
+estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of it),
+each parameter bounded by physics (no efficiency above 1, so no bandwidth above its datasheet;
+``TRENDS``: the two tables of efficiencies never rise with more nodes, the message's cost never
+falls), fitted in log space where it spans decades, from BASE's value or, where BASE has none,
+the middle of its bounds. The latencies per ring step stay NCCL's (``tuning.cc``, cited by
+BASE): fitted, they took the framework's cost per TP call (ten times NCCL's per step, on the
+Playbook grid), which then priced a reduce-scatter over 128 ranks at four times the all-reduce
+of the same bytes. Memory: least squares of log(predicted / measured peak) over the runs that
+logged one. Each value comes with its standard error (the Gauss-Newton covariance s^2 (J^T J)^-1
+at the optimum); a parameter the runs do not move (no run crosses nodes, say) keeps BASE's value
+("kept"), and with no more runs than parameters the errors are "undetermined". The profile
+records the data's sha256 and, with ``--holdout``, the errors on the runs kept out (``score``):
+MFU error (median, worst), the median per-cell rank correlation (a cell: one model on one node
+count), the regret of the planner's pick in each cell (the measured throughput of the layout it
+ranks first among the cell's, over the cell's best: 0 when its pick crashed) and the precision
 and recall of the crashes it predicts (a layout that does not fit, or that the framework
 refuses).
 """
@@ -63,8 +63,7 @@ from .timing import by_nodes
 # parameter per node count above 1 that the runs span ("p2p_latency@16"), the table's rows,
 # read between them as the planner reads them (``timing.by_nodes``)
 TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
-                   ("gemm_half_flops", 1e6, 1e13, True),
-                   ("gemm_sharpness", 0.5, 4.0, False),
+                   ("gemm_half_flops", 1e6, 1e13, True), ("gemm_sharpness", 0.5, 4.0, False),
                    ("intra_node_efficiency", 0.02, 1.0, False),
                    ("inter_node_efficiency@", 1e-4, 1.0, True),
                    ("fabric_efficiency@", 1e-3, 1.0, True),
@@ -73,8 +72,7 @@ TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
                    ("collective_latency", 1e-7, 1e-2, True),
                    ("layer_overhead", 1e-7, 0.1, True),
                    ("p2p_latency@", 1e-8, 10.0, True),
-                   ("overlap_slowdown", 0.0, 0.95, False),
-                   ("overlap_exposed", 0.0, 0.95, False))
+                   ("overlap_slowdown", 0.0, 0.95, False), ("overlap_exposed", 0.0, 0.95, False))
 # A robust loss (Cauchy's, scale 0.2 in log units, a 22% error): some runs in any sweep are
 # broken (a slow node, a straggler: the Playbook grid has runs at 1/20 of their neighbours'
 # throughput), and plain squares would let them move the fit. Chosen over soft L1 while
@@ -174,8 +172,7 @@ def _pack(spec, hw):
     for name, lo, hi, log in spec:
         value = _get(hw, name)
         hi = hi if hi is not None else hw.memory_bytes / 2
-        if log and value < lo:      # none in the base: start mid-range, not on a floor where
-            value = math.sqrt(lo * hi)          # the data may not move it (docs/decisions.md)
+        value = math.sqrt(lo * hi) if log and value < lo else value    # none in BASE: mid-range
         y0.append(math.log10(max(value, lo)) if log else value)
         bounds.append((math.log10(lo), math.log10(hi)) if log else (lo, hi))
     a = _steps(spec)
@@ -310,8 +307,7 @@ def score(runs: list[Run], hw: Hardware) -> dict:
         "pick_worst": float(min(picks)) if picks else nan,
         "crash_precision": crash["tp"] / max(1, crash["tp"] + crash["fp"]),
         "crash_recall": crash["tp"] / max(1, crash["tp"] + crash["fn"]),
-        "false_crash": crash["fp"] / max(1, crash["fp"] + crash["tn"]),
-    }
+        "false_crash": crash["fp"] / max(1, crash["fp"] + crash["tn"])}
 
 
 def residuals_by(runs: list[Run], hw: Hardware, key) -> dict:

@@ -113,8 +113,7 @@ def zero_collectives(n_params: int, dp: int, shard: Shard, dtype: str = "mixed",
         (s_os > s_g, "all_gather", "updated optimizer shards into the G shard",
          psi // s_g * w, s_os // s_g, s_g, 1, "step_gather"),
         (s_g > s_p, "all_gather", "updated G shards into the P shard",
-         psi // s_p * w, s_g // s_p, s_p, 1, "step_gather"),
-    ]
+         psi // s_p * w, s_g // s_p, s_p, 1, "step_gather")]
     return [Collective(*fields) for runs, *fields in steps if runs]
 
 

@@ -37,8 +37,7 @@ STUDY_LAYOUTS = {
     "gpt-175b": Layout(tp=4, pp=16, dp=16, micro_batch=1, microbatches=96, shard=(1, 1, 16),
                        recompute="full"),
     "gpt-1t": Layout(tp=8, pp=64, dp=6, micro_batch=1, microbatches=256, shard=(1, 1, 6),
-                     recompute="full"),
-}
+                     recompute="full")}
 AMSP_MFU = 52.0                     # "up to 52% MFU" on 1,024 A800s (Chen et al. 2023)
 LLAMAS = ("llama-7b", "llama-13b", "llama-30b")
 
