@@ -5,8 +5,8 @@ values (peak FLOP/s, link and NIC bandwidths, memory, cited in its ``sources``) 
 few efficiencies the planner cannot know from a datasheet:
 
     time     compute_efficiency      large GEMMs' fraction of peak            (0, 1]
-             gemm_half_flops         GEMM size at half that efficiency        (compute)
-             gemm_sharpness          how steeply smaller GEMMs fall below it
+             gemm_half_flops         the floor no GEMM's time goes below      (compute)
+             gemm_sharpness          how sharp the knee between floor and work is
              intra_node_efficiency   collectives' fraction of the node links  (0, 1]
              inter_node_efficiency   the NICs' fraction over each node count the runs span
              fabric_efficiency       the share of it left in a job of each of those widths
@@ -25,8 +25,8 @@ Time: least squares of log(predicted / measured tokens/s) over the runs that ran
 estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of it),
 each parameter bounded by physics (no efficiency above 1, so no bandwidth above its datasheet;
 ``TRENDS``: the two tables of efficiencies never rise with more nodes, the message's cost never
-falls), fitted in log space where it spans decades, from BASE's value or, where BASE has none,
-the middle of its bounds. The latencies per ring step stay NCCL's (``tuning.cc``, cited by
+falls), fitted in log space where it spans decades, from BASE's value or, where that is below
+its bounds (none), their middle. The latencies per ring step stay NCCL's (``tuning.cc``, cited by
 BASE): fitted, they took the framework's cost per TP call (ten times NCCL's per step, on the
 Playbook grid), which then priced a reduce-scatter over 128 ranks at four times the all-reduce
 of the same bytes. Memory: least squares of log(predicted / measured peak) over the runs that

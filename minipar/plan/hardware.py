@@ -9,11 +9,12 @@ bandwidths per direction.
 * ``peak_flops``: dense 16-bit matmul peak of one device (fp32 for a CPU process).
   ``compute_efficiency``: the fraction of peak a *large* GEMM (every side thousands wide)
   reaches; smaller shapes run slower (``compute.matmul_time``): a roofline with the HBM
-  bandwidth, and F FLOPs take (F + H (H / F)^(k - 1)) / (peak x efficiency), H =
-  ``gemm_half_flops`` (0: none; at k = 1 a fixed cost per kernel), k = ``gemm_sharpness``
-  (1 unless fitted): half the efficiency at F = H, falling faster below; or
-  ``matmul_table``, measured rows {"m", "n", "k", "flops_per_s"} that ``calibrate`` writes. ``attention_efficiency``: the fraction of peak a fused attention
-  core (FlashAttention) reaches; 0: unfused, batched matmuls plus the softmax's bytes.
+  bandwidth, and F FLOPs take (F^k + H^k)^(1/k) / (peak x efficiency), H =
+  ``gemm_half_flops`` (a floor no kernel goes below; 0: none), k = ``gemm_sharpness`` (1
+  unless fitted: H adds a fixed cost per kernel; larger, the floor's knee sharpens); or
+  ``matmul_table``, measured rows {"m", "n", "k", "flops_per_s"} that ``calibrate`` writes.
+  ``attention_efficiency``: the fraction of peak a fused attention core (FlashAttention)
+  reaches; 0: unfused, batched matmuls plus the softmax's bytes.
 * ``hbm_bandwidth``: bytes/s a memory-bound kernel achieves (LayerNorm, GELU, residual adds,
   softmax, cross-entropy, the optimizer step); 0 leaves them out. ``step_calibration``: a
   factor on compute time, 1 unless ``calibrate`` measured a real training step here (its
