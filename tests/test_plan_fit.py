@@ -80,6 +80,26 @@ def test_a_fit_recovers_the_parameters_a_synthetic_grid_was_made_from(tmp_path):
     assert _follows_trends(hw)
 
 
+def test_a_gemm_never_takes_longer_for_being_smaller():
+    """``matmul_time``: (F^k + H^k)^(1/k) / R, exactly (F + H) / R at k = 1, and for any k
+    never shorter when a dimension grows (a form whose time rose as a GEMM shrank was fitted
+    once: rule 2b of docs/decisions.md)."""
+    from minipar.plan.compute import matmul_time
+    hw = replace(load_hardware("dgx-h100"), gemm_half_flops=3e10, hbm_bandwidth=0.0)
+    for m, n, k in ((4096, 2048, 2048), (1, 1, 1), (64, 128, 4096)):
+        assert matmul_time(m, n, k, hw) == (2 * m * n * k + 3e10) / hw.achievable_flops
+    sizes = [2 ** i for i in range(15)]
+    for sharp in (0.5, 1.0, 2.0, 4.0):
+        sharp_hw = replace(hw, gemm_sharpness=sharp)
+        for dims in ((lambda x: (x, 2048, 2048)), (lambda x: (4096, x, 1024)),
+                     (lambda x: (512, 512, x))):
+            times = [matmul_time(*dims(x), sharp_hw) for x in sizes]
+            assert times == sorted(times), sharp
+        if sharp >= 1:                  # a large GEMM runs at the full rate
+            assert matmul_time(16384, 16384, 8192, sharp_hw) == pytest.approx(
+                2 * 16384 * 16384 * 8192 / hw.achievable_flops, rel=0.01)
+
+
 def test_the_playbook_profile_reproduces_what_it_records():
     profile = load_hardware("playbook-h100")
     fitted = profile.fitted

@@ -74,6 +74,12 @@ def test_megatron_fused_swiglu_keeps_three_f_wide_tensors():
     assert plain["activations"] - fused["activations"] == pytest.approx(
         shape.layers * s * f * 2 / 4)
     assert fused["total"] < plain["total"]
+    # the search prunes and reports by the framework's count too
+    results = search("llama3-70b", 256, "dgx-h100", framework="megatron-lm", flash=True, top=3)
+    assert results
+    for e in results:
+        assert e.memory["total"] == pytest.approx(device_memory(
+            model_preset("llama3-70b"), e.layout, flash=True, framework=megatron)["total"], abs=1)
 
 
 def test_tp_must_split_whole_key_value_heads():

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PlanError, raise_if
+from .memory import GLU_SAVED
 from .sharding import Shard, shard_specs, zero_shard
 
 DATA = Path(__file__).resolve().parent / "frameworks.json"
@@ -68,7 +69,7 @@ class Framework:
                                           # whether a pp that does not divide the layers runs
     logit_bytes: float = 10               # bytes per logit at the loss's peak, mixed (plan.peak)
     tp_overlap: bool = False              # TP collectives overlap the GEMMs they feed
-    glu_saved: int = 4                    # F-wide tensors a SwiGLU MLP keeps (plan.memory)
+    glu_saved: int = GLU_SAVED            # F-wide tensors a SwiGLU MLP keeps (plan.memory)
     sources: tuple = ()
 
     def bucket_params(self, dp: int) -> float | None:

@@ -78,6 +78,7 @@ from .sharding import Shard, resolve_shard
 
 BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}   # weight, gradient, optimizer
 ACTIVATION_BYTES = {"mixed": 2, "fp32": 4}
+GLU_SAVED = 4                # F-wide tensors PyTorch's SwiGLU keeps (module docstring)
 STEP_COUNTER_BYTES = 4       # torch.optim.Adam(W): one fp32 scalar "step" tensor per tensor
 
 
@@ -161,7 +162,8 @@ def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage=None) -> int
     return layers + max(per_rank["embedding"], per_rank["head"] + per_rank["tied_copy"])
 
 
-def activation_coefficients(shape: ModelShape, glu_saved: int = 4) -> tuple[float, float, float]:
+def activation_coefficients(shape: ModelShape,
+                            glu_saved: int = GLU_SAVED) -> tuple[float, float, float]:
     """(replicated, tp-split, scores) so one layer keeps s b h (rep + split + scores a s / h).
     The split attention part is Q, K, V and the attention's output (2 bytes each): 8, of which
     K and V shrink to h_kv / h under grouped-query attention; ``glu_saved``: module docstring."""
@@ -176,7 +178,7 @@ def activation_coefficients(shape: ModelShape, glu_saved: int = 4) -> tuple[floa
 
 def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1, sp: bool = False,
                            recompute: str = "none", flash: bool = False,
-                           dtype: str = "mixed", glu_saved: int = 4) -> float:
+                           dtype: str = "mixed", glu_saved: int = GLU_SAVED) -> float:
     """Bytes one layer keeps for backward, for one micro-batch (Korthikanti et al. 2022)."""
     _check_dtype(dtype)
     s, b, h, a = shape.seq_len, micro_batch, shape.hidden, shape.heads
@@ -201,7 +203,7 @@ def kv_block_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, tp: int
 
 def cp_layer_activation_bytes(shape: ModelShape, micro_batch: int, cp: int = 1, tp: int = 1,
                               sp: bool = False, recompute: str = "none", flash: bool = False,
-                              dtype: str = "mixed", glu_saved: int = 4) -> float:
+                              dtype: str = "mixed", glu_saved: int = GLU_SAVED) -> float:
     """One layer's activations on one rank of a cp ring: the layer at s/cp tokens, the
     scores never stored at cp > 1 (ring attention computes them block by block)."""
     raise_if(cp_violation(shape.seq_len, cp))

@@ -51,8 +51,8 @@ from __future__ import annotations
 import math
 
 from .layout import Layout
-from .memory import (ACTIVATION_BYTES, BYTES_PER_PARAM, _check_dtype, cp_layer_activation_bytes,
-                     kv_block_bytes, model_state_bytes, stage_params, tp_rank_params)
+from .memory import (ACTIVATION_BYTES, BYTES_PER_PARAM, GLU_SAVED, _check_dtype, kv_block_bytes,
+                     cp_layer_activation_bytes, model_state_bytes, stage_params, tp_rank_params)
 from .shapes import ModelShape
 from .stages import Stage, distinct, stages
 
@@ -92,8 +92,9 @@ def layer_bytes(shape: ModelShape, layout: Layout, flash: bool = False, dtype: s
     """Bytes one layer keeps for one micro-batch on one rank of this layout (under cp a layer
     of s/cp tokens, the scores never stored), its SwiGLU as ``framework`` builds it."""
     recompute = layout.recompute if recompute is None else recompute
+    glu = framework.glu_saved if framework is not None else GLU_SAVED
     return cp_layer_activation_bytes(shape, layout.micro_batch, layout.cp, layout.tp, layout.sp,
-                                     recompute, flash, dtype, getattr(framework, "glu_saved", 4))
+                                     recompute, flash, dtype, glu)
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
