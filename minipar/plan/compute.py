@@ -5,12 +5,10 @@ memory-bound kernels and the optimizer step.
   micro-batch of M = b s tokens a GPT layer's forward runs QKV (M x h -> 3h/t), the output
   projection (M x h/t -> h), fc1 (M x h -> F/t) and fc2 (M x F/t -> h) (LLaMA: gate and up
   in place of fc1, down in place of fc2); backward runs each twice (input gradient
-  M x N -> K and weight gradient K x M -> N). A GEMM of F = 2 m n k FLOPs takes the longer
-  of (F^k + H^k)^(1/k) / R, R = ``peak_flops x compute_efficiency`` (the large-GEMM rate),
-  H = ``gemm_half_flops``, k = ``gemm_sharpness`` (a smooth maximum of its work at R and a
-  floor H / R no kernel goes below: k = 1 adds them, a large k nears max(F, H) / R), and
-  its operands' bytes at ``hbm_bandwidth`` (a roofline), or, when the hardware carries a
-  measured ``matmul_table``, its FLOPs at the rate measured for the nearest GEMM size (log FLOPs).
+  M x N -> K and weight gradient K x M -> N). A GEMM of 2 m n k FLOPs takes the longer of
+  its FLOPs at ``peak_flops x compute_efficiency`` (the large-GEMM rate) and its operands'
+  bytes at ``hbm_bandwidth`` (a roofline), or, when the hardware carries a measured
+  ``matmul_table``, its FLOPs at the rate measured for the nearest GEMM size (log FLOPs).
   The head's logits GEMM (M x h -> V/t) runs on the last stage.
 * **Attention core**: with a fused kernel (``flash``) its 4 b s^2 h / t forward FLOPs run
   at ``attention_efficiency`` of peak (the large-GEMM rate if that is 0), backward twice;
@@ -65,8 +63,7 @@ def matmul_time(m: float, n: float, k: float, hw: Hardware, element_bytes: int =
     if hw.matmul_table:          # the measured rate of the GEMMs nearest in log FLOPs
         rows = sorted((2.0 * r["m"] * r["n"] * r["k"], r["flops_per_s"]) for r in hw.matmul_table)
         return flops / log_interp(rows, flops, math.log)
-    k = hw.gemm_sharpness                   # a smooth max(flops, floor): module docstring
-    t = (flops ** k + hw.gemm_half_flops ** k) ** (1 / k) / hw.achievable_flops
+    t = (flops + hw.gemm_half_flops) / hw.achievable_flops
     if hw.hbm_bandwidth:
         t = max(t, element_bytes * (m * k + k * n + m * n) / hw.hbm_bandwidth)
     return t

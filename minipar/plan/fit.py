@@ -5,8 +5,7 @@ values (peak FLOP/s, link and NIC bandwidths, memory, cited in its ``sources``) 
 few efficiencies the planner cannot know from a datasheet:
 
     time     compute_efficiency      large GEMMs' fraction of peak            (0, 1]
-             gemm_half_flops         the floor no GEMM's time goes below      (compute)
-             gemm_sharpness          how sharp the knee between floor and work is
+             gemm_half_flops         GEMM size at half that efficiency        (compute)
              intra_node_efficiency   collectives' fraction of the node links  (0, 1]
              inter_node_efficiency   the NICs' fraction over each node count the runs span
              fabric_efficiency       the share of it left in a job of each of those widths
@@ -22,21 +21,21 @@ few efficiencies the planner cannot know from a datasheet:
              layer_buffer_bytes      per layer on the device, beyond the planner's accounting
 
 Time: least squares of log(predicted / measured tokens/s) over the runs that ran (the whole
-estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of it),
-each parameter bounded by physics (no efficiency above 1, so no bandwidth above its datasheet;
-``TRENDS``: the two tables of efficiencies never rise with more nodes, the message's cost never
-falls), fitted in log space where it spans decades, from BASE's value or, where that is below
-its bounds (none), their middle. The latencies per ring step stay NCCL's (``tuning.cc``, cited by
-BASE): fitted, they took the framework's cost per TP call (ten times NCCL's per step, on the
-Playbook grid), which then priced a reduce-scatter over 128 ranks at four times the all-reduce
-of the same bytes. Memory: least squares of log(predicted / measured peak) over the runs that
-logged one. Each value comes with its standard error (the Gauss-Newton covariance s^2 (J^T J)^-1
-at the optimum); a parameter the runs do not move (no run crosses nodes, say) keeps BASE's value
-("kept"), and with no more runs than parameters the errors are "undetermined". The profile
-records the data's sha256 and, with ``--holdout``, the errors on the runs kept out (``score``):
-MFU error (median, worst), the median per-cell rank correlation (a cell: one model on one node
-count), the regret of the planner's pick in each cell (the measured throughput of the layout it
-ranks first among the cell's, over the cell's best: 0 when its pick crashed) and the precision
+estimate, ``estimate.estimate``, recomputed for each trial value: one model, not a copy of
+it), each parameter bounded by physics (no efficiency above 1, so no bandwidth above its
+datasheet; ``TRENDS``: the two tables of efficiencies never rise with more nodes, the
+message's cost never falls) and fitted in log space where it spans decades. The latencies
+per ring step stay NCCL's (``tuning.cc``, cited by BASE): fitted, they took the framework's
+cost per TP call (ten times NCCL's per step, on the Playbook grid), which then priced a
+reduce-scatter over 128 ranks at four times the all-reduce of the same bytes. Memory: least
+squares of log(predicted / measured peak) over the runs that logged one. Each value comes with its
+standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a parameter the
+runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), and with no more
+runs than parameters the errors are "undetermined". The profile records the data's sha256
+and, with ``--holdout``, the errors on the runs kept out (``score``): MFU error (median,
+worst), the median per-cell rank correlation (a cell: one model on one node count), the
+regret of the planner's pick in each cell (the measured throughput of the layout it ranks
+first among the cell's, over the cell's best: 0 when its pick crashed) and the precision
 and recall of the crashes it predicts (a layout that does not fit, or that the framework
 refuses).
 """
@@ -63,7 +62,7 @@ from .timing import by_nodes
 # parameter per node count above 1 that the runs span ("p2p_latency@16"), the table's rows,
 # read between them as the planner reads them (``timing.by_nodes``)
 TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
-                   ("gemm_half_flops", 1e6, 1e13, True), ("gemm_sharpness", 0.5, 4.0, False),
+                   ("gemm_half_flops", 1e6, 1e13, True),
                    ("intra_node_efficiency", 0.02, 1.0, False),
                    ("inter_node_efficiency@", 1e-4, 1.0, True),
                    ("fabric_efficiency@", 1e-3, 1.0, True),
@@ -72,7 +71,8 @@ TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
                    ("collective_latency", 1e-7, 1e-2, True),
                    ("layer_overhead", 1e-7, 0.1, True),
                    ("p2p_latency@", 1e-8, 10.0, True),
-                   ("overlap_slowdown", 0.0, 0.95, False), ("overlap_exposed", 0.0, 0.95, False))
+                   ("overlap_slowdown", 0.0, 0.95, False),
+                   ("overlap_exposed", 0.0, 0.95, False))
 # A robust loss (Cauchy's, scale 0.2 in log units, a 22% error): some runs in any sweep are
 # broken (a slow node, a straggler: the Playbook grid has runs at 1/20 of their neighbours'
 # throughput), and plain squares would let them move the fit. Chosen over soft L1 while
@@ -172,7 +172,6 @@ def _pack(spec, hw):
     for name, lo, hi, log in spec:
         value = _get(hw, name)
         hi = hi if hi is not None else hw.memory_bytes / 2
-        value = math.sqrt(lo * hi) if log and value < lo else value    # none in BASE: mid-range
         y0.append(math.log10(max(value, lo)) if log else value)
         bounds.append((math.log10(lo), math.log10(hi)) if log else (lo, hi))
     a = _steps(spec)

@@ -9,12 +9,10 @@ bandwidths per direction.
 * ``peak_flops``: dense 16-bit matmul peak of one device (fp32 for a CPU process).
   ``compute_efficiency``: the fraction of peak a *large* GEMM (every side thousands wide)
   reaches; smaller shapes run slower (``compute.matmul_time``): a roofline with the HBM
-  bandwidth, and F FLOPs take (F^k + H^k)^(1/k) / (peak x efficiency), H =
-  ``gemm_half_flops`` (a floor no kernel goes below; 0: none), k = ``gemm_sharpness`` (1
-  unless fitted: H adds a fixed cost per kernel; larger, the floor's knee sharpens); or
-  ``matmul_table``, measured rows {"m", "n", "k", "flops_per_s"} that ``calibrate`` writes.
-  ``attention_efficiency``: the fraction of peak a fused attention core (FlashAttention)
-  reaches; 0: unfused, batched matmuls plus the softmax's bytes.
+  bandwidth, and F FLOPs take (F + ``gemm_half_flops``) / (peak x efficiency), a fixed cost
+  per kernel (0: none); or ``matmul_table``, measured rows {"m", "n", "k", "flops_per_s"}
+  that ``calibrate`` writes. ``attention_efficiency``: the fraction of peak a fused attention
+  core (FlashAttention) reaches; 0: unfused, batched matmuls plus the softmax's bytes.
 * ``hbm_bandwidth``: bytes/s a memory-bound kernel achieves (LayerNorm, GELU, residual adds,
   softmax, cross-entropy, the optimizer step); 0 leaves them out. ``step_calibration``: a
   factor on compute time, 1 unless ``calibrate`` measured a real training step here (its
@@ -113,7 +111,6 @@ class Hardware:
     overlap_slowdown: float = 0.0
     overlap_exposed: float = 0.0
     gemm_half_flops: float = 0.0
-    gemm_sharpness: float = 1.0
     intra_node_efficiency: float = 1.0
     layer_overhead: float = 0.0
     p2p_latency: list = field(default_factory=list)
@@ -207,7 +204,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
     for name in ("gpus_per_node", "memory_bytes", "peak_flops", "compute_efficiency",
                  "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency",
                  "inter_node_latency", "step_calibration", "intra_node_efficiency",
-                 "all_gather_efficiency", "reduce_scatter_efficiency", "gemm_sharpness"):
+                 "all_gather_efficiency", "reduce_scatter_efficiency"):
         _positive(getattr(hw, name), name, where)
     for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency", "runtime_bytes",
                  "cores", "gemm_half_flops", "layer_overhead", "memory_sigma",
