@@ -93,6 +93,19 @@ def test_a_gemm_never_takes_longer_for_being_smaller():
         assert times == sorted(times)
 
 
+def test_a_value_the_runs_push_onto_its_bound_is_marked_so():
+    """The fit's report says "bound" where the data want a value past its bound (its error
+    then says nothing), "fitted" inside."""
+    from minipar.plan.fit import _fit
+    spec = (("compute_efficiency", 0.05, 1.0, False),)
+    base = load_hardware("dgx-h100")
+    noise = np.random.default_rng(0).normal(0, 0.01, 20)
+    for wanted, status in ((0.6, "fitted"), (1.05, "bound")):      # within the loss's scale
+        _, report, _ = _fit(spec, base, lambda hw: hw.compute_efficiency - wanted + noise)
+        value, _, got = report["compute_efficiency"]
+        assert got == status and value == pytest.approx(min(wanted, 1.0), abs=0.01)
+
+
 def test_the_playbook_profile_reproduces_what_it_records():
     profile = load_hardware("playbook-h100")
     fitted = profile.fitted

@@ -25,19 +25,17 @@ estimate, ``estimate.estimate``, recomputed for each trial value: one model, not
 it), each parameter bounded by physics (no efficiency above 1, so no bandwidth above its
 datasheet; ``TRENDS``: the two tables of efficiencies never rise with more nodes, the
 message's cost never falls) and fitted in log space where it spans decades. The latencies
-per ring step stay NCCL's (``tuning.cc``, cited by BASE): fitted, they took the framework's
-cost per TP call (ten times NCCL's per step, on the Playbook grid), which then priced a
-reduce-scatter over 128 ranks at four times the all-reduce of the same bytes. Memory: least
-squares of log(predicted / measured peak) over the runs that logged one. Each value comes with its
-standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a parameter the
-runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), and with no more
-runs than parameters the errors are "undetermined". The profile records the data's sha256
-and, with ``--holdout``, the errors on the runs kept out (``score``): MFU error (median,
-worst), the median per-cell rank correlation (a cell: one model on one node count), the
-regret of the planner's pick in each cell (the measured throughput of the layout it ranks
-first among the cell's, over the cell's best: 0 when its pick crashed) and the precision
-and recall of the crashes it predicts (a layout that does not fit, or that the framework
-refuses).
+per ring step stay NCCL's (``tuning.cc``, cited by BASE; docs/reference.md says why). Memory:
+least squares of log(predicted / measured peak) over the runs that logged one. Each value comes
+with its standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optimum); a
+parameter the runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), with
+no more runs than parameters the errors are "undetermined", and one the runs push onto a bound
+is "bound" (its error says nothing). The profile records the data's sha256 and, with
+``--holdout``, the errors on the runs kept out (``score``): MFU error (median, worst), the
+median per-cell rank correlation (a cell: one model on one node count), the regret of the
+planner's pick in each cell (the measured throughput of the layout it ranks first among the
+cell's, over the cell's best: 0 when its pick crashed) and the precision and recall of the
+crashes it predicts (a layout that does not fit, or that the framework refuses).
 """
 from __future__ import annotations
 
@@ -197,10 +195,9 @@ def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
     """Fit ``spec``'s parameters of ``base`` to ``residuals_of(hardware)`` (an array); a
     parameter the data does not move at all keeps ``base``'s value. Returns the fitted
     hardware, {name: [value, standard error or None, "fitted" | "kept": not moved |
-    "undetermined": no more runs than parameters moved]} and the residuals' sd. Correlated
-    parameters (a large-GEMM efficiency against a fixed cost per layer) can trade against
-    each other: their standard errors say so, and the table marks a value whose error
-    exceeds it."""
+    "undetermined": no more runs than parameters moved | "bound": on a bound]} and the
+    residuals' sd. Correlated parameters (a large-GEMM efficiency against a fixed cost per
+    layer) trade against each other: their errors say so, the table marks one above its value."""
     kept = {name: _get(base, name) for name, *_ in spec}
     x0, bounds = _pack(spec, base)
     x, cov, moved, s = _least_squares(
@@ -210,13 +207,15 @@ def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
         else np.full(len(x), np.inf)
     moved = np.abs(a) @ moved > 0
     report = {}
-    for (name, _, _, log), value, e, m in zip(spec, _unpack(spec, x).values(), sigma, moved):
+    for (name, lo, hi, log), value, e, m in zip(spec, _unpack(spec, x).values(), sigma, moved):
+        edge = any(abs(value - b) <= 1e-4 * abs(b) for b in (lo, hi) if b is not None)
         if not m:
             report[name] = [kept[name], None, "kept"]
         elif not math.isfinite(e):
             report[name] = [value, None, "undetermined"]
         else:
-            report[name] = [value, value * math.log(10) * e if log else float(e), "fitted"]
+            report[name] = [value, value * math.log(10) * e if log else float(e),
+                            "bound" if edge else "fitted"]
     return _with(base, {k: v[0] for k, v in report.items()}), report, s
 
 
@@ -381,7 +380,8 @@ def cmd_fit(args) -> None:
             {"fitted": f"{name} fitted to {where}: {value:.4g} +- {error or 0:.2g}",
              "kept": f"{name} not moved by {where}: {base.name}'s value kept",
              "undetermined": f"{name} fitted to {where}: {value:.4g}, its error "
-                             f"undetermined (no more runs than parameters)"}[status])
+                             f"undetermined (no more runs than parameters)",
+             "bound": f"{name} fitted to {where}: {value:.4g}, on its bound"}[status])
     sources = {**base.sources, **{key: "; ".join(texts) for key, texts in said.items()}}
     sources["memory_sigma"] = f"fitted to {where}: the memory residuals' robust sd"
     profile = replace(hw, name=args.name or f"{base.name}-fitted", fitted=fitted,
@@ -391,7 +391,7 @@ def cmd_fit(args) -> None:
     if args.output:
         Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
     notes_of = {"kept": "not moved: base value kept", "undetermined": "undetermined: no more "
-                "runs than parameters", "fitted": ""}
+                "runs than parameters", "bound": "on its bound: not determined", "fitted": ""}
     rows = [[name, _value(v), _value(e), notes_of[status] or
              ("poorly determined" if e > abs(v) else "")]
             for name, (v, e, status) in report["parameters"].items()]
