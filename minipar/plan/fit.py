@@ -197,7 +197,7 @@ def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
     hardware, {name: [value, standard error or None, "fitted" | "kept": not moved |
     "undetermined": no more runs than parameters moved | "bound": on a bound]} and the
     residuals' sd. Correlated parameters (a large-GEMM efficiency against a fixed cost per
-    layer) trade against each other: their errors say so, the table marks one above its value."""
+    layer) trade against each other: the table marks a value whose error exceeds it."""
     kept = {name: _get(base, name) for name, *_ in spec}
     x0, bounds = _pack(spec, base)
     x, cov, moved, s = _least_squares(
