@@ -148,7 +148,14 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
     hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
     ring = ring_times(shape, hw, layout, order, dtype, flash, layers=stage.layers)
     exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown
-    per_mb = (parts["total"] - parts["optimizer"] + exposed_tp + ring["cp_exposed"]) / m
+    # the device's and the host's seconds per micro-batch (its launches, ``layer_overhead``):
+    # (gpu^k + host^k)^(1/k), k = ``overhead_hiding`` (1: they add; large: the longer wins)
+    k, host = hw.overhead_hiding, parts["launch"] / m
+    gpu = (parts["total"] - parts["optimizer"] + exposed_tp + ring["cp_exposed"]) / m - host
+    top = max(gpu, host)
+    per_mb = top * (1 + (min(gpu, host) / top) ** k) ** (1 / k) if top else 0.0
+    launch = m * (per_mb - gpu)                  # the host's time the device does not hide
+    parts = {**parts, "launch": launch, "total": parts["total"] - parts["launch"] + launch}
     return dict(parts=parts, tp_comm=exposed_tp, tp_hidden=hidden, ring=ring, per_mb=per_mb)
 
 

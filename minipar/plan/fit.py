@@ -12,7 +12,8 @@ few efficiencies the planner cannot know from a datasheet:
              all_gather_efficiency,  those ops' share of the all-reduce's rate per byte
              reduce_scatter_efficiency
              collective_latency      per call: NCCL's base latency and the framework's own
-             layer_overhead          seconds a layer costs per micro-batch beyond its kernels
+             layer_overhead          the host's seconds per layer and micro-batch (launches)
+             overhead_hiding         how much of it the device's work hides (k: 1 none)
              p2p_latency             seconds a message between nodes costs, at each job width
              overlap_slowdown        compute slowed by the traffic hidden beside it
              overlap_exposed         the share of hideable traffic that stays exposed
@@ -68,6 +69,7 @@ TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
                    ("reduce_scatter_efficiency", 0.05, 1.0, False),
                    ("collective_latency", 1e-7, 1e-2, True),
                    ("layer_overhead", 1e-7, 0.1, True),
+                   ("overhead_hiding", 1.0, 8.0, False),
                    ("p2p_latency@", 1e-8, 10.0, True),
                    ("overlap_slowdown", 0.0, 0.95, False),
                    ("overlap_exposed", 0.0, 0.95, False))
@@ -80,6 +82,9 @@ LOSS, F_SCALE = "cauchy", 0.2
 # gets more of the NICs, nor a cheaper message. Fitted as the first node count's value, then
 # one bounded step per next node count (``_steps``).
 TRENDS = {"inter_node_efficiency": -1, "fabric_efficiency": -1, "p2p_latency": 1}
+# Where a parameter the base leaves at none starts: the host's launches of an eager framework's
+# layer, ~100 kernels forward and backward at ~10 us each (from none, k cannot move the fit)
+START = {"layer_overhead": 1e-3}
 MAX_EVALUATIONS = 200      # trials of the whole model (each Jacobian's columns not counted)
 MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False),
                      ("layer_buffer_bytes", 2.0**10, None, True))
@@ -168,7 +173,7 @@ def _pack(spec, hw):
     """Start and bounds in fitted coordinates: a ``TRENDS`` step goes one way only."""
     y0, bounds = [], []
     for name, lo, hi, log in spec:
-        value = _get(hw, name)
+        value = _get(hw, name) or START.get(name, 0.0)
         hi = hi if hi is not None else hw.memory_bytes / 2
         y0.append(math.log10(max(value, lo)) if log else value)
         bounds.append((math.log10(lo), math.log10(hi)) if log else (lo, hi))

@@ -49,9 +49,11 @@ bandwidths per direction.
 * ``overlap_slowdown``: how much compute slows while a collective runs beside it (0.1:
   hidden communication costs a tenth of its time in compute); 0 unless measured.
   ``overlap_exposed``: the share of the traffic that could hide behind compute which stays
-  exposed all the same; ``layer_overhead``: seconds each layer costs per micro-batch
-  (forward and backward) beyond its kernels' work (launches, the host's scheduling,
-  synchronisation); both 0 unless fitted.
+  exposed all the same; ``layer_overhead``: the host's seconds per layer and micro-batch
+  (forward and backward: launches, scheduling, synchronisation); both 0 unless fitted.
+  ``overhead_hiding`` (k, at least 1): how much of it the device's work hides, a stage's
+  micro-batch taking (device^k + host^k)^(1/k) (``estimate.stage_time``): 1 adds them, a
+  large k takes the longer; 1 unless fitted.
 * ``memory_sigma``: the robust standard deviation of log(predicted / measured) peak memory
   (1.4826 x their median absolute deviation) where ``plan fit`` measured it; a layout fits
   only when its predicted bytes x exp(1.645 x memory_sigma) do, 95% confidence
@@ -113,6 +115,7 @@ class Hardware:
     gemm_half_flops: float = 0.0
     intra_node_efficiency: float = 1.0
     layer_overhead: float = 0.0
+    overhead_hiding: float = 1.0
     p2p_latency: list = field(default_factory=list)
     fabric_efficiency: list = field(default_factory=list)
     all_gather_efficiency: float = 1.0
@@ -204,7 +207,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
     for name in ("gpus_per_node", "memory_bytes", "peak_flops", "compute_efficiency",
                  "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency",
                  "inter_node_latency", "step_calibration", "intra_node_efficiency",
-                 "all_gather_efficiency", "reduce_scatter_efficiency"):
+                 "all_gather_efficiency", "reduce_scatter_efficiency", "overhead_hiding"):
         _positive(getattr(hw, name), name, where)
     for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency", "runtime_bytes",
                  "cores", "gemm_half_flops", "layer_overhead", "memory_sigma",
@@ -215,6 +218,9 @@ def check_numbers(hw: Hardware, where: str) -> None:
         if getattr(hw, name) > 1:
             raise PlanError(f"{where}: {name} is a fraction, at most 1, got "
                             f"{getattr(hw, name)!r}")
+    if hw.overhead_hiding < 1:
+        raise PlanError(f"{where}: overhead_hiding is at least 1 (1: the host's time adds to "
+                        f"the device's), got {hw.overhead_hiding!r}")
     if hw.runtime_bytes >= hw.memory_bytes:
         raise PlanError(f"{where}: runtime_bytes must be less than memory_bytes")
     if hw.tree is not None and not isinstance(hw.tree, dict):
