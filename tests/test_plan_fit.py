@@ -107,6 +107,19 @@ def test_a_value_the_runs_push_onto_its_bound_is_marked_so():
         assert got == status and value == pytest.approx(min(wanted, 1.0), abs=0.01)
 
 
+def test_a_value_the_runs_move_is_fitted_even_where_every_run_is_an_outlier():
+    """Where every residual is far beyond the robust loss's scale, the loss scales the
+    Jacobian down to ~1e-8 but not to 0: the value still moved (here onto its bound), and is
+    reported and returned as moved, not as the base's value "kept"."""
+    from minipar.plan.fit import F_SCALE, _fit
+    spec = (("compute_efficiency", 0.05, 1.0, False),)
+    base = load_hardware("dgx-h100")
+    far = 5 * F_SCALE + np.linspace(0, 0.1, 20)       # the best value, 0.05, leaves them > 5x
+    hw, report, _ = _fit(spec, base, lambda h: far + (h.compute_efficiency - 0.05))
+    assert report["compute_efficiency"][2] == "bound"
+    assert hw.compute_efficiency == pytest.approx(0.05) != base.compute_efficiency
+
+
 def test_the_playbook_profile_reproduces_what_it_records():
     profile = load_hardware("playbook-h100")
     fitted = profile.fitted

@@ -87,7 +87,7 @@ TRENDS = {"inter_node_efficiency": -1, "fabric_efficiency": -1, "p2p_latency": 1
 START = {"layer_overhead": 1e-3}
 MAX_EVALUATIONS = 200      # trials of the whole model (each Jacobian's columns not counted)
 MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False),
-                     ("layer_buffer_bytes", 2.0**10, None, True))
+                     ("layer_buffer_bytes", 2.0**10, None, True))   # None: half the memory
 
 
 def _estimate(run: Run, hw: Hardware, check: bool = False):
@@ -149,7 +149,8 @@ def _least_squares(residuals, bounds, x0):
         raise PlanError(f"the fit did not converge ({sol.message}); give more runs, or runs "
                         f"that vary what the profile fits")
     jac, n = sol.jac, len(sol.fun)
-    moved = np.linalg.norm(jac, axis=0) > 1e-6 * max(1.0, np.linalg.norm(jac))
+    moved = np.linalg.norm(jac, axis=0) > 1e-6 * np.linalg.norm(jac)   # relative: the robust
+    # loss scales J down to ~1e-8 where every residual is far beyond F_SCALE, not to 0
     s2 = float(sol.fun @ sol.fun) / max(1, n - int(moved.sum()))
     cov = None                               # as many runs as parameters: no error to tell
     if moved.any() and n > moved.sum():
@@ -174,7 +175,6 @@ def _pack(spec, hw):
     y0, bounds = [], []
     for name, lo, hi, log in spec:
         value = _get(hw, name) or START.get(name, 0.0)
-        hi = hi if hi is not None else hw.memory_bytes / 2
         y0.append(math.log10(max(value, lo)) if log else value)
         bounds.append((math.log10(lo), math.log10(hi)) if log else (lo, hi))
     a = _steps(spec)
@@ -190,7 +190,6 @@ def _unpack(spec, x):
     """Values from fitted coordinates, each held inside its bounds (a table's steps add up)."""
     out = {}
     for (name, lo, hi, log), y in zip(spec, _steps(spec) @ np.asarray(x, dtype=float)):
-        hi = math.inf if hi is None else hi
         y = min(max(y, math.log10(lo) if log else lo), math.log10(hi) if log else hi)
         out[name] = 10 ** y if log else float(y)
     return out
@@ -213,7 +212,7 @@ def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
     moved = np.abs(a) @ moved > 0
     report = {}
     for (name, lo, hi, log), value, e, m in zip(spec, _unpack(spec, x).values(), sigma, moved):
-        edge = any(abs(value - b) <= 1e-4 * abs(b) for b in (lo, hi) if b is not None)
+        edge = any(abs(value - b) <= 1e-4 * abs(b) for b in (lo, hi))
         if not m:
             report[name] = [kept[name], None, "kept"]
         elif not math.isfinite(e):
@@ -256,7 +255,8 @@ def fit_memory(runs: list[Run], hw: Hardware) -> tuple[Hardware, dict, float]:
                          ["total"] for r in logged])
         return np.log(h.runtime_bytes + live / (1 - h.fragmentation)) - measured
 
-    hw, report, s = _fit(MEMORY_PARAMETERS, hw, residuals_of)
+    hw, report, s = _fit([(name, lo, hw.memory_bytes / 2 if hi is None else hi, log)
+                          for name, lo, hi, log in MEMORY_PARAMETERS], hw, residuals_of)
     r = residuals_of(hw)
     return replace(hw, memory_sigma=float(1.4826 * np.median(np.abs(r - np.median(r))))), \
         report, s
@@ -300,17 +300,16 @@ def score(runs: list[Run], hw: Hardware) -> dict:
             picks.append(pick.tokens_per_s_gpu / best if pick.ran else 0.0)
     errors = [abs(x - 1) for x in ratios]
     nan = math.nan
-    return {
-        "runs": len(runs), "priced": len(ratios), "cells": len(cells),
-        "mfu_ratio_median": float(np.median(ratios)) if ratios else nan,
-        "mfu_error_median": float(np.median(errors)) if errors else nan,
-        "mfu_error_worst": float(max(errors)) if errors else nan,
-        "rank_median": float(np.median(ranks)) if ranks else nan,
-        "pick_median": float(np.median(picks)) if picks else nan,
-        "pick_worst": float(min(picks)) if picks else nan,
-        "crash_precision": crash["tp"] / max(1, crash["tp"] + crash["fp"]),
-        "crash_recall": crash["tp"] / max(1, crash["tp"] + crash["fn"]),
-        "false_crash": crash["fp"] / max(1, crash["fp"] + crash["tn"])}
+    return {"runs": len(runs), "priced": len(ratios), "cells": len(cells),
+            "mfu_ratio_median": float(np.median(ratios)) if ratios else nan,
+            "mfu_error_median": float(np.median(errors)) if errors else nan,
+            "mfu_error_worst": float(max(errors)) if errors else nan,
+            "rank_median": float(np.median(ranks)) if ranks else nan,
+            "pick_median": float(np.median(picks)) if picks else nan,
+            "pick_worst": float(min(picks)) if picks else nan,
+            "crash_precision": crash["tp"] / max(1, crash["tp"] + crash["fp"]),
+            "crash_recall": crash["tp"] / max(1, crash["tp"] + crash["fn"]),
+            "false_crash": crash["fp"] / max(1, crash["fp"] + crash["tn"])}
 
 
 def residuals_by(runs: list[Run], hw: Hardware, key) -> dict:
