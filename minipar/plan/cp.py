@@ -21,12 +21,11 @@ Activations: every tensor a layer keeps is per token, so one rank keeps a layer 
 (``layer_activation_bytes`` of the same shape at sequence length s/N), and ring attention
 never stores the s x s scores (flash attention's arithmetic): activations fall as 1/cp.
 
-Time (``ring_step_times``, ``ring_times``; ``estimate`` adds the rest at s/N tokens): each
-K/V message is posted before a block of attention and waited for after it, so it hides
-behind the block while it is sent faster; the K/V gradients' hops are sent after their block
-and waited for (minipar's ring), so they are exposed. The ring stays inside a node while
-tp x N ranks fit one (cp sits next to tp in the rank order), else each message shares the
-node's network links.
+Time (``ring_step_times``, ``ring_times``; ``estimate`` adds the rest at s/N tokens): each K/V
+message is posted before a block of attention and waited for after it, so it hides behind the
+block while it is sent faster; the K/V gradients' hops are sent after their block and waited for
+(minipar's ring), so they are exposed. The ring stays inside a node while tp x N ranks fit one
+(cp sits next to tp in the rank order), else each message shares the node's network links.
 """
 from __future__ import annotations
 

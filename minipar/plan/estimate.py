@@ -342,8 +342,7 @@ def scaling(shape: ModelShape, hardware: Hardware | str, layout: Layout, gpus: l
     """Predicted weak or strong scaling of ``layout`` over device counts ``gpus``.
 
     Efficiency is tokens/s per device relative to the smallest count that fits (for strong
-    scaling that is T(N0) N0 / (T(N) N); for weak scaling the per-device throughput ratio).
-    """
+    scaling that is T(N0) N0 / (T(N) N); for weak scaling the per-device throughput ratio)."""
     hw = load_hardware(hardware)
     rows = []
     for n in sorted(gpus):

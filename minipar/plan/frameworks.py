@@ -23,12 +23,11 @@ overlap, prefetch), and what needs more words:
   ``--tp-comm-overlap``, TransformerEngine's userbuffers), hiding behind them what the
   GEMMs' time allows, at the hardware's ``overlap_slowdown``; otherwise they block.
 
-The profiles describe the frameworks as their documentation and source say; where a
-framework has a switch, the profile takes the setting its published large-scale recipes use
-and says so. They live in ``frameworks.json`` beside this module, as the hardware presets
-live in ``minipar/hardware/*.json``: one object per framework, keyed by its name, with the
-fields of ``Framework`` (those left out take its defaults) and ``sources``, where each
-setting comes from.
+The profiles describe the frameworks as their documentation and source say; where a framework
+has a switch, the profile takes the setting its published large-scale recipes use and says so.
+They live in ``frameworks.json`` beside this module, as the hardware presets live in
+``minipar/hardware/*.json``: one object per framework, keyed by its name, with the fields of
+``Framework`` (those left out take its defaults) and ``sources``, where each setting comes from.
 """
 from __future__ import annotations
 

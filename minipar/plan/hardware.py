@@ -1,10 +1,9 @@
 """Hardware descriptions: what a device computes, holds and sends.
 
 A hardware file is JSON with the fields of ``Hardware`` (plus an optional ``sources`` object
-saying where each number comes from). The presets live in ``minipar/hardware/*.json``; any
-path to such a file works wherever a preset name does, and ``python -m minipar.plan
-calibrate`` writes one for the machine it runs on. Units: bytes, seconds, FLOP/s;
-bandwidths per direction.
+saying where each number comes from). The presets live in ``minipar/hardware/*.json``; any path
+to such a file works wherever a preset name does, and ``python -m minipar.plan calibrate``
+writes one for the machine it runs on. Units: bytes, seconds, FLOP/s; bandwidths per direction.
 
 * ``peak_flops``: dense 16-bit matmul peak of one device (fp32 for a CPU process).
   ``compute_efficiency``: the fraction of peak a *large* GEMM (every side thousands wide)

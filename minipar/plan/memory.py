@@ -32,13 +32,12 @@ one of t ranks holds
     GPT:    (4h^2 + 2hF + b (3h + F)) / t  +  2 n  +  2 b h
     LLaMA:  (4h^2 + 3hF) / t               +  2 h
 
-(n = 2h for GPT with biases, else h; b = 1 with biases: the column-parallel QKV and fc
-biases are split, the two row biases replicated), the embedding ceil(V/t) h + s h (GPT's
-positions, replicated) and the head n + ceil(V/t) h (untied; a tied head on the last of
-pp > 1 stages keeps a copy of the embedding's table, as Megatron-LM does). ``stage_params``
-adds them up for the heaviest stage, exactly what ``minipar.tp`` allocates;
-``model_state_bytes`` uses it when given a shape, and falls back to Phi_model / (t p) when it
-knows only a total count.
+(n = 2h for GPT with biases, else h; b = 1 with biases: the column-parallel QKV and fc biases
+are split, the two row biases replicated), the embedding ceil(V/t) h + s h (GPT's positions,
+replicated) and the head n + ceil(V/t) h (untied; a tied head on the last of pp > 1 stages keeps
+a copy of the embedding's table, as Megatron-LM does). ``stage_params`` adds them up for the
+heaviest stage, exactly what ``minipar.tp`` allocates; ``model_state_bytes`` uses it when given
+a shape, and falls back to Phi_model / (t p) when it knows only a total count.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", section 4)
@@ -91,8 +90,7 @@ def padded_params(units: int | Sequence[int], multiple: int) -> int:
     """Phi': each unit's flat buffer padded up to a multiple of ``multiple``, summed.
 
     ``minipar.zero`` keeps every unit (the embedding, each block, the head) in one flat buffer
-    padded to a multiple of s_os, so each shard is whole. An int is one buffer.
-    """
+    padded to a multiple of s_os, so each shard is whole. An int is one buffer."""
     units = units if isinstance(units, (list, tuple)) else [units]
     return sum(math.ceil(n / multiple) * multiple for n in units)
 
@@ -111,8 +109,7 @@ def model_state_bytes(n_params: int | Sequence[int] | ModelShape, dp: int = 1,
     that engine allocates, byte for byte. ``shard`` (s_p, s_g, s_os) or ``zero`` (0-3) says
     how the dp ranks shard each part (any spec with s_p | s_g | s_os | dp: module docstring).
     ``step_counters``: how many tensors this rank's optimizer updates, each with Adam's
-    4-byte step counter (default 0: the papers' count).
-    """
+    4-byte step counter (default 0: the papers' count)."""
     _check_dtype(dtype)
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
     if isinstance(n_params, ModelShape):
@@ -133,8 +130,7 @@ def tp_rank_params(shape: ModelShape, tp: int = 1) -> dict[str, int]:
     Megatron-LM split them: {"layer", "embedding", "head", "tied_copy"} (module docstring:
     what every rank keeps whole, the padded vocabulary). The QKV and fc/gate/up matrices are
     split by output features (with their biases), the output projections by input features;
-    t must divide h and F, as the trainer checks.
-    """
+    t must divide h and F, as the trainer checks."""
     h, t = shape.hidden, tp
     vocab_rows = math.ceil(shape.vocab / t)                    # V padded to a multiple of t
     b = 1 if shape.arch == "gpt" and shape.bias else 0         # GPT's biases

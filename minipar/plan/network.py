@@ -125,12 +125,11 @@ def engine_collectives(n_params: int, dp: int, shard: Shard, framework, units: i
     (``frameworks``) and given the compute it can hide behind (its ``window``): parameter
     gathers one call per model unit (``units``: the stage's layers and ends) or ``gathers``
     where the engine gathers module by module, prefetched behind the one before where it
-    prefetches; gradient reductions, per micro-batch or at the step, in the framework's
-    buckets or one call per unit, behind backward (all but the last call) where the engine
-    starts them during it; the gather after the optimizer step in the same pieces, behind
-    the next forward where the engine says so. Counts and bytes are ``zero_collectives``',
-    except gradients reduced in another precision (``reduce_bytes`` per element:
-    Megatron-LM's fp32 buffers)."""
+    prefetches; gradient reductions, per micro-batch or at the step, in the framework's buckets
+    or one call per unit, behind backward (all but the last call) where the engine starts them
+    during it; the gather after the optimizer step in the same pieces, behind the next forward
+    where the engine says so. Counts and bytes are ``zero_collectives``', except gradients
+    reduced in another precision (``reduce_bytes`` per element: Megatron-LM's fp32 buffers)."""
     w, g16 = BYTES_PER_PARAM[dtype][:2]
     bucket = framework.bucket_params(dp)
     g = reduce_bytes or g16
@@ -164,8 +163,7 @@ def zero_comm_bytes(n_params: int | list[int], dp: int, shard: Shard | str | Non
 
     ``n_params``: the parameters this rank's data-parallel group replicates (the whole
     model without TP/PP), as one flat buffer, or the sizes of ``minipar.zero``'s units, each
-    its own buffer (module docstring). Keys: all_reduce, reduce_scatter, all_gather, total.
-    """
+    its own buffer (module docstring). Keys: all_reduce, reduce_scatter, all_gather, total."""
     groups = zero_comm_bytes_by_group(n_params, dp, shard, zero, dtype, microbatches, recompute)
     out = {op: sum(group.get(op, 0) for group in groups.values()) for op in OPS}
     out["total"] = sum(out[op] for op in OPS)
@@ -181,10 +179,9 @@ def zero_comm_bytes_by_group(n_params: int | list[int], dp: int, shard: Shard | 
     """``zero_comm_bytes`` split over ``minipar.zero``'s mesh groups, by op.
 
     The d ranks are viewed as (d/s_os, s_os/s_g, s_g/s_p, s_p) = (R, O, G, P); the gradients'
-    reduce-scatter over s_g runs in two nested steps, over zero_p (P ranks) and then zero_g
-    (G ranks, s_p apart), the same bytes as one over s_g. Returns ``{group: {op: bytes}}``
-    for the groups in ``ZERO_GROUPS``; a group spans ``zero_group_span(group, ...)``
-    consecutive ranks.
+    reduce-scatter over s_g runs in two nested steps, over zero_p (P ranks) and then zero_g (G
+    ranks, s_p apart), the same bytes as one over s_g. Returns ``{group: {op: bytes}}`` for the
+    groups in ``ZERO_GROUPS``; a group spans ``zero_group_span(group, ...)`` consecutive ranks.
     """
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
     w, g, _ = BYTES_PER_PARAM[dtype]
@@ -226,8 +223,7 @@ def tp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, tp: int, layers: 
     ``ends=True`` adds the vocab-parallel embedding, head and loss of a whole GPT (module
     docstring); then a run of ``minipar.train`` with plain TP, or TP and ``--sp``, sends
     exactly this. With ``sp``, ``arch`` ("gpt" or "llama") and ``bias`` say which replicated
-    parameters have their gradients all-reduced every micro-batch.
-    """
+    parameters have their gradients all-reduced every micro-batch."""
     e = ACTIVATION_BYTES[dtype]
     layer = tp_block_comm_bytes(micro_batch * seq_len, hidden, tp, sp, dtype, arch, bias)
     # every layer's forward (twice under recomputation) and backward; the embedding's g and

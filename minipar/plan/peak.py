@@ -147,9 +147,8 @@ def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,
 
 def state_bytes(shape: ModelShape, layout: Layout, dtype: str = "mixed", framework=None,
                 stage: Stage | None = None) -> dict[str, float]:
-    """Model states of ``stage`` on one device: {"params", "grads", "optimizer"}, the
-    gradient buffer in the framework's precision (fp32 buffers: 4 bytes per parameter of
-    the G shard)."""
+    """Model states of ``stage`` on one device: {"params", "grads", "optimizer"}, the gradient
+    buffer in the framework's precision (fp32 buffers: 4 bytes per parameter of the G shard)."""
     phi = stage_params(shape, layout.tp, layout.pp, stage)
     states = model_state_bytes(phi, layout.replicas, shard=layout.shard, dtype=dtype)
     out = {k: float(states[k]) for k in ("params", "grads", "optimizer")}

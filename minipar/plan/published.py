@@ -71,8 +71,7 @@ def executed_runs() -> list[dict]:
 
     AMSP's own 13B spec (Chen et al. 2023) belongs here too; its (s_p, s_g, s_os) was not
     found in the public material searched for this table (the arXiv abstract and reviews
-    give only the MFU), so it is left out rather than guessed.
-    """
+    give only the MFU), so it is left out rather than guessed."""
     out = []
     for r in json.loads(EXECUTED.read_text()):
         model = r["model"]
@@ -128,8 +127,7 @@ def points() -> list[dict]:
     layout was not found, ``predicted`` is None and ``layout_source`` says so.
 
     Each: {"case", "metric" ("MFU" or "HFU"), "published" (%), "predicted" (% or None),
-    "error" (predicted / published - 1, or None), "layout_source", "source"}.
-    """
+    "error" (predicted / published - 1, or None), "layout_source", "source"}."""
     out = []
 
     def add(case, metric, published, e, layout_source, source):

@@ -214,8 +214,7 @@ def training_flops(shape: ModelShape, batch: int, recompute: str = "none",
     """Matmul FLOPs of one training iteration on ``batch`` sequences, counted exactly.
 
     ``recompute="none"`` is the *model* FLOPs that MFU divides by (Chowdhery et al. 2022);
-    the other modes add what the hardware recomputes (hardware FLOPs, HFU).
-    """
+    the other modes add what the hardware recomputes (hardware FLOPs, HFU)."""
     return stage_flops(shape, batch, 1, recompute, seq_len)
 
 
@@ -225,8 +224,7 @@ def stage_flops(shape: ModelShape, batch: int, pp: int = 1, recompute: str = "no
 
     The last stage: its ceil(l/pp) layers and the logits (the first stage's extra work, the
     embedding, is a table lookup, no matmul). A pipeline runs at its slowest stage's pace,
-    so this, not training_flops / pp, sets a stage's compute time. ``pp=1``: training_flops.
-    """
+    so this, not training_flops / pp, sets a stage's compute time. ``pp=1``: training_flops."""
     if recompute not in RECOMPUTE_MODES:
         raise PlanError(f"unknown recomputation {recompute!r}; "
                         f"use one of {', '.join(RECOMPUTE_MODES)}")
@@ -260,8 +258,7 @@ def trainer_presets() -> dict[str, ModelShape]:
 
     Imported lazily: ``minipar.model`` imports torch, and the planner should not need it.
     The trainer's GPT has an untied head and no dropout (its masks would cost memory the
-    trainer never allocates); its default global batch is 16 sequences.
-    """
+    trainer never allocates); its default global batch is 16 sequences."""
     from minipar.model import PRESETS as MODEL_PRESETS
     return {name: ModelShape(name, "gpt", c.n_layer, c.d_model, c.n_head, c.vocab_size,
                              c.seq_len, c.ffn, tied_head=False, bias=c.bias,

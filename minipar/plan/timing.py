@@ -1,35 +1,34 @@
 """How long one collective takes: NCCL's and RCCL's model, or a measured table.
 
 Time, per call, as NCCL's and RCCL's tuner model it (``src/graph/tuning.cc`` in both; the
-constants in the hardware presets cite the version): a base latency per call, a latency per
-ring step, and the bytes one rank sends over the slowest link the ring crosses. A ring over
-n ranks takes n-1 steps per phase (two for an all-reduce), of which those that cross nodes
-pay the network's latency (2 x nodes for an all-reduce, nodes - 1 for a gather or
-reduce-scatter, as NCCL counts them) and the rest the intra-node link's. An all-reduce may
-also run as a tree, log2(nodes) network levels and a chain inside each node (latency
-2 ((per_node - 1) x intra + log2(nodes) x inter), bandwidth the ring's times a factor), taken
-when faster, as NCCL's tuner does; gathers, reduce-scatters and broadcasts only ring.
-Bandwidth: inside one node ``intra_node_bandwidth``, or a faster ``local_links`` entry when
-the group stays inside one aligned block (the two GCDs of an MI250X). A group that spans
-nodes shares each node's NICs with every device of the node (all groups run at once in
-lockstep), so each device gets ``inter_node_bandwidth / gpus_per_node``; a ring visiting k
-of its members in a node crosses that node's boundary once, carrying their k shares, so its
-slowest link runs at k x that (capped by the intra-node link), times the measured fraction
-NCCL reaches over that many nodes (``network_efficiency``: a NIC's protocol overhead, and a
-fabric that delivers less as the group widens, as measured, not as the line rate says), and
-the share the fabric leaves any group in a job ``job_nodes`` wide (the hardware's
-``fabric_efficiency``, 1 without rows: on the Playbook grid the 8B's best layout with TP over
-2 nodes measures 3,459 tokens/s per GPU in a 32-node job and 840 in a 64-node one).
-``bandwidth_by_size`` derates medium messages (RCCL's correction table), and a fitted
-profile's ``all_gather_efficiency`` and ``reduce_scatter_efficiency`` those ops' rate.
-Where the hardware carries a measured ``collective_table`` with the op and placement, its
-interpolated time replaces all of this (``table_time``): between measured sizes linearly in
-bytes, between measured node counts linearly in log2(nodes), never below the smallest
-measured size; beyond the widest measured group the model times it, but never faster than
-the widest measurement at that size (widening a group never makes a byte cheaper). A
-collective the table does not cover (it spans nodes, is wider than the table or smaller
-than its rows) is timed by the model and named by ``coverage``: the estimate lists it under
-``unvalidated``, and so does ``search``'s output.
+constants in the hardware presets cite the version): a base latency per call, a latency per ring
+step, and the bytes one rank sends over the slowest link the ring crosses. A ring over n ranks
+takes n-1 steps per phase (two for an all-reduce), of which those that cross nodes pay the
+network's latency (2 x nodes for an all-reduce, nodes - 1 for a gather or reduce-scatter, as
+NCCL counts them) and the rest the intra-node link's. An all-reduce may also run as a tree,
+log2(nodes) network levels and a chain inside each node (latency 2 ((per_node - 1) x intra +
+log2(nodes) x inter), bandwidth the ring's times a factor), taken when faster, as NCCL's tuner
+does; gathers, reduce-scatters and broadcasts only ring. Bandwidth: inside one node
+``intra_node_bandwidth``, or a faster ``local_links`` entry when the group stays inside one
+aligned block (the two GCDs of an MI250X). A group that spans nodes shares each node's NICs with
+every device of the node (all groups run at once in lockstep), so each device gets
+``inter_node_bandwidth / gpus_per_node``; a ring visiting k of its members in a node crosses
+that node's boundary once, carrying their k shares, so its slowest link runs at k x that (capped
+by the intra-node link), times the measured fraction NCCL reaches over that many nodes
+(``network_efficiency``: a NIC's protocol overhead, and a fabric that delivers less as the group
+widens, as measured, not as the line rate says), and the share the fabric leaves any group in a
+job ``job_nodes`` wide (the hardware's ``fabric_efficiency``, 1 without rows: on the Playbook
+grid the 8B's best layout with TP over 2 nodes measures 3,459 tokens/s per GPU in a 32-node job
+and 840 in a 64-node one). ``bandwidth_by_size`` derates medium messages (RCCL's correction
+table), and a fitted profile's ``all_gather_efficiency`` and ``reduce_scatter_efficiency`` those
+ops' rate. Where the hardware carries a measured ``collective_table`` with the op and placement,
+its interpolated time replaces all of this (``table_time``): between measured sizes linearly in
+bytes, between measured node counts linearly in log2(nodes), never below the smallest measured
+size; beyond the widest measured group the model times it, but never faster than the widest
+measurement at that size (widening a group never makes a byte cheaper). A collective the table
+does not cover (it spans nodes, is wider than the table or smaller than its rows) is timed by
+the model and named by ``coverage``: the estimate lists it under ``unvalidated``, and so does
+``search``'s output.
 
 ``ring_bytes`` is the byte count of ``network``'s table (what one rank sends); ``network``
 re-exports everything here.
