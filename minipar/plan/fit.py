@@ -373,6 +373,8 @@ def _value(v: float) -> str:
 def cmd_fit(args) -> None:
     runs, notes = read_runs(args.runs)
     base = load_hardware(args.hardware)
+    if args.holdout:
+        select(runs, args.holdout)           # a holdout that names no run stops before the fit
     hw, report = fit(runs, base)
     folds = cross_validate(runs, base, args.holdout, args.kfold) if args.holdout or args.kfold else []
     fitted = {"data": Path(args.runs).name, "sha256": digest(args.runs), "rows": len(runs),
