@@ -27,7 +27,7 @@ from minipar.plan.shapes import ModelShape
 GRID = PRESET_DIR / "runs" / "playbook-grid-1B-8B.csv"
 TRUE = dict(compute_efficiency=0.55, gemm_half_flops=4e10, intra_node_efficiency=0.8,
             inter_node_efficiency=[[2, 0.6], [8, 0.3]], collective_latency=3e-5,
-            layer_overhead=2e-4,
+            layer_overhead=2e-4, overhead_hiding=3.0,
             p2p_latency=[[2, 2e-3], [8, 8e-3]], all_gather_efficiency=0.7,
             reduce_scatter_efficiency=0.9, overlap_slowdown=0.15, overlap_exposed=0.2,
             runtime_bytes=2.0 * 2**30, fragmentation=0.1, layer_buffer_bytes=64.0 * 2**20)
