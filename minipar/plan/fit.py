@@ -82,9 +82,9 @@ LOSS, F_SCALE = "cauchy", 0.2
 # gets more of the NICs, nor a cheaper message. Fitted as the first node count's value, then
 # one bounded step per next node count (``_steps``).
 TRENDS = {"inter_node_efficiency": -1, "fabric_efficiency": -1, "p2p_latency": 1}
-# Where the host floor's parameters start, whatever the base holds: an eager framework's layer
-# launches ~100 kernels, forward and backward, at ~10 us each; k mid-range (decisions.md, 3, 4)
-START = {"layer_overhead": 1e-3, "overhead_hiding": 4.5}
+# Where a parameter the base leaves at none starts: the host's launches of an eager framework's
+# layer, ~100 kernels forward and backward at ~10 us each (from none, k cannot move the fit)
+START = {"layer_overhead": 1e-3}
 MAX_EVALUATIONS = 200      # trials of the whole model (each Jacobian's columns not counted)
 MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False),
                      ("layer_buffer_bytes", 2.0**10, None, True))   # None: half the memory
@@ -174,7 +174,7 @@ def _pack(spec, hw):
     """Start and bounds in fitted coordinates: a ``TRENDS`` step goes one way only."""
     y0, bounds = [], []
     for name, lo, hi, log in spec:
-        value = START.get(name, _get(hw, name))
+        value = _get(hw, name) or START.get(name, 0.0)
         y0.append(math.log10(max(value, lo)) if log else value)
         bounds.append((math.log10(lo), math.log10(hi)) if log else (lo, hi))
     a = _steps(spec)
