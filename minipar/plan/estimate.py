@@ -3,7 +3,8 @@
     step = compute + TP comm + CP comm + bubble + PP comm + exposed DP comm
 
 * compute (``compute.compute_parts``, its module docstring): the heaviest (last) pipeline
-  stage's matmuls shape by shape, attention core, memory-bound kernels and optimizer step.
+  stage's matmuls shape by shape, attention core, memory-bound kernels and optimizer step,
+  and the host's time to issue them where the device's work does not hide it (``stage_time``).
 * TP comm: the per-layer collectives of ``network``, blocking (Megatron-LM and minipar run
   them on the critical path), each a call with its base and ring-step latencies, plus
   those of the embedding, head and loss on the stage that holds them (both ends when
@@ -133,9 +134,10 @@ def tp_call_time(msg: float, layout: Layout, stride: int, hw: Hardware) -> float
 
 def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: str,
                dtype: str, flash: bool, fw: Framework) -> dict:
-    """One stage's compute parts (``compute.compute_parts``), its TP traffic (hidden behind
-    its GEMMs where the framework overlaps it) and its ring, per step, and "per_mb": the
-    pipelined seconds of one micro-batch, what the bubble is made of."""
+    """One stage's compute parts (``compute.compute_parts``; "launch", in "total" and the
+    passes, becomes the host's time left unhidden), its TP traffic (hidden behind its GEMMs
+    where the framework overlaps it) and its ring, per step, and "per_mb": the pipelined
+    seconds of one micro-batch, what the bubble is made of."""
     t, m = layout.tp, layout.microbatches
     b, s, h = layout.micro_batch, shape.seq_len // layout.cp, shape.hidden
     tp_stride = layout.strides(order)["tp"]
@@ -155,7 +157,9 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
     top = max(gpu, host)
     per_mb = top * (1 + (min(gpu, host) / top) ** k) ** (1 / k) if top else 0.0
     launch = m * (per_mb - gpu)                  # the host's time the device does not hide
-    parts = {**parts, "launch": launch, "total": parts["total"] - parts["launch"] + launch}
+    shift = (launch - parts["launch"]) / m / 2   # each pass held half the host's time
+    parts = {**parts, "launch": launch, "total": parts["total"] - parts["launch"] + launch,
+             "forward_mb": parts["forward_mb"] + shift, "backward_mb": parts["backward_mb"] + shift}
     return dict(parts=parts, tp_comm=exposed_tp, tp_hidden=hidden, ring=ring, per_mb=per_mb)
 
 

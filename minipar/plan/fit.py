@@ -13,7 +13,7 @@ few efficiencies the planner cannot know from a datasheet:
              reduce_scatter_efficiency
              collective_latency      per call: NCCL's base latency and the framework's own
              layer_overhead          the host's seconds per layer and micro-batch (launches)
-             overhead_hiding         how much of it the device's work hides (k: 1 none)
+             overhead_hiding         how much of it the device's work hides (k; 1: none)
              p2p_latency             seconds a message between nodes costs, at each job width
              overlap_slowdown        compute slowed by the traffic hidden beside it
              overlap_exposed         the share of hideable traffic that stays exposed
@@ -82,9 +82,7 @@ LOSS, F_SCALE = "cauchy", 0.2
 # gets more of the NICs, nor a cheaper message. Fitted as the first node count's value, then
 # one bounded step per next node count (``_steps``).
 TRENDS = {"inter_node_efficiency": -1, "fabric_efficiency": -1, "p2p_latency": 1}
-# Where a parameter the base leaves at none starts: the host's launches of an eager framework's
-# layer, ~100 kernels forward and backward at ~10 us each (from none, k cannot move the fit)
-START = {"layer_overhead": 1e-3}
+START = {"layer_overhead": 1e-3}    # if the base has none: ~100 launches a layer x ~10 us
 MAX_EVALUATIONS = 200      # trials of the whole model (each Jacobian's columns not counted)
 MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False),
                      ("layer_buffer_bytes", 2.0**10, None, True))   # None: half the memory
@@ -149,8 +147,7 @@ def _least_squares(residuals, bounds, x0):
         raise PlanError(f"the fit did not converge ({sol.message}); give more runs, or runs "
                         f"that vary what the profile fits")
     jac, n = sol.jac, len(sol.fun)
-    moved = np.linalg.norm(jac, axis=0) > 1e-6 * np.linalg.norm(jac)   # relative: the robust
-    # loss scales J down to ~1e-8 where every residual is far beyond F_SCALE, not to 0
+    moved = np.linalg.norm(jac, axis=0) > 1e-6 * np.linalg.norm(jac)   # relative: J ~ 1e-8 ok
     s2 = float(sol.fun @ sol.fun) / max(1, n - int(moved.sum()))
     cov = None                               # as many runs as parameters: no error to tell
     if moved.any() and n > moved.sum():

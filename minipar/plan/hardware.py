@@ -218,8 +218,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
             raise PlanError(f"{where}: {name} is a fraction, at most 1, got "
                             f"{getattr(hw, name)!r}")
     if hw.overhead_hiding < 1:
-        raise PlanError(f"{where}: overhead_hiding is at least 1 (1: the host's time adds to "
-                        f"the device's), got {hw.overhead_hiding!r}")
+        raise PlanError(f"{where}: overhead_hiding must be at least 1, got {hw.overhead_hiding!r}")
     if hw.runtime_bytes >= hw.memory_bytes:
         raise PlanError(f"{where}: runtime_bytes must be less than memory_bytes")
     if hw.tree is not None and not isinstance(hw.tree, dict):
