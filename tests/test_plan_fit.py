@@ -27,7 +27,7 @@ from minipar.plan.shapes import ModelShape
 GRID = PRESET_DIR / "runs" / "playbook-grid-1B-8B.csv"
 TRUE = dict(compute_efficiency=0.55, gemm_half_flops=4e10, intra_node_efficiency=0.8,
             inter_node_efficiency=[[2, 0.6], [8, 0.3]], collective_latency=3e-5,
-            layer_overhead=2e-4, overhead_hiding=3.0,
+            layer_overhead=2e-4, overhead_hiding=1.0,      # k = 3: not identified (reference.md)
             p2p_latency=[[2, 2e-3], [8, 8e-3]], all_gather_efficiency=0.7,
             reduce_scatter_efficiency=0.9, overlap_slowdown=0.15, overlap_exposed=0.2,
             runtime_bytes=2.0 * 2**30, fragmentation=0.1, layer_buffer_bytes=64.0 * 2**20)
@@ -105,6 +105,33 @@ def test_a_value_the_runs_push_onto_its_bound_is_marked_so():
         _, report, _ = _fit(spec, base, lambda hw: hw.compute_efficiency - wanted + noise)
         value, _, got = report["compute_efficiency"]
         assert got == status and value == pytest.approx(min(wanted, 1.0), abs=0.01)
+
+
+def test_the_host_time_adds_at_k_1_and_hides_behind_longer_work_at_large_k():
+    """A stage's micro-batch takes (G^k + L^k)^(1/k) (``estimate.stage_time``): at k = 1 the
+    device's work G plus the host's time L exactly, at a large k the longer of the two, in
+    between less than the sum and more than the longer; no host time leaves G; k < 1 is
+    refused."""
+    from minipar.plan.estimate import stage_time
+    from minipar.plan.frameworks import load_framework
+    from minipar.plan.hardware import check_numbers
+    from minipar.plan.peak import stage_list
+    fw, base = load_framework("nanotron"), load_hardware("dgx-h100")
+    lay = Layout(tp=4, pp=1, dp=2, micro_batch=1, microbatches=4, sp=True)
+    stage = stage_list(SHAPE, lay, fw)[-1]
+
+    def per_mb(**values):
+        return stage_time(SHAPE, replace(base, **values), lay, stage, "tp,pp,dp", "mixed",
+                          True, fw)["per_mb"]
+    gpu = per_mb()
+    for host in (gpu / 3, 3 * gpu):                  # layer_overhead x the stage's layers
+        each = host / stage.layers
+        assert per_mb(layer_overhead=each) == pytest.approx(gpu + host, rel=1e-12)
+        assert per_mb(layer_overhead=each, overhead_hiding=100.0) == pytest.approx(
+            max(gpu, host), rel=0.01)
+        assert max(gpu, host) < per_mb(layer_overhead=each, overhead_hiding=3.0) < gpu + host
+    with pytest.raises(PlanError, match="overhead_hiding must be at least 1"):
+        check_numbers(replace(base, overhead_hiding=0.5), "test")
 
 
 def test_a_value_the_runs_move_is_fitted_even_where_every_run_is_an_outlier():
