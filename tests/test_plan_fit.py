@@ -139,12 +139,13 @@ def test_a_value_the_runs_move_is_fitted_even_where_every_run_is_an_outlier():
     Jacobian down to ~1e-8 but not to 0: the value still moved (here onto its bound), and is
     reported and returned as moved, not as the base's value "kept"."""
     from minipar.plan.fit import F_SCALE, _fit
-    spec = (("compute_efficiency", 0.05, 1.0, False),)
+    spec = (("compute_efficiency", 0.05, 1.0, False), ("intra_node_efficiency", 0.02, 1.0, False))
     base = load_hardware("dgx-h100")
     far = 5 * F_SCALE + np.linspace(0, 0.1, 20)       # the best value, 0.05, leaves them > 5x
     hw, report, _ = _fit(spec, base, lambda h: far + (h.compute_efficiency - 0.05))
     assert report["compute_efficiency"][2] == "bound"
     assert hw.compute_efficiency == pytest.approx(0.05) != base.compute_efficiency
+    assert report["intra_node_efficiency"] == [base.intra_node_efficiency, None, "kept"]
 
 
 def test_the_playbook_profile_reproduces_what_it_records():
