@@ -130,6 +130,11 @@ def test_the_host_time_adds_at_k_1_and_hides_behind_longer_work_at_large_k():
         assert per_mb(layer_overhead=each, overhead_hiding=100.0) == pytest.approx(
             max(gpu, host), rel=0.01)
         assert max(gpu, host) < per_mb(layer_overhead=each, overhead_hiding=3.0) < gpu + host
+        t = stage_time(SHAPE, replace(base, layer_overhead=each, overhead_hiding=3.0), lay,
+                       stage, "tp,pp,dp", "mixed", True, fw)
+        passes = t["parts"]["forward_mb"] + t["parts"]["backward_mb"]   # what DP hides behind:
+        assert passes + (t["tp_comm"] + t["ring"]["cp_exposed"]) / lay.microbatches == \
+            pytest.approx(t["per_mb"], rel=1e-12)                      # the wall time, no more
     with pytest.raises(PlanError, match="overhead_hiding must be at least 1"):
         check_numbers(replace(base, overhead_hiding=0.5), "test")
 
