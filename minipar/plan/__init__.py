@@ -120,15 +120,13 @@ from .shapes import (PRESETS, ModelShape, forward_flops, gpt_params, llama_ffn, 
 from .sharding import check_shard, parse_shard, shard_specs, zero_shard
 
 
-__all__ = [
-    "PlanError", "Estimate", "bubble_fraction", "estimate", "scaled_layout", "scaling",
-    "Hardware", "hardware_presets", "load_hardware", "Layout", "check_layout",
-    "activation_bytes", "device_memory", "layer_activation_bytes", "model_state_bytes",
-    "padded_params", "stage_params", "tp_rank_params", "collective_time", "engine_collectives",
-    "FRAMEWORKS", "Framework", "load_framework", "pp_comm_bytes", "ring_bytes",
-    "tp_block_comm_bytes", "tp_comm_bytes", "zero_collectives", "zero_comm_bytes",
-    "zero_comm_bytes_by_group", "zero_group_span", "explain", "search", "PRESETS", "ModelShape",
-    "forward_flops", "gpt_params", "llama_ffn", "llama_params", "megatron_flops",
-    "megatron_params", "model_preset", "stage_flops", "training_flops", "check_shard",
-    "parse_shard", "shard_specs", "zero_shard",
-]
+__all__ = ["PlanError", "Estimate", "bubble_fraction", "estimate", "scaled_layout", "scaling",
+           "Hardware", "hardware_presets", "load_hardware", "Layout", "check_layout",
+           "activation_bytes", "device_memory", "layer_activation_bytes", "model_state_bytes",
+           "padded_params", "stage_params", "tp_rank_params", "collective_time",
+           "engine_collectives", "FRAMEWORKS", "Framework", "load_framework", "pp_comm_bytes",
+           "ring_bytes", "tp_block_comm_bytes", "tp_comm_bytes", "zero_collectives",
+           "zero_comm_bytes", "zero_comm_bytes_by_group", "zero_group_span", "explain", "search",
+           "PRESETS", "ModelShape", "forward_flops", "gpt_params", "llama_ffn", "llama_params",
+           "megatron_flops", "megatron_params", "model_preset", "stage_flops", "training_flops",
+           "check_shard", "parse_shard", "shard_specs", "zero_shard"]

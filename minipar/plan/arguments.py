@@ -86,8 +86,7 @@ def _values(text: str, flag: str, parse, ranges: bool = False) -> tuple:
     out = []                            # an empty set is search()'s to refuse (``allowed``)
     for item in (x.strip() for x in text.split(",") if x.strip()):
         if ranges and "-" in item:
-            lo, _, hi = item.partition("-")
-            lo, hi = parse(lo), parse(hi)
+            lo, hi = map(parse, item.split("-", 1))
             if lo > hi:
                 raise argparse.ArgumentTypeError(f"{flag} range {item} is empty (low > high)")
             if len(out) + hi - lo + 1 > MAX_RANGE:

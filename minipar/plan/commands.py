@@ -91,8 +91,7 @@ def cmd_memory(args) -> None:
         raise PlanError("give --params N (e.g. 175B), --model NAME|FILE.json or the shape "
                         "flags (--layers --hidden --heads --vocab --seq-len)")
     if args.params is not None and shaped:
-        raise PlanError("give --params N or a model shape (--model or the shape flags), not "
-                        "both")
+        raise PlanError("give --params N or a model shape (--model or the shape flags), not both")
     shape = shape_from_args(args) if args.params is None else None
     n = args.params if shape is None else shape.params
     dp = data_parallel(args)

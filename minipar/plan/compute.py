@@ -157,5 +157,4 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
              "memory_bound": c * m * memory_bound, "launch": c * m * launch,
              "optimizer": c * optimizer}
     parts["total"] = sum(parts.values())
-    parts["forward_mb"], parts["backward_mb"] = forward_mb, backward_mb
-    return parts
+    return {**parts, "forward_mb": forward_mb, "backward_mb": backward_mb}

@@ -61,9 +61,8 @@ def cp_comm_bytes(micro_batch: int, seq_len: int, hidden: int, cp: int, layers: 
                   microbatches: int = 1, tp: int = 1, bytes_per_elem: int = 4,
                   recompute: str = "none") -> int:
     """Bytes one rank sends over cp in one step: ``layers`` (this stage's) x micro-batches."""
-    per_layer = cp_attention_bytes(micro_batch, seq_len, hidden, cp, tp, bytes_per_elem,
-                                   recompute)["total"]
-    return layers * microbatches * per_layer
+    return layers * microbatches * cp_attention_bytes(micro_batch, seq_len, hidden, cp, tp,
+                                                      bytes_per_elem, recompute)["total"]
 
 
 def ring_step_times(shape: ModelShape, hardware, cp: int, tp: int = 1, micro_batch: int = 1,
@@ -101,8 +100,7 @@ def ring_times(shape: ModelShape, hardware, layout, order: str = "tp,pp,dp", dty
                            layout.strides(order)["cp"], layout.gpus)
     send = step["send"]
     forward, backward = ring_messages(cp, layout.recompute)
-    per_layer_comm = (forward + backward) * send
     per_layer_exposed = (forward * max(0.0, send - step["compute"])
                          + (cp - 1) * max(0.0, send - step["compute_backward"]) + cp * send)
     times = layout.microbatches * (-(-shape.layers // layout.pp) if layers is None else layers)
-    return dict(cp_comm=times * per_layer_comm, cp_exposed=times * per_layer_exposed)
+    return dict(cp_comm=times * (forward + backward) * send, cp_exposed=times * per_layer_exposed)

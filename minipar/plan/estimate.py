@@ -289,9 +289,8 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
                      stage_rule=fw.stage_rule)
         check_framework(fw, layout, dp_per_node(layout, hw.gpus_per_node, order))
     times = time_parts(shape, hw, layout, order, dtype, flash, fw)
-    profile = dp_profile(shape, hw, layout, order, dtype, fw)
-    times.update(dp_exposure(profile, layout.microbatches, times, overlap, hw.overlap_slowdown,
-                             hw.overlap_exposed))
+    times.update(dp_exposure(dp_profile(shape, hw, layout, order, dtype, fw), layout.microbatches,
+                             times, overlap, hw.overlap_slowdown, hw.overlap_exposed))
     times["compute"] += times.pop("interference")
     times["step"] = sum(times[k] for k in STEP_PARTS)
     notes = [] if hw.fitted else [

@@ -181,8 +181,7 @@ def _pairs(rows, what: str, where: str, first: str, second: str) -> None:
                         f"{rows!r}{old}")
     for i, row in enumerate(rows):
         if not isinstance(row, (list, tuple)) or len(row) != 2:
-            raise PlanError(f"{where}: each {what} row is a pair [{first}, {second}], got "
-                            f"{row!r}")
+            raise PlanError(f"{where}: each {what} row is a pair [{first}, {second}], got {row!r}")
         _positive(row[0], f"{what} {first}", where)
         _positive(row[1], f"{what} {second}", where)
         if i and row[0] <= rows[i - 1][0]:
@@ -215,8 +214,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
     for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency",
                  "all_gather_efficiency", "reduce_scatter_efficiency"):
         if getattr(hw, name) > 1:
-            raise PlanError(f"{where}: {name} is a fraction, at most 1, got "
-                            f"{getattr(hw, name)!r}")
+            raise PlanError(f"{where}: {name} is a fraction, at most 1, got {getattr(hw, name)!r}")
     if hw.overhead_hiding < 1:
         raise PlanError(f"{where}: overhead_hiding must be at least 1, got {hw.overhead_hiding!r}")
     if hw.runtime_bytes >= hw.memory_bytes:

@@ -110,11 +110,9 @@ def shape_tp_violation(shape: ModelShape, tp: int, sp: bool = False) -> str | No
 
 def recompute_violation(modes: tuple) -> str | None:
     """The first of ``modes`` that is no activation-recomputation mode, said, or None."""
-    for mode in modes:
-        if mode not in RECOMPUTE_MODES:
-            return (f"unknown recomputation {mode!r} (--recompute); use one of "
-                    f"{', '.join(RECOMPUTE_MODES)}")
-    return None
+    bad = [mode for mode in modes if mode not in RECOMPUTE_MODES]
+    return (f"unknown recomputation {bad[0]!r} (--recompute); use one of "
+            f"{', '.join(RECOMPUTE_MODES)}") if bad else None
 
 
 def schedule_violation(schedule: str | None, chunks: int) -> str | None:
@@ -139,8 +137,7 @@ def layout_violation(shape: ModelShape, layout: Layout, stage_rule: str = "even"
         stages += " (or a framework that builds uneven stages: megatron-lm, nanotron)"
     return (cp_violation(shape.seq_len, layout.cp, t, layout.sp)   # the trainer's order
             or shape_tp_violation(shape, t, layout.sp)
-            or interleave_violation(p, layout.microbatches, v)
-            or stages)
+            or interleave_violation(p, layout.microbatches, v) or stages)
 
 
 def check_layout(shape: ModelShape, layout: Layout, order: str = "tp,pp,dp",

@@ -283,8 +283,7 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
                      edp_stride(lay, order, hw.gpus_per_node, ep))
     # the same share of it hides behind compute as in the dense estimate
     hidden_share = 1 - e.times["dp_exposed"] / e.times["dp_comm"] if e.times.get("dp_comm") else 0.0
-    times["dp_comm"] = dp_comm
-    times["dp_exposed"] = dp_comm * (1 - hidden_share)
+    times.update(dp_comm=dp_comm, dp_exposed=dp_comm * (1 - hidden_share))
     times["step"] = sum(times.get(k, 0.0) for k in (*STEP_PARTS, "ep_comm"))
     flops = {"model": training_flops(shape, moe, lay.global_batch, "none"),
              "hardware": training_flops(shape, moe, lay.global_batch, lay.recompute)}
@@ -318,8 +317,7 @@ def rerank(results: list, shape: ModelShape, moe: MoE, ep: int, hw, top: int,
     """The dense search's candidates (``cmd_search`` asks it for many) as MoE layouts:
     adjusted, those that fit, the ``top`` fastest first. Layouts whose dp is not a multiple of
     ep, or whose TP ranks cannot split a cp rank's tokens (``moe_tp_violation``), are skipped."""
-    out = [adjust(e, shape, moe, ep, hw, order, dtype) for e in results
-           if e.layout.dp % ep == 0
+    out = [adjust(e, shape, moe, ep, hw, order, dtype) for e in results if e.layout.dp % ep == 0
            and rules.moe_tp_violation(shape.seq_len, e.layout.tp, e.layout.cp) is None]
     out = sorted((e for e in out if e.fits), key=lambda e: e.step_time)
     if not out:

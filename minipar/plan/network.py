@@ -181,8 +181,7 @@ def zero_comm_bytes_by_group(n_params: int | list[int], dp: int, shard: Shard | 
     The d ranks are viewed as (d/s_os, s_os/s_g, s_g/s_p, s_p) = (R, O, G, P); the gradients'
     reduce-scatter over s_g runs in two nested steps, over zero_p (P ranks) and then zero_g (G
     ranks, s_p apart), the same bytes as one over s_g. Returns ``{group: {op: bytes}}`` for the
-    groups in ``ZERO_GROUPS``; a group spans ``zero_group_span(group, ...)`` consecutive ranks.
-    """
+    groups in ``ZERO_GROUPS``; a group spans ``zero_group_span(group, ...)`` consecutive ranks."""
     s_p, s_g, s_os = resolve_shard(dp, shard, zero)
     w, g, _ = BYTES_PER_PARAM[dtype]
     m, gathers = microbatches, microbatches * (3 if recompute else 2)

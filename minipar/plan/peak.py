@@ -70,15 +70,13 @@ def stage_list(shape: ModelShape, layout: Layout, framework=None) -> tuple[Stage
 
 def in_flight(stage: Stage, pp: int, microbatches: int, v: int = 1,
               schedule: str = "1f1b") -> float:
-    """Layer-micro-batches of activations stage ``stage`` holds at its peak (module
-    docstring)."""
+    """Layer-micro-batches of activations stage ``stage`` holds at its peak (module docstring)."""
     r, m, p = stage.index, microbatches, pp
     if schedule == "gpipe":
         return stage.layers * m
     if v == 1:
         return stage.layers * min(m, p - r)
-    chunks = min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
-    return stage.layers / v * chunks
+    return stage.layers / v * min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)   # chunks held
 
 
 def stash_layers(layers_per_stage: int, pp: int, microbatches: int, v: int = 1,
@@ -174,8 +172,7 @@ def device_memory(shape: ModelShape, layout: Layout, flash: bool = False, dtype:
     """The largest stage's peak: params, grads, optimizer, activations, temporary, total
     (bytes), and "stage", the index of the stage that holds it."""
     peaks = [dict(stage_memory(shape, layout, st, flash, dtype, framework, layer_buffer),
-                  stage=st.index)
-             for st in distinct(stage_list(shape, layout, framework))]
+                  stage=st.index) for st in distinct(stage_list(shape, layout, framework))]
     return max(peaks, key=lambda mem: mem["total"])       # the first of equal peaks
 
 

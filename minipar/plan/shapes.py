@@ -66,8 +66,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 def llama_ffn(hidden: int, multiple_of: int = 256) -> int:
     """LLaMA's MLP width: int(2/3 * 4h) rounded up to a multiple of 256 (4096 -> 11008)."""
-    f = int(2 * 4 * hidden / 3)
-    return multiple_of * math.ceil(f / multiple_of)
+    return multiple_of * math.ceil(int(2 * 4 * hidden / 3) / multiple_of)
 
 
 @dataclass(frozen=True)
@@ -197,8 +196,7 @@ def megatron_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: in
     ``recompute=False`` 72 B s l h^2 (same bracket), as Megatron-DeepSpeed reports TFLOP/s (and
     so, we take it, the Frontier study's percent of peak)."""
     b, s, l, h, v = batch, seq_len, layers, hidden, vocab
-    factor = 4 if recompute else 3
-    return 24 * factor * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    return 24 * (4 if recompute else 3) * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
 
 def forward_flops(shape: ModelShape, batch: int, seq_len: int | None = None) -> dict:
@@ -231,12 +229,9 @@ def stage_flops(shape: ModelShape, batch: int, pp: int = 1, recompute: str = "no
     layers = -(-shape.layers // pp)
     f = forward_flops(shape, batch, seq_len)
     per_layer = f["dense"] + f["attention"]
-    total = 3 * (layers * per_layer + f["logits"])
-    if recompute == "full":
-        total += layers * per_layer
-    elif recompute == "selective":
-        total += layers * f["attention"]
-    return float(total)
+    # what recomputation runs again: the layers' forward (full), the attention core (selective)
+    again = {"none": 0, "selective": f["attention"], "full": per_layer}[recompute]
+    return float(3 * (layers * per_layer + f["logits"]) + layers * again)
 
 
 # --------------------------------------------------------------------------------------

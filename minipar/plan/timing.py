@@ -118,8 +118,7 @@ def ring_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware,
               job_nodes: int = 0) -> float:
     per_node, nodes = placement(size, stride, hw.gpus_per_node)
     beta = link_bandwidth(per_node, nodes, stride, hw, job_nodes)
-    phases = 2 if op == "all_reduce" else 1
-    steps = phases * (size - 1)
+    steps = (2 if op == "all_reduce" else 1) * (size - 1)    # all-reduce: two phases
     crossings = 2 * nodes if op == "all_reduce" else nodes - 1      # as NCCL counts them
     inter = min(crossings, steps) if nodes > 1 else 0
     latency = (hw.collective_latency + (steps - inter) * hw.intra_node_latency
