@@ -21,7 +21,7 @@ from minipar.plan.estimate import estimate
 from minipar.plan.fit import fit, score
 from minipar.plan.hardware import PRESET_DIR, load_hardware
 from minipar.plan.layout import Layout
-from minipar.plan.runs import Run, read_runs, select, write_runs
+from minipar.plan.runs import Run, read_runs, select, twins, write_runs
 from minipar.plan.shapes import ModelShape
 
 GRID = PRESET_DIR / "runs" / "playbook-grid-1B-8B.csv"
@@ -77,6 +77,24 @@ def test_a_fit_recovers_the_parameters_a_synthetic_grid_was_made_from(tmp_path):
             (name, value, sigma, truth[name])
     assert report["log_sigma_time"] < 0.05           # the noise put in, not a misfit
     assert _follows_trends(hw)
+
+
+def test_twins_measure_how_far_a_sweep_disagrees_with_itself():
+    """Runs differing only in their ZeRO sharding: a cell where one of each pair ran 3 times
+    slower reports 3; a clean cell close to 1 (the planner's own small difference between
+    the two); a crashed twin or a run without one forms no group."""
+    runs = [r for r in synthetic_runs(noise=0.0) if r.layout.dp > 1]   # dp 1: one sharding
+    noisy = [replace(r, tokens_per_s_gpu=r.tokens_per_s_gpu / 3)
+             if r.nodes == 8 and r.layout.shard[2] > 1 else r for r in runs]
+    spread = twins(noisy)
+    assert set(spread) == {("syn", 1), ("syn", 2), ("syn", 8)}
+    n8, log8 = spread[("syn", 8)]
+    assert n8 == sum(r.nodes == 8 and r.layout.shard[2] > 1 for r in runs)
+    assert abs(math.exp(log8) - 3) < 0.15
+    assert all(v < 0.05 for (_, nodes), (_, v) in spread.items() if nodes < 8)
+    crashed = [replace(r, status="crashed", tokens_per_s_gpu=math.nan)
+               if r.layout.shard[2] > 1 else r for r in runs]
+    assert twins(crashed) == {}
 
 
 def test_a_gemm_never_takes_longer_for_being_smaller():

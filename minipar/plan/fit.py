@@ -53,7 +53,7 @@ from .estimate import estimate
 from .frameworks import load_framework
 from .hardware import Hardware, load_hardware
 from .peak import device_memory
-from .runs import Run, digest, read_runs, select
+from .runs import Run, digest, read_runs, select, twins
 from .scorecard import markdown_table
 from .timing import by_nodes
 
@@ -406,6 +406,9 @@ def cmd_fit(args) -> None:
         groups = residuals_by(runs, profile, key)
         lines.append(f"predicted / measured tokens/s by {title}: " + ", ".join(
             f"{k}: {v:.2f} ({n})" for k, (n, v) in groups.items()))
+    lines += ["runs differing only in ZeRO sharding (priced alike), measured fastest / slowest, "
+              "median by cell: " + ", ".join(f"{m}@{n}: {math.exp(v):.2f} ({k})" for (m, n), (k, v)
+                                             in twins(runs).items())] if twins(runs) else []
     table = [["fitted rows"] + [_value(fitted["training"][c]) for c in SCORE_COLUMNS]]
     table += [[f["holdout"]] + [_value(f[c]) for c in SCORE_COLUMNS] for f in folds]
     lines.append(text_table(table, ["scored on"] + list(SCORE_COLUMNS)))

@@ -24,7 +24,8 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import PlanError
@@ -206,6 +207,24 @@ def write_runs(path: str | Path, runs: list[Run]) -> None:
 def digest(path: str | Path) -> str:
     """The sha256 of a runs file: a fitted profile names the data it was fitted to."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def twins(runs: list[Run]) -> dict:
+    """How far a sweep agrees with itself, by cell: {cell: (groups, median of log(fastest /
+    slowest))} over the groups of runs that ran and differ only in how the dp ranks shard
+    (ZeRO-0 against ZeRO-1: the same bytes over the same links, which the planner prices
+    alike). A spread there is noise no model of the layout can follow: a floor under the
+    errors, and a reason for a rank or a pick in that cell to fall short."""
+    groups: dict = {}
+    for r in filter(lambda r: r.ran, runs):
+        key = (r.cell, r.shape, replace(r.layout, shard=(1, 1, 1)), r.gpus_per_node,
+               r.framework, r.flash, r.dtype)
+        groups.setdefault(key, []).append(r.tokens_per_s_gpu)
+    cells: dict = {}
+    for key, tps in groups.items():
+        if len(tps) > 1:
+            cells.setdefault(key[0], []).append(math.log(max(tps) / min(tps)))
+    return {c: (len(v), statistics.median(v)) for c, v in sorted(cells.items())}
 
 
 def select(runs: list[Run], spec: str) -> list[Run]:
