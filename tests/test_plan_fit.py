@@ -179,6 +179,7 @@ def test_the_playbook_profile_reproduces_what_it_records():
     got = score(runs, profile)
     for key, value in fitted["training"].items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert fitted["twins"] == {f"{m}@{n}": pytest.approx(list(v)) for (m, n), v in twins(runs).items()}
 
 
 def _follows_trends(hw) -> bool:

@@ -375,7 +375,8 @@ def cmd_fit(args) -> None:
     hw, report = fit(runs, base)
     folds = cross_validate(runs, base, args.holdout, args.kfold) if args.holdout or args.kfold else []
     fitted = {"data": Path(args.runs).name, "sha256": digest(args.runs), "rows": len(runs),
-              "base": base.name, **report, "training": score(runs, hw), "holdout": folds}
+              "base": base.name, **report, "training": score(runs, hw), "holdout": folds,
+              "twins": {f"{m}@{n}": list(v) for (m, n), v in twins(runs).items()}}
     where = f"{fitted['data']} (sha256 {fitted['sha256'][:12]}..., {len(runs)} runs)"
     said: dict = {}          # by field: what the fit did to each of its parameters
     for name, (value, error, status) in report["parameters"].items():
@@ -407,8 +408,8 @@ def cmd_fit(args) -> None:
         lines.append(f"predicted / measured tokens/s by {title}: " + ", ".join(
             f"{k}: {v:.2f} ({n})" for k, (n, v) in groups.items()))
     lines += ["runs differing only in ZeRO sharding (priced alike), measured fastest / slowest, "
-              "median by cell: " + ", ".join(f"{m}@{n}: {math.exp(v):.2f} ({k})" for (m, n), (k, v)
-                                             in twins(runs).items())] if twins(runs) else []
+              "median by cell: " + ", ".join(f"{cell}: {math.exp(v):.2f} ({k})" for cell, (k, v)
+                                             in fitted["twins"].items())] if fitted["twins"] else []
     table = [["fitted rows"] + [_value(fitted["training"][c]) for c in SCORE_COLUMNS]]
     table += [[f["holdout"]] + [_value(f[c]) for c in SCORE_COLUMNS] for f in folds]
     lines.append(text_table(table, ["scored on"] + list(SCORE_COLUMNS)))
