@@ -80,9 +80,9 @@ def test_a_fit_recovers_the_parameters_a_synthetic_grid_was_made_from(tmp_path):
 
 
 def test_twins_measure_how_far_a_sweep_disagrees_with_itself():
-    """Runs differing only in their ZeRO sharding: a cell where one of each pair ran 3 times
-    slower reports 3; a clean cell close to 1 (the planner's own small difference between
-    the two); a crashed twin or a run without one forms no group."""
+    """Runs differing only in ZeRO stage 0-2: a cell where one of each pair ran 3 times slower
+    reports 3; a clean cell close to 1 (the planner's own small difference between the two);
+    a ZeRO-3 run joins no group, nor does a crashed twin or a run without one."""
     runs = [r for r in synthetic_runs(noise=0.0) if r.layout.dp > 1]   # dp 1: one sharding
     noisy = [replace(r, tokens_per_s_gpu=r.tokens_per_s_gpu / 3)
              if r.nodes == 8 and r.layout.shard[2] > 1 else r for r in runs]
@@ -92,6 +92,10 @@ def test_twins_measure_how_far_a_sweep_disagrees_with_itself():
     assert n8 == sum(r.nodes == 8 and r.layout.shard[2] > 1 for r in runs)
     assert abs(math.exp(log8) - 3) < 0.15
     assert all(v < 0.05 for (_, nodes), (_, v) in spread.items() if nodes < 8)
+    zero3 = [replace(r, layout=replace(r.layout, shard=(r.layout.dp,) * 3),
+                     tokens_per_s_gpu=r.tokens_per_s_gpu / 10) for r in runs
+             if r.nodes == 1 and r.layout.shard[2] == 1]
+    assert twins(runs + zero3) == twins(runs)        # ZeRO-3's gathers: not priced alike
     crashed = [replace(r, status="crashed", tokens_per_s_gpu=math.nan)
                if r.layout.shard[2] > 1 else r for r in runs]
     assert twins(crashed) == {}

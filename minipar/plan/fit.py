@@ -407,9 +407,10 @@ def cmd_fit(args) -> None:
         groups = residuals_by(runs, profile, key)
         lines.append(f"predicted / measured tokens/s by {title}: " + ", ".join(
             f"{k}: {v:.2f} ({n})" for k, (n, v) in groups.items()))
-    lines += ["runs differing only in ZeRO sharding (priced alike), measured fastest / slowest, "
-              "median by cell: " + ", ".join(f"{cell}: {math.exp(v):.2f} ({k})" for cell, (k, v)
-                                             in fitted["twins"].items())] if fitted["twins"] else []
+    if twin := fitted["twins"]:
+        spread = ", ".join(f"{c}: {math.exp(x):.2f} ({n})" for c, (n, x) in twin.items())
+        lines.append("runs differing only in ZeRO stage 0-2 (priced alike), measured fastest / "
+                     f"slowest, median by cell: {spread}")
     table = [["fitted rows"] + [_value(fitted["training"][c]) for c in SCORE_COLUMNS]]
     table += [[f["holdout"]] + [_value(f[c]) for c in SCORE_COLUMNS] for f in folds]
     lines.append(text_table(table, ["scored on"] + list(SCORE_COLUMNS)))

@@ -211,14 +211,14 @@ def digest(path: str | Path) -> str:
 
 def twins(runs: list[Run]) -> dict:
     """How far a sweep agrees with itself, by cell: {cell: (groups, median of log(fastest /
-    slowest))} over the groups of runs that ran and differ only in how the dp ranks shard
-    (ZeRO-0 against ZeRO-1: the same bytes over the same links, which the planner prices
-    alike). A spread there is noise no model of the layout can follow: a floor under the
-    errors, and a reason for a rank or a pick in that cell to fall short."""
+    slowest))} over the groups of runs that ran and differ only in how gradients and optimizer
+    states shard (ZeRO-0, 1, 2: the same bytes over the same links, priced alike; ZeRO-3's
+    gathers are not). A spread there is noise no model of the layout can follow: a floor under
+    the errors, and a reason for a rank or a pick in that cell to fall short."""
     groups: dict = {}
     for r in filter(lambda r: r.ran, runs):
-        key = (r.cell, r.shape, replace(r.layout, shard=(1, 1, 1)), r.gpus_per_node,
-               r.framework, r.flash, r.dtype)
+        key = (r.cell, r.shape, replace(r.layout, shard=(r.layout.shard[0], 1, 1)),
+               r.gpus_per_node, r.framework, r.flash, r.dtype)
         groups.setdefault(key, []).append(r.tokens_per_s_gpu)
     cells: dict = {}
     for key, tps in groups.items():
