@@ -130,6 +130,12 @@ def test_nanotron_balance_accepts_the_pp_the_playbook_sweep_ran():
                                    "equal stages; use a pp that divides 24")
     assert pp_violation(24, 5, uneven=True) is None
     assert "x chunks" in pp_violation(24, 4, chunks=4, uneven=True)   # interleaving stays even
+    # a pp the rule cannot build is refused, asked directly too (it was a TypeError)
+    from minipar.plan import device_memory
+    from minipar.plan.frameworks import load_framework
+    wide = ModelShape("1B", "llama", 16, 2048, 32, 131072, 4096, 8192, bias=False)
+    with pytest.raises(PlanError, match="without a block"):
+        device_memory(wide, Layout(tp=8, pp=16), framework=load_framework("nanotron"))
 
 
 def test_megatron_and_deepspeed_uneven_stages():

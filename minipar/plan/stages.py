@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..rules import pp_violation
+from .errors import raise_if
 
 RULES = ("even", "megatron", "uniform", "balanced")
 
@@ -111,9 +112,9 @@ def _megatron(shape, pp: int, v: int = 1) -> tuple[int, ...] | None:
 
 @lru_cache(maxsize=4096)
 def stages(shape, pp: int, rule: str = "even", chunks: int = 1) -> tuple[Stage, ...]:
-    """The ``pp`` stages (``Stage``) ``rule`` builds for ``shape`` (module docstring). Assumes
-    ``split_violation`` found nothing; interleaving (chunks > 1) is even but for Megatron-LM's,
-    whose stages each hold ``chunks`` equal chunks of their own size."""
+    """The ``pp`` stages (``Stage``) ``rule`` builds for ``shape`` (module docstring), or
+    ``split_violation``'s PlanError; interleaving (chunks > 1) is even but for Megatron-LM's."""
+    raise_if(split_violation(shape, pp, rule, chunks))
     l, head = shape.layers, pp - 1
     if (pp == 1 or rule == "even" or chunks > 1 and rule != "megatron"
             or l % (pp * chunks) == 0 and rule != "balanced"):
