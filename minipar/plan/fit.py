@@ -409,8 +409,8 @@ def cmd_fit(args) -> None:
             f"{k}: {v:.2f} ({n})" for k, (n, v) in groups.items()))
     if twin := fitted["twins"]:
         spread = ", ".join(f"{c}: {math.exp(x):.2f} ({n})" for c, (n, x) in twin.items())
-        lines.append("runs differing only in ZeRO stage 0-2 (priced alike), measured fastest / "
-                     f"slowest, median by cell: {spread}")
+        lines.append("runs differing only in ZeRO stage 0-2 (priced near alike), measured "
+                     f"fastest / slowest, median by cell: {spread}")
     table = [["fitted rows"] + [_value(fitted["training"][c]) for c in SCORE_COLUMNS]]
     table += [[f["holdout"]] + [_value(f[c]) for c in SCORE_COLUMNS] for f in folds]
     lines.append(text_table(table, ["scored on"] + list(SCORE_COLUMNS)))
