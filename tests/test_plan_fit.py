@@ -257,6 +257,12 @@ def test_bad_runs_files_exit_2_with_one_line(tmp_path, capsys):
     _one_line_exit_2(_plan(capsys, "fit", str(bad), "--hardware", "dgx-h100"), "line 2", "gbs")
     _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--holdout", "model=8B"),
                      "names no run")
+    zero = tmp_path / "zero.csv"                      # a run that ran at 0 tokens/s
+    row = text[1].split(",")
+    row[header.index("tokens_per_s_gpu")] = "0"
+    zero.write_text("\n".join([text[0], ",".join(row)]) + "\n")
+    _one_line_exit_2(_plan(capsys, "fit", str(zero), "--hardware", "dgx-h100"), "line 2",
+                     "tokens_per_s_gpu > 0")
     two = tmp_path / "two.csv"
     two.write_text("\n".join(text[:3]) + "\n")
     _one_line_exit_2(_plan(capsys, "fit", str(two), "--hardware", "dgx-h100"), "too few")

@@ -134,10 +134,10 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
                             f"{row['shard']!r}")
         tok, mem, status = _float(row, "tokens_per_s_gpu"), _float(row, "peak_mem_gib"), row["status"]
         if status not in STATUSES:
-            raise PlanError(f"{where}: status must be one of {', '.join(STATUSES)}, got "
-                            f"{status!r}")
-        if status == "ok" and not math.isfinite(tok):
-            raise PlanError(f"{where}: a run with status ok needs tokens_per_s_gpu")
+            raise PlanError(f"{where}: status must be one of {', '.join(STATUSES)}, got {status!r}")
+    if (status == "ok" and not 0 < tok < math.inf) or mem <= 0:     # NaN mem: not logged
+        raise PlanError(f"{where}: a run that ran needs tokens_per_s_gpu > 0 (got {tok}), and a "
+                        f"logged peak_mem_gib must be > 0 (got {mem})")
     tp, pp, mbs, acc = (_int(row, k, where) for k in ("tp", "pp", "mbs", "grad_acc"))
     gbs, nodes = _int(row, "gbs", where), _int(row, "nodes", where)
     if min(tp, pp, dp, cp, mbs, acc, gbs, nodes, gpus_per_node) < 1:
