@@ -30,7 +30,8 @@ TRUE = dict(compute_efficiency=0.55, gemm_half_flops=4e10, intra_node_efficiency
             layer_overhead=2e-4, overhead_hiding=1.0,      # k = 3: not identified (reference.md)
             p2p_latency=[[2, 2e-3], [8, 8e-3]], all_gather_efficiency=0.7,
             reduce_scatter_efficiency=0.9, overlap_slowdown=0.15, overlap_exposed=0.2,
-            runtime_bytes=2.0 * 2**30, fragmentation=0.1, layer_buffer_bytes=64.0 * 2**20)
+            runtime_bytes=2.0 * 2**30, fragmentation=0.1, layer_buffer_bytes=64.0 * 2**20,
+            pipeline_tp_latency=1e-4)
 SHAPE = ModelShape("syn", "llama", 8, 1024, 16, 32000, 2048, 4096, tied_head=False, bias=False)
 
 
@@ -70,7 +71,8 @@ def test_a_fit_recovers_the_parameters_a_synthetic_grid_was_made_from(tmp_path):
     identified = {k: v[:2] for k, v in report["parameters"].items() if v[2] == "fitted"}
     for name in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency@2",
                  "inter_node_efficiency@8",
-                 "layer_overhead", "runtime_bytes", "fragmentation", "layer_buffer_bytes"):
+                 "layer_overhead", "pipeline_tp_latency", "runtime_bytes", "fragmentation",
+                 "layer_buffer_bytes"):
         assert name in identified, f"{name} not identified by a grid that varies it"
     for name, (value, sigma) in identified.items():
         assert abs(value - truth[name]) <= 3 * sigma + 1e-3 * abs(truth[name]), \

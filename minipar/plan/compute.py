@@ -148,7 +148,6 @@ def compute_parts(shape: ModelShape, hw: Hardware, layout: Layout, dtype: str = 
         per_param = (ADAM_BYTES if dtype == "mixed" else 24) + g
         phi = stage_params(shape, t, p, stage)
         optimizer = per_param * math.ceil(phi / layout.shard[2]) / hw.hbm_bandwidth
-
     c = hw.step_calibration * hw.oversubscription(layout.gpus)   # time-sliced CPU cores
     launch = hw.layer_overhead * layers           # per layer and micro-batch, both passes
     forward_mb = c * (layers * (fwd + att_f) + head_f + mem_f + launch / 2)

@@ -149,7 +149,8 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
         "all_reduce", b * s * 4, t, tp_stride, hw, hw.nodes(layout.gpus)) if stage.head else 0)
     hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
     ring = ring_times(shape, hw, layout, order, dtype, flash, layers=stage.layers)
-    exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown
+    exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown + (   # pipelined, a TP call
+        calls * t * hw.pipeline_tp_latency if layout.pp > 1 < t else 0.0)   # waits its t ranks
     # the device's and the host's seconds per micro-batch (its launches, ``layer_overhead``):
     # (gpu^k + host^k)^(1/k), k = ``overhead_hiding`` (1: they add; large: the longer wins)
     k, host = hw.overhead_hiding, parts["launch"] / m

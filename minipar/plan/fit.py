@@ -14,6 +14,7 @@ few efficiencies the planner cannot know from a datasheet:
              collective_latency      per call: NCCL's base latency and the framework's own
              layer_overhead          the host's seconds per layer and micro-batch (launches)
              overhead_hiding         how much of it the device's work hides (k; 1: none)
+             pipeline_tp_latency     a TP call's wait per rank once stages hand off (pp > 1)
              p2p_latency             seconds a message between nodes costs, at each job width
              overlap_slowdown        compute slowed by the traffic hidden beside it
              overlap_exposed         the share of hideable traffic that stays exposed
@@ -60,18 +61,15 @@ from .timing import by_nodes
 # (field, lower, upper, log-scaled?); a field ending in "@" is a table by node count: one
 # parameter per node count above 1 that the runs span ("p2p_latency@16"), the table's rows,
 # read between them as the planner reads them (``timing.by_nodes``)
-TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False),
-                   ("gemm_half_flops", 1e6, 1e13, True),
+TIME_PARAMETERS = (("compute_efficiency", 0.05, 1.0, False), ("gemm_half_flops", 1e6, 1e13, True),
                    ("intra_node_efficiency", 0.02, 1.0, False),
                    ("inter_node_efficiency@", 1e-4, 1.0, True),
                    ("fabric_efficiency@", 1e-3, 1.0, True),
                    ("all_gather_efficiency", 0.05, 1.0, False),
                    ("reduce_scatter_efficiency", 0.05, 1.0, False),
-                   ("collective_latency", 1e-7, 1e-2, True),
-                   ("layer_overhead", 1e-7, 0.1, True),
-                   ("overhead_hiding", 1.0, 8.0, False),
-                   ("p2p_latency@", 1e-8, 10.0, True),
-                   ("overlap_slowdown", 0.0, 0.95, False),
+                   ("collective_latency", 1e-7, 1e-2, True), ("layer_overhead", 1e-7, 0.1, True),
+                   ("overhead_hiding", 1.0, 8.0, False), ("pipeline_tp_latency", 1e-7, 0.1, True),
+                   ("p2p_latency@", 1e-8, 10.0, True), ("overlap_slowdown", 0.0, 0.95, False),
                    ("overlap_exposed", 0.0, 0.95, False))
 # A robust loss (Cauchy's, scale 0.2 in log units, a 22% error): some runs in any sweep are
 # broken (a slow node, a straggler: the Playbook grid has runs at 1/20 of their neighbours'
@@ -82,7 +80,8 @@ LOSS, F_SCALE = "cauchy", 0.2
 # gets more of the NICs, nor a cheaper message. Fitted as the first node count's value, then
 # one bounded step per next node count (``_steps``).
 TRENDS = {"inter_node_efficiency": -1, "fabric_efficiency": -1, "p2p_latency": 1}
-START = {"layer_overhead": 1e-3}    # if the base has none: ~100 launches a layer x ~10 us
+START = {"layer_overhead": 1e-3,    # if the base has none: ~100 launches a layer x ~10 us
+         "pipeline_tp_latency": 1e-4}          # its bounds' geometric middle (decisions, 6)
 MAX_EVALUATIONS = 200      # trials of the whole model (each Jacobian's columns not counted)
 MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0.0, 0.5, False),
                      ("layer_buffer_bytes", 2.0**10, None, True))   # None: half the memory

@@ -52,7 +52,8 @@ writes one for the machine it runs on. Units: bytes, seconds, FLOP/s; bandwidths
   (forward and backward: launches, scheduling, synchronisation); both 0 unless fitted.
   ``overhead_hiding`` (k, at least 1): how much of it the device's work hides, a stage's
   micro-batch taking (device^k + host^k)^(1/k) (``estimate.stage_time``): 1 adds them, a
-  large k takes the longer; 1 unless fitted.
+  large k takes the longer; 1 unless fitted. ``pipeline_tp_latency``: seconds a TP call waits
+  per rank of its group once pipeline stages hand off (docs/decisions.md, rule 6); 0 unless fitted.
 * ``memory_sigma``: the robust standard deviation of log(predicted / measured) peak memory
   (1.4826 x their median absolute deviation) where ``plan fit`` measured it; a layout fits
   only when its predicted bytes x exp(1.645 x memory_sigma) do, 95% confidence
@@ -121,6 +122,7 @@ class Hardware:
     reduce_scatter_efficiency: float = 1.0
     memory_sigma: float = 0.0
     layer_buffer_bytes: float = 0.0
+    pipeline_tp_latency: float = 0.0
     fitted: dict = field(default_factory=dict, compare=False)
     cores: int = 0                  # CPU cores a node's devices share; 0: one engine each
     sources: dict = field(default_factory=dict, compare=False)
@@ -209,7 +211,7 @@ def check_numbers(hw: Hardware, where: str) -> None:
         _positive(getattr(hw, name), name, where)
     for name in ("collective_latency", "hbm_bandwidth", "attention_efficiency", "runtime_bytes",
                  "cores", "gemm_half_flops", "layer_overhead", "memory_sigma",
-                 "layer_buffer_bytes"):
+                 "layer_buffer_bytes", "pipeline_tp_latency"):
         _positive(getattr(hw, name), name, where, zero_ok=True)
     for name in ("compute_efficiency", "attention_efficiency", "intra_node_efficiency",
                  "all_gather_efficiency", "reduce_scatter_efficiency"):

@@ -239,7 +239,6 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
     for key in ("params", "grads", "optimizer"):
         memory["total"] += states[key] - memory[key]
         memory[key] = states[key]
-
     times = dict(e.times)
     l_stage = math.ceil(moe.layers(shape) / lay.pp)
     calls = l_stage * lay.microbatches                  # MoE layers run per step on a stage
