@@ -136,8 +136,9 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
                dtype: str, flash: bool, fw: Framework) -> dict:
     """One stage's compute parts (``compute.compute_parts``; "launch", in "total" and the
     passes, becomes the host's time left unhidden), its TP traffic (hidden behind its GEMMs
-    where the framework overlaps it) and its ring, per step, and "per_mb": the pipelined
-    seconds of one micro-batch, what the bubble is made of."""
+    where the framework overlaps it; pipelined, each call also waits for its t ranks: rule 6
+    of docs/decisions.md) and its ring, per step, and "per_mb": the pipelined seconds of one
+    micro-batch, what the bubble is made of."""
     t, m = layout.tp, layout.microbatches
     b, s, h = layout.micro_batch, shape.seq_len // layout.cp, shape.hidden
     tp_stride = layout.strides(order)["tp"]
@@ -149,8 +150,8 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
         "all_reduce", b * s * 4, t, tp_stride, hw, hw.nodes(layout.gpus)) if stage.head else 0)
     hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
     ring = ring_times(shape, hw, layout, order, dtype, flash, layers=stage.layers)
-    exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown + (   # pipelined, a TP call
-        calls * t * hw.pipeline_tp_latency if layout.pp > 1 < t else 0.0)   # waits its t ranks
+    wait = calls * t * hw.pipeline_tp_latency if layout.pp > 1 and t > 1 else 0.0
+    exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown + wait
     # the device's and the host's seconds per micro-batch (its launches, ``layer_overhead``):
     # (gpu^k + host^k)^(1/k), k = ``overhead_hiding`` (1: they add; large: the longer wins)
     k, host = hw.overhead_hiding, parts["launch"] / m

@@ -213,8 +213,7 @@ def twins(runs: list[Run]) -> dict:
     """How far a sweep agrees with itself, by cell: {cell: (groups, median of log(fastest /
     slowest))} over the groups of runs that ran and differ only in how gradients and optimizer
     states shard (ZeRO-0, 1, 2: the same bytes over the same links, priced near alike; ZeRO-3's
-    gathers are not). A spread there is noise no model of the layout can follow: a floor under
-    the errors, and a reason for a rank or a pick in that cell to fall short."""
+    gathers are not). A spread there is noise, a floor under any model's errors in that cell."""
     groups: dict = {}
     for r in filter(lambda r: r.ran, runs):
         key = (r.cell, r.shape, replace(r.layout, shard=(r.layout.shard[0], 1, 1)),
