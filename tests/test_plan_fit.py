@@ -163,6 +163,28 @@ def test_the_host_time_adds_at_k_1_and_hides_behind_longer_work_at_large_k():
         check_numbers(replace(base, overhead_hiding=0.5), "test")
 
 
+def test_pipelined_tp_calls_wait_for_each_rank_and_nothing_else_does():
+    """``pipeline_tp_latency`` (docs/decisions.md, rule 6): with pp > 1 and tp > 1 a stage's
+    exposed TP time grows by exactly its TP calls (4 a layer, 6 under full recomputation, the
+    embedding's and the head's) x tp x the wait; at pp 1 or tp 1 nothing changes."""
+    from minipar.plan.estimate import stage_time
+    from minipar.plan.frameworks import load_framework
+    from minipar.plan.peak import stage_list
+    fw, base, x = load_framework("nanotron"), load_hardware("dgx-h100"), 1e-4
+    for tp, pp, recompute in ((1, 2, "none"), (4, 1, "none"), (2, 2, "none"), (4, 2, "none"),
+                              (4, 2, "full")):
+        lay = Layout(tp=tp, pp=pp, dp=1, micro_batch=1, microbatches=4, sp=tp > 1,
+                     recompute=recompute)
+        for st in stage_list(SHAPE, lay, fw):
+            def tp_time(hw):
+                return stage_time(SHAPE, hw, lay, st, "tp,pp,dp", "mixed", True, fw)["tp_comm"]
+            per_layer = 6 if recompute == "full" else 4
+            calls = lay.microbatches * (st.layers * per_layer + st.embedding + st.head)
+            grown = tp_time(replace(base, pipeline_tp_latency=x)) - tp_time(base)
+            expected = calls * tp * x if pp > 1 and tp > 1 else 0.0
+            assert grown == pytest.approx(expected, rel=1e-9, abs=1e-15), (tp, pp, st.index)
+
+
 def test_a_value_the_runs_move_is_fitted_even_where_every_run_is_an_outlier():
     """Where every residual is far beyond the robust loss's scale, the loss scales the
     Jacobian down to ~1e-8 but not to 0: the value still moved (here onto its bound), and is
