@@ -8,7 +8,8 @@
 * TP comm: the per-layer collectives of ``network``, blocking (Megatron-LM and minipar run
   them on the critical path), each a call with its base and ring-step latencies, plus
   those of the embedding, head and loss on the stage that holds them (both ends when
-  pp = 1, the head's when pp > 1: the last stage also computes the loss).
+  pp = 1, the head's when pp > 1: the last stage also computes the loss). Pipelined, each
+  call but the loss's also waits ``pipeline_tp_latency`` per TP rank (docs/decisions.md, 6).
 * CP comm (context parallelism, ``plan.cp.ring_times``, its module docstring): every rank
   holds s/cp tokens of each sequence, so compute, TP and PP messages are those of s/cp
   tokens; what the ring's K/V sends do not hide behind the attention blocks is exposed.
@@ -136,9 +137,8 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
                dtype: str, flash: bool, fw: Framework) -> dict:
     """One stage's compute parts (``compute.compute_parts``; "launch", in "total" and the
     passes, becomes the host's time left unhidden), its TP traffic (hidden behind its GEMMs
-    where the framework overlaps it; pipelined, each call also waits for its t ranks: rule 6
-    of docs/decisions.md) and its ring, per step, and "per_mb": the pipelined seconds of one
-    micro-batch, what the bubble is made of."""
+    where the framework overlaps it) and its ring, per step, and "per_mb": the pipelined
+    seconds of one micro-batch, what the bubble is made of."""
     t, m = layout.tp, layout.microbatches
     b, s, h = layout.micro_batch, shape.seq_len // layout.cp, shape.hidden
     tp_stride = layout.strides(order)["tp"]
