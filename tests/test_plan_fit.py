@@ -210,7 +210,8 @@ def test_the_playbook_profile_reproduces_what_it_records():
     got = score(runs, profile)
     for key, value in fitted["training"].items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
-    assert fitted["twins"] == {f"{m}@{n}": pytest.approx(list(v)) for (m, n), v in twins(runs).items()}
+    assert fitted["twins"] == {f"{m}@{n}": pytest.approx(list(v))
+                               for (m, n), v in twins(runs).items()}
 
 
 def _follows_trends(hw) -> bool:
@@ -290,6 +291,11 @@ def test_bad_runs_files_exit_2_with_one_line(tmp_path, capsys):
     zero.write_text("\n".join([text[0], ",".join(row)]) + "\n")
     _one_line_exit_2(_plan(capsys, "fit", str(zero), "--hardware", "dgx-h100"), "line 2",
                      "tokens_per_s_gpu > 0")
+    row = text[1].split(",")                          # a logged peak of no bytes
+    row[header.index("peak_mem_gib")] = "-1"
+    zero.write_text("\n".join([text[0], ",".join(row)]) + "\n")
+    _one_line_exit_2(_plan(capsys, "fit", str(zero), "--hardware", "dgx-h100"), "line 2",
+                     "peak_mem_gib > 0, got -1")
     two = tmp_path / "two.csv"
     two.write_text("\n".join(text[:3]) + "\n")
     _one_line_exit_2(_plan(capsys, "fit", str(two), "--hardware", "dgx-h100"), "too few")

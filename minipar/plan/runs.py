@@ -130,14 +130,14 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
         except ValueError:
             shard = ()
         if len(shard) != 3:
-            raise PlanError(f"{where}: shard is P-G-OS group sizes like 1-1-8, got "
-                            f"{row['shard']!r}")
-        tok, mem, status = _float(row, "tokens_per_s_gpu"), _float(row, "peak_mem_gib"), row["status"]
+            raise PlanError(f"{where}: shard is P-G-OS sizes like 1-1-8, got {row['shard']!r}")
+        tok, mem = _float(row, "tokens_per_s_gpu"), _float(row, "peak_mem_gib")
+        status = row["status"]
         if status not in STATUSES:
-            raise PlanError(f"{where}: status must be one of {', '.join(STATUSES)}, got {status!r}")
-    if (status == "ok" and not 0 < tok < math.inf) or mem <= 0:     # NaN mem: not logged
-        raise PlanError(f"{where}: a run that ran needs tokens_per_s_gpu > 0 (got {tok}), and a "
-                        f"logged peak_mem_gib must be > 0 (got {mem})")
+            raise PlanError(f"{where}: status is one of {', '.join(STATUSES)}, got {status!r}")
+    if mem <= 0 or (status == "ok" and not 0 < tok < math.inf):     # NaN mem: not logged
+        bad = f"peak_mem_gib > 0, got {mem}" if mem <= 0 else f"tokens_per_s_gpu > 0, got {tok}"
+        raise PlanError(f"{where}: a run needs {bad}")
     tp, pp, mbs, acc = (_int(row, k, where) for k in ("tp", "pp", "mbs", "grad_acc"))
     gbs, nodes = _int(row, "gbs", where), _int(row, "nodes", where)
     if min(tp, pp, dp, cp, mbs, acc, gbs, nodes, gpus_per_node) < 1:
