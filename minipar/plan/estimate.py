@@ -4,12 +4,12 @@
 
 * compute (``compute.compute_parts``, its module docstring): the heaviest (last) pipeline
   stage's matmuls shape by shape, attention core, memory-bound kernels and optimizer step,
-  and the host's time to issue them where the device's work does not hide it (``stage_time``).
+  and the host's time to issue them (once stages hand off across nodes, with each TP call's
+  wait: docs/decisions.md, 6-7) where the device's work does not hide it (``stage_time``).
 * TP comm: the per-layer collectives of ``network``, blocking (Megatron-LM and minipar run
   them on the critical path), each a call with its base and ring-step latencies, plus
   those of the embedding, head and loss on the stage that holds them (both ends when
-  pp = 1, the head's when pp > 1: the last stage also computes the loss). Pipelined, each
-  call but the loss's also waits ``pipeline_tp_latency`` per TP rank (docs/decisions.md, 6).
+  pp = 1, the head's when pp > 1: the last stage also computes the loss).
 * CP comm (context parallelism, ``plan.cp.ring_times``, its module docstring): every rank
   holds s/cp tokens of each sequence, so compute, TP and PP messages are those of s/cp
   tokens; what the ring's K/V sends do not hide behind the attention blocks is exposed.
@@ -150,12 +150,14 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
         "all_reduce", b * s * 4, t, tp_stride, hw, hw.nodes(layout.gpus)) if stage.head else 0)
     hidden = min(tp_comm, parts["matmul"]) if fw.tp_overlap else 0.0
     ring = ring_times(shape, hw, layout, order, dtype, flash, layers=stage.layers)
-    wait = calls * t * hw.pipeline_tp_latency if layout.pp > 1 and t > 1 else 0.0
-    exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown + wait
-    # the device's and the host's seconds per micro-batch (its launches, ``layer_overhead``):
-    # (gpu^k + host^k)^(1/k), k = ``overhead_hiding`` (1: they add; large: the longer wins)
+    across = placement(layout.pp, layout.strides(order)["pp"], hw.gpus_per_node)[1] > 1
+    wait = calls * t * hw.pipeline_tp_latency if across and t > 1 else 0.0   # the host's
+    exposed_tp = tp_comm - hidden + hidden * hw.overlap_slowdown
+    # the device's and the host's seconds per micro-batch (its launches, ``layer_overhead``,
+    # and the wait): (gpu^k + host^k)^(1/k), k = ``overhead_hiding`` (1: add; large: the longer)
     k, host = hw.overhead_hiding, parts["launch"] / m
     gpu = (parts["total"] - parts["optimizer"] + exposed_tp + ring["cp_exposed"]) / m - host
+    host += wait / m
     top = max(gpu, host)
     per_mb = top * (1 + (min(gpu, host) / top) ** k) ** (1 / k) if top else 0.0
     launch = m * (per_mb - gpu)                  # the host's time the device does not hide
@@ -181,12 +183,10 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     slow, worst = max(times.values(), key=lambda x: x[1]["per_mb"])
     bubble = (sum(per_mb) - worst["per_mb"]) / v       # (p-1)/v x t with equal stages
 
-    pp_comm = 0.0
-    if p > 1:
-        b, s = layout.micro_batch, shape.seq_len // layout.cp
-        msg = b * s * shape.hidden * ACTIVATION_BYTES[dtype]
-        _, nodes = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)
-        pp_comm = 2 * m * v * p2p_time(msg / layout.tp, nodes > 1, hw, hw.nodes(layout.gpus))
+    b, s = layout.micro_batch, shape.seq_len // layout.cp
+    msg = b * s * shape.hidden * ACTIVATION_BYTES[dtype] / layout.tp     # a rank's share
+    across = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)[1] > 1
+    pp_comm = 2 * m * v * p2p_time(msg, across, hw, hw.nodes(layout.gpus)) if p > 1 else 0.0
     parts = worst["parts"]
     return {"compute": parts["total"], "tp_comm": worst["tp_comm"],
             "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,

@@ -14,7 +14,7 @@ few efficiencies the planner cannot know from a datasheet:
              collective_latency      per call: NCCL's base latency and the framework's own
              layer_overhead          the host's seconds per layer and micro-batch (launches)
              overhead_hiding         how much of it the device's work hides (k; 1: none)
-             pipeline_tp_latency     a TP call's wait per rank once stages hand off (pp, tp > 1)
+             pipeline_tp_latency     a TP call's wait per rank once stages hand off across nodes
              p2p_latency             seconds a message between nodes costs, at each job width
              overlap_slowdown        compute slowed by the traffic hidden beside it
              overlap_exposed         the share of hideable traffic that stays exposed

@@ -52,8 +52,8 @@ writes one for the machine it runs on. Units: bytes, seconds, FLOP/s; bandwidths
   (forward and backward: launches, scheduling, synchronisation); both 0 unless fitted.
   ``overhead_hiding`` (k, at least 1): how much of it the device's work hides, a stage's
   micro-batch taking (device^k + host^k)^(1/k) (``estimate.stage_time``): 1 adds them, a
-  large k takes the longer; 1 unless fitted. ``pipeline_tp_latency``: seconds a TP call waits
-  per rank of its group once pipeline stages hand off (docs/decisions.md, rule 6); 0 unless fitted.
+  large k takes the longer; 1 unless fitted. ``pipeline_tp_latency``: the host's seconds a TP
+  call waits per rank of its group once stages hand off across nodes (docs/decisions.md, 6-7).
 * ``memory_sigma``: the robust standard deviation of log(predicted / measured) peak memory
   (1.4826 x their median absolute deviation) where ``plan fit`` measured it; a layout fits
   only when its predicted bytes x exp(1.645 x memory_sigma) do, 95% confidence
