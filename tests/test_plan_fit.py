@@ -174,8 +174,10 @@ def test_pipelined_tp_calls_wait_for_each_rank_once_hand_offs_cross_nodes():
     from minipar.plan.frameworks import load_framework
     from minipar.plan.peak import stage_list
     fw, base, x = load_framework("nanotron"), load_hardware("dgx-h100"), 1e-4
-    for tp, pp, dp, order, recompute in ((1, 2, 8, "tp,dp,pp", "none"), (4, 1, 4, "tp,dp,pp", "none"),
+    for tp, pp, dp, order, recompute in ((1, 2, 8, "tp,dp,pp", "none"),
+                                         (4, 1, 4, "tp,dp,pp", "none"),
                                          (4, 2, 1, "tp,pp,dp", "none"),
+                                         (8, 2, 1, "tp,pp,dp", "none"),
                                          (2, 2, 2, "tp,dp,pp", "none"),
                                          (2, 2, 4, "tp,dp,pp", "none"),
                                          (4, 2, 2, "tp,dp,pp", "none"),

@@ -163,7 +163,7 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
     launch = m * (per_mb - gpu)                  # the host's time the device does not hide
     shift = (launch - parts["launch"]) / m / 2   # each pass held half the host's time
     parts = {**parts, "launch": launch, "total": parts["total"] - parts["launch"] + launch,
-             "forward_mb": parts["forward_mb"] + shift, "backward_mb": parts["backward_mb"] + shift}
+             **{k: parts[k] + shift for k in ("forward_mb", "backward_mb")}}
     return dict(parts=parts, tp_comm=exposed_tp, tp_hidden=hidden, ring=ring, per_mb=per_mb)
 
 
