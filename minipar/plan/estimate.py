@@ -137,8 +137,8 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
                dtype: str, flash: bool, fw: Framework) -> dict:
     """One stage's compute parts (``compute.compute_parts``; "launch", in "total" and the
     passes, becomes the host's time left unhidden), its TP traffic (hidden behind its GEMMs
-    where the framework overlaps it) and its ring, per step, and "per_mb": the pipelined
-    seconds of one micro-batch, what the bubble is made of."""
+    where the framework overlaps it) and its ring, per step; "per_mb": the pipelined seconds
+    of one micro-batch, what the bubble is made of; "across": the pipeline spans nodes."""
     t, m = layout.tp, layout.microbatches
     b, s, h = layout.micro_batch, shape.seq_len // layout.cp, shape.hidden
     tp_stride = layout.strides(order)["tp"]
@@ -163,8 +163,9 @@ def stage_time(shape: ModelShape, hw: Hardware, layout: Layout, stage, order: st
     launch = m * (per_mb - gpu)                  # the host's time the device does not hide
     shift = (launch - parts["launch"]) / m / 2   # each pass held half the host's time
     parts = {**parts, "launch": launch, "total": parts["total"] - parts["launch"] + launch,
-             **{k: parts[k] + shift for k in ("forward_mb", "backward_mb")}}
-    return dict(parts=parts, tp_comm=exposed_tp, tp_hidden=hidden, ring=ring, per_mb=per_mb)
+             **{name: parts[name] + shift for name in ("forward_mb", "backward_mb")}}
+    return dict(parts=parts, tp_comm=exposed_tp, tp_hidden=hidden, ring=ring, per_mb=per_mb,
+                across=across)
 
 
 def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp,pp,dp",
@@ -182,11 +183,10 @@ def time_parts(shape: ModelShape, hw: Hardware, layout: Layout, order: str = "tp
     per_mb = [times[kind[st.index]][1]["per_mb"] for st in every]
     slow, worst = max(times.values(), key=lambda x: x[1]["per_mb"])
     bubble = (sum(per_mb) - worst["per_mb"]) / v       # (p-1)/v x t with equal stages
-
     b, s = layout.micro_batch, shape.seq_len // layout.cp
     msg = b * s * shape.hidden * ACTIVATION_BYTES[dtype] / layout.tp     # a rank's share
-    across = placement(p, layout.strides(order)["pp"], hw.gpus_per_node)[1] > 1
-    pp_comm = 2 * m * v * p2p_time(msg, across, hw, hw.nodes(layout.gpus)) if p > 1 else 0.0
+    pp_comm = (2 * m * v * p2p_time(msg, worst["across"], hw, hw.nodes(layout.gpus))
+               if p > 1 else 0.0)
     parts = worst["parts"]
     return {"compute": parts["total"], "tp_comm": worst["tp_comm"],
             "tp_hidden": worst["tp_hidden"], "bubble": bubble, "pp_comm": pp_comm,
