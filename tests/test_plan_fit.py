@@ -218,6 +218,17 @@ def test_a_value_the_runs_move_is_fitted_even_where_every_run_is_an_outlier():
     assert report["intra_node_efficiency"] == [base.intra_node_efficiency, None, "kept"]
 
 
+def test_a_value_pushed_onto_a_lower_bound_of_zero_is_reported_bound():
+    """A bound of exactly 0 (``overlap_slowdown``'s): the value the fit pushes onto it is
+    "bound", judged against the bounds' span, as any other bound is against itself."""
+    from minipar.plan.fit import _fit
+    spec = (("overlap_slowdown", 0.0, 0.95, False),)
+    offset = 0.1 + np.linspace(0, 0.1, 20)             # the best value, -0.15, is below 0
+    hw, report, _ = _fit(spec, load_hardware("dgx-h100"), lambda h: offset + h.overlap_slowdown)
+    assert report["overlap_slowdown"][2] == "bound"
+    assert hw.overlap_slowdown == pytest.approx(0.0, abs=1e-4)
+
+
 def test_the_playbook_profile_reproduces_what_it_records():
     profile = load_hardware("playbook-h100")
     fitted = profile.fitted

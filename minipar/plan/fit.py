@@ -208,7 +208,7 @@ def _fit(spec, base: Hardware, residuals_of) -> tuple[Hardware, dict, float]:
     moved = np.abs(a) @ moved > 0
     report = {}
     for (name, lo, hi, log), value, e, m in zip(spec, _unpack(spec, x).values(), sigma, moved):
-        edge = any(abs(value - b) <= 1e-4 * abs(b) for b in (lo, hi))
+        edge = any(abs(value - b) <= 1e-4 * (abs(b) or hi - lo) for b in (lo, hi))  # lo 0
         if not m:
             report[name] = [kept[name], None, "kept"]
         elif not math.isfinite(e):
