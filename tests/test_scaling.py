@@ -157,6 +157,7 @@ def test_runs_csv_holds_every_point_and_plan_fit_reads_it(tmp_path):
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert fit.returncode == 0, fit.stderr
     assert "parameter" in fit.stdout and "compute_efficiency" in fit.stdout, fit.stdout
+    assert "by measured peak / device memory: not logged: " in fit.stdout   # NaN on CPU
 
 
 def _history(peak=None):

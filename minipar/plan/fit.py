@@ -356,8 +356,7 @@ def cross_validate(runs: list[Run], base: Hardware, holdout: str | None = None,
 
 
 def fold_hardware(profile: Hardware, holdout: str) -> Hardware:
-    """The hardware a fold of ``profile``'s cross-validation fitted (without ``holdout``'s
-    runs), rebuilt from the values it recorded: the fit the holdout scores belong to."""
+    """The fit without ``holdout``'s runs that ``profile`` recorded, rebuilt from its values."""
     fold = next(f for f in profile.fitted["holdout"] if f["holdout"] == holdout)
     return _with(replace(profile, memory_sigma=fold["memory_sigma"]), fold["parameters"])
 
@@ -402,10 +401,12 @@ def cmd_fit(args) -> None:
              f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "
              f"{report['log_sigma_memory']:.3f}"]
     for title, key in (("nodes", lambda r: r.nodes), ("tp", lambda r: r.layout.tp),
-                       ("pp", lambda r: r.layout.pp), ("dp", lambda r: r.layout.dp)):
-        groups = residuals_by(runs, profile, key)
+                       ("pp", lambda r: r.layout.pp), ("dp", lambda r: r.layout.dp),
+                       ("measured peak / device memory",   # the allocator near capacity
+                        lambda r: f"{r.peak_mem_gib * 2**30 / profile.memory_bytes:.1f}"
+                        .replace("nan", "not logged"))):
         lines.append(f"predicted / measured tokens/s by {title}: " + ", ".join(
-            f"{k}: {v:.2f} ({n})" for k, (n, v) in groups.items()))
+            f"{k}: {v:.2f} ({n})" for k, (n, v) in residuals_by(runs, profile, key).items()))
     if twin := fitted["twins"]:
         spread = ", ".join(f"{c}: {math.exp(x):.2f} ({n})" for c, (n, x) in twin.items())
         lines.append("runs differing only in ZeRO stage 0-2 (priced near alike), measured "
@@ -413,8 +414,7 @@ def cmd_fit(args) -> None:
     table = [["fitted rows"] + [_value(fitted["training"][c]) for c in SCORE_COLUMNS]]
     table += [[f["holdout"]] + [_value(f[c]) for c in SCORE_COLUMNS] for f in folds]
     lines.append(text_table(table, ["scored on"] + list(SCORE_COLUMNS)))
-    if args.output:
-        lines.append(f"wrote {args.output}")
+    lines += [f"wrote {args.output}"] if args.output else []
     emit(args, out, "\n".join(lines))
 
 
