@@ -229,6 +229,15 @@ def test_a_value_pushed_onto_a_lower_bound_of_zero_is_reported_bound():
     assert hw.overlap_slowdown == pytest.approx(0.0, abs=1e-4)
 
 
+def test_peaks_are_binned_by_their_share_of_the_device_in_tenths_rounded_down():
+    from minipar.plan.fit import peak_share
+    hw, run = load_hardware("dgx-h100"), synthetic_runs(noise=0.0)[0]
+    gib = hw.memory_bytes / 2**30
+    assert [peak_share(replace(run, peak_mem_gib=x * gib), hw) for x in (0.05, 0.899, 0.9, 1.2)] \
+        == ["0.0", "0.8", "0.9", "1.2"]
+    assert peak_share(replace(run, peak_mem_gib=math.nan), hw) == "not logged"
+
+
 def test_the_playbook_profile_reproduces_what_it_records():
     profile = load_hardware("playbook-h100")
     fitted = profile.fitted

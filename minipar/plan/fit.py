@@ -93,8 +93,7 @@ def _estimate(run: Run, hw: Hardware, check: bool = False):
 
 
 def predictions(runs: list[Run], hw: Hardware) -> list:
-    """Each run's ``Estimate``, or None where the framework or the planner refuses the layout
-    (a crash predicted)."""
+    """Each run's ``Estimate``, or None where the framework or planner refuses it (a crash)."""
     out = []
     for r in runs:
         try:
@@ -105,8 +104,7 @@ def predictions(runs: list[Run], hw: Hardware) -> list:
 
 
 def _expand(spec, runs: list[Run]) -> tuple:
-    """``spec`` with each table field ("name@") made one parameter per node count above 1
-    among ``runs``."""
+    """``spec``, each table field ("name@") one parameter per node count above 1 in ``runs``."""
     widths = sorted({r.nodes for r in runs if r.nodes > 1})
     return tuple((f"{name}{n}" if name.endswith("@") else name, lo, hi, log)
                  for name, lo, hi, log in spec
@@ -311,11 +309,15 @@ def score(runs: list[Run], hw: Hardware) -> dict:
 def residuals_by(runs: list[Run], hw: Hardware, key) -> dict:
     """Median predicted / measured tokens/s of the runs that ran, grouped by ``key(run)``."""
     groups: dict = {}
-    for r, e in zip(runs, predictions(runs, hw)):
-        if r.ran and e is not None:
-            groups.setdefault(key(r), []).append(e.tokens_per_s / (r.tokens_per_s_gpu
-                                                                     * r.layout.gpus))
+    for r, e in ((r, e) for r, e in zip(runs, predictions(runs, hw)) if r.ran and e is not None):
+        groups.setdefault(key(r), []).append(e.tokens_per_s / r.tokens_per_s_gpu / r.layout.gpus)
     return {k: (len(v), float(np.median(v))) for k, v in sorted(groups.items())}
+
+
+def peak_share(run: Run, hw: Hardware) -> str:
+    """``run``'s measured peak over ``hw``'s device memory, in tenths rounded down."""
+    share = run.peak_mem_gib * 2**30 / hw.memory_bytes
+    return f"{math.floor(share * 10) / 10:.1f}" if math.isfinite(share) else "not logged"
 
 
 def fit(runs: list[Run], base: Hardware) -> tuple[Hardware, dict]:
@@ -402,9 +404,7 @@ def cmd_fit(args) -> None:
              f"{report['log_sigma_memory']:.3f}"]
     for title, key in (("nodes", lambda r: r.nodes), ("tp", lambda r: r.layout.tp),
                        ("pp", lambda r: r.layout.pp), ("dp", lambda r: r.layout.dp),
-                       ("measured peak / device memory",   # the allocator near capacity
-                        lambda r: f"{r.peak_mem_gib * 2**30 / profile.memory_bytes:.1f}"
-                        .replace("nan", "not logged"))):
+                       ("measured peak / device memory", lambda r: peak_share(r, profile))):
         lines.append(f"predicted / measured tokens/s by {title}: " + ", ".join(
             f"{k}: {v:.2f} ({n})" for k, (n, v) in residuals_by(runs, profile, key).items()))
     if twin := fitted["twins"]:
