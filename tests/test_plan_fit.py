@@ -282,21 +282,26 @@ def test_the_playbook_holdout_figures_are_those_of_the_fit_without_8b():
     assert recorded["parameters"] != {k: v[0] for k, v in profile.fitted["parameters"].items()}
 
 
-def test_unfitted_presets_say_so_and_fitted_ones_do_not():
+def test_unfitted_presets_say_so_and_fitted_ones_do_not(capsys):
     lay = Layout(tp=8, dp=8, micro_batch=1, microbatches=4)
     shape = ModelShape("m", "llama", 16, 2048, 32, 32000, 2048, tied_head=False, bias=False)
     e = estimate(shape, "dgx-h100", lay)
     assert any("unfitted" in n for n in e.notes)
     assert not any("unfitted" in n for n in estimate(shape, "playbook-h100", lay).notes)
+    for command in (["estimate", "--tp", "8", "--micro-batch", "1"], ["search", "--top", "2"]):
+        for hardware, said in (("dgx-h100", True), ("playbook-h100", False)):   # what it prints
+            r = _plan(capsys, *command, "--model", "llama3-8b", "--gpus", "64", "--hardware", hardware)
+            assert r.returncode == 0 and ("note: hardware dgx-h100 is unfitted" in r.stdout) == said
 
 
 def _plan(capsys, *args):
     """``python -m minipar.plan ARGS`` in this process (its ``main`` is what the module runs):
-    the exit status and stderr."""
+    the exit status, stdout and stderr."""
     from types import SimpleNamespace
     from minipar.plan.__main__ import main
     code = main(list(args))
-    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 def _one_line_exit_2(r, *words):

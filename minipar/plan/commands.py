@@ -156,8 +156,6 @@ def cmd_search(args) -> None:
     if moe is not None:                                 # MoE: re-rank the dense candidates
         results = moe_plan.rerank(results, shape, moe, args.ep, hw, args.top, order, args.dtype)
     why = explain(results[0], results[1] if len(results) > 1 else None)
-    if moe is not None:
-        why += "\n  " + results[0].notes[-1]
     data = [e.to_json() for e in results]
     data[0]["explain"] = why
     ranked = "predicted step time"
@@ -215,10 +213,9 @@ def cmd_estimate(args) -> None:
     moe = moe_plan.from_args(args)                      # MoE: experts, active FLOPs, all-to-all
     if moe is not None:
         e = moe_plan.adjust(e, shape, moe, args.ep, hw, order, args.dtype)
-    data = dict(e.to_json(), explain=explain(e, label="layout"), notes=[note])
+    data = dict(e.to_json(), explain=explain(e, label="layout"), notes=[note, *e.notes])
     if moe is not None:
         data["moe"] = dict(moe_plan.summary(shape, moe), ep=args.ep, note=e.notes[-1])
-        data["explain"] += "\n  " + e.notes[-1]
     emit(args, data, f"{shape.name} on {layout.gpus} x {args.hardware} with {fw.name}; "
           + note + "\n" + _results_table([e]) + "\n\n" + data["explain"]
           + ("" if e.fits else "\n  DOES NOT FIT in device memory"))

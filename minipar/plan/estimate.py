@@ -106,7 +106,8 @@ class Estimate:
             "memory": {k: int(v) for k, v in self.memory.items()},
             "times": dict(self.times), "shares": self.shares(),
             "model": self.model, "hardware": self.hardware, "framework": self.framework,
-            "unvalidated": list(self.unvalidated), "cp_bytes": self.cp_bytes}
+            "unvalidated": list(self.unvalidated), "cp_bytes": self.cp_bytes,
+            "notes": list(self.notes)}
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:

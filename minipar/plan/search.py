@@ -506,6 +506,7 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
         lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
                      "alpha-beta model at the measured network efficiency, never faster "
                      "than the widest measured row)")
+    lines += [f"  note: {n}" for n in best.notes]   # unfitted hardware, shared cores, MoE
     if runner_up is not None:
         deltas = {k: runner_up.times[k] - t[k] for k in _PARTS}
         worse = sorted((k for k in deltas if deltas[k] > 0), key=lambda k: -deltas[k])
