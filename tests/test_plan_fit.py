@@ -276,22 +276,44 @@ def test_the_playbook_holdout_figures_are_those_of_the_fit_without_8b():
     recorded = {f["holdout"]: f for f in profile.fitted["holdout"]}["model=8B"]
     runs, _ = read_runs(GRID)
     got = score(select(runs, "model=8B"), fold_hardware(profile, "model=8B"))
-    for key in ("mfu_ratio_median", "rank_median", "pick_median", "pick_worst",
-                "crash_precision", "crash_recall", "false_crash"):
+    for key in ("mfu_ratio_median", "band_p10", "band_p90", "rank_median", "pick_median",
+                "pick_worst", "crash_precision", "crash_recall", "false_crash"):
         assert got[key] == pytest.approx(recorded[key], rel=1e-6, abs=1e-9), key
     assert recorded["parameters"] != {k: v[0] for k, v in profile.fitted["parameters"].items()}
 
 
-def test_unfitted_presets_say_so_and_fitted_ones_do_not(capsys):
+def test_the_error_bar_is_the_spread_of_measured_over_predicted():
+    """``score``'s band: the 10th and 90th percentiles of measured / predicted tokens/s over
+    the runs that ran, here runs measured at known multiples of the truth's prediction."""
+    runs = synthetic_runs(noise=0.0)
+    factors = np.linspace(0.5, 1.5, len(runs))
+    got = score([replace(r, tokens_per_s_gpu=r.tokens_per_s_gpu * f)
+                 for r, f in zip(runs, factors)],
+                replace(load_hardware("dgx-h100"), **TRUE, fitted={"data": "synthetic"}))
+    assert got["priced"] == len(runs)
+    assert got["band_p10"] == pytest.approx(np.percentile(factors, 10), rel=1e-6)
+    assert got["band_p90"] == pytest.approx(np.percentile(factors, 90), rel=1e-6)
+
+
+def test_unfitted_presets_say_so_and_fitted_ones_quote_their_error_bar(capsys):
     lay = Layout(tp=8, dp=8, micro_batch=1, microbatches=4)
     shape = ModelShape("m", "llama", 16, 2048, 32, 32000, 2048, tied_head=False, bias=False)
     e = estimate(shape, "dgx-h100", lay)
     assert any("unfitted" in n for n in e.notes)
-    assert not any("unfitted" in n for n in estimate(shape, "playbook-h100", lay).notes)
+    profile = load_hardware("playbook-h100")
+    held = profile.fitted["holdout"][0]
+    bar = (f"{held['band_p10']:.2f}-{held['band_p90']:.2f}x on {held['priced']} runs of "
+           f"{held['holdout']}")
+    assert [n for n in estimate(shape, profile, lay).notes if "unfitted" in n or bar in n] == [
+        f"hardware playbook-h100 is fitted to measured runs; measured / predicted tokens/s on "
+        f"runs kept out of its fit, 10th-90th percentile: {bar}"]
+    unheld = replace(profile, fitted={**profile.fitted, "holdout": []})
+    assert "percentile: none" in estimate(shape, unheld, lay).notes[0]
     for command in (["estimate", "--tp", "8", "--micro-batch", "1"], ["search", "--top", "2"]):
         for hardware, said in (("dgx-h100", True), ("playbook-h100", False)):   # what it prints
             r = _plan(capsys, *command, "--model", "llama3-8b", "--gpus", "64", "--hardware", hardware)
             assert r.returncode == 0 and ("note: hardware dgx-h100 is unfitted" in r.stdout) == said
+            assert ("note: hardware playbook-h100 is fitted" in r.stdout) != said
 
 
 def _plan(capsys, *args):

@@ -33,11 +33,8 @@ with its standard error (the Gauss-Newton covariance s^2 (J^T J)^-1 at the optim
 parameter the runs do not move (no run crosses nodes, say) keeps BASE's value ("kept"), with
 no more runs than parameters the errors are "undetermined", and one the runs push onto a bound
 is "bound" (its error says nothing). The profile records the data's sha256 and, with
-``--holdout``, the errors on the runs kept out (``score``): MFU error (median, worst), the
-median per-cell rank correlation (a cell: one model on one node count), the regret of the
-planner's pick in each cell (the measured throughput of the layout it ranks first among the
-cell's, over the cell's best: 0 when its pick crashed) and the precision and recall of the
-crashes it predicts (a layout that does not fit, or that the framework refuses).
+``--holdout`` or ``--kfold``, ``score``'s figures on the runs kept out of each fit; every
+estimate on the profile quotes their error bar in a note (``estimate``).
 """
 from __future__ import annotations
 
@@ -269,10 +266,13 @@ def spearman(a, b) -> float:
 
 
 def score(runs: list[Run], hw: Hardware) -> dict:
-    """How ``hw`` predicts ``runs`` (module docstring): mfu_ratio_median (predicted /
-    measured), mfu_error_median and _worst (|ratio - 1|), rank_median (per cell), pick_median
-    and pick_worst (measured share of the cell's best), crash_precision and crash_recall,
-    false_crash (predicted to crash among the runs that ran), cells, runs, priced."""
+    """How ``hw`` predicts ``runs``: mfu_ratio_median (predicted / measured tokens/s),
+    mfu_error_median and _worst (|ratio - 1|), band_p10 and _p90 (10th and 90th percentiles of
+    measured / predicted: the error bar), rank_median (over cells, each one model on one node
+    count, of the rank correlation), pick_median and _worst (the measured tokens/s of the
+    layout ranked first among a cell's that fit, over the cell's best; 0 if it crashed),
+    crash_precision and _recall (a crash predicted: it does not fit, or the framework refuses
+    it), false_crash (among the runs that ran), cells, runs, priced (ran and were priced)."""
     ratios, cells = [], {}
     crash = {"tp": 0, "fp": 0, "fn": 0, "tn": 0}
     for r, e in zip(runs, predictions(runs, hw)):
@@ -298,6 +298,8 @@ def score(runs: list[Run], hw: Hardware) -> dict:
             "mfu_ratio_median": float(np.median(ratios)) if ratios else nan,
             "mfu_error_median": float(np.median(errors)) if errors else nan,
             "mfu_error_worst": float(max(errors)) if errors else nan,
+            **{f"band_p{q}": float(np.percentile(1 / np.array(ratios), q)) if ratios else nan
+               for q in (10, 90)},
             "rank_median": float(np.median(ranks)) if ranks else nan,
             "pick_median": float(np.median(picks)) if picks else nan,
             "pick_worst": float(min(picks)) if picks else nan,
@@ -411,16 +413,9 @@ def cmd_fit(args) -> None:
         spread = ", ".join(f"{c}: {math.exp(x):.2f} ({n})" for c, (n, x) in twin.items())
         lines.append("runs differing only in ZeRO stage 0-2 (priced near alike), measured "
                      f"fastest / slowest, median by cell: {spread}")
-    table = [["fitted rows"] + [_value(fitted["training"][c]) for c in SCORE_COLUMNS]]
-    table += [[f["holdout"]] + [_value(f[c]) for c in SCORE_COLUMNS] for f in folds]
-    lines.append(text_table(table, ["scored on"] + list(SCORE_COLUMNS)))
+    lines.append(scores_table(profile, markdown=False))
     lines += [f"wrote {args.output}"] if args.output else []
     emit(args, out, "\n".join(lines))
-
-
-SCORE_COLUMNS = ("runs", "mfu_ratio_median", "mfu_error_median", "mfu_error_worst",
-                 "rank_median", "pick_median", "pick_worst", "crash_precision", "crash_recall",
-                 "false_crash")
 
 
 def add_fit_parser(sub) -> None:
@@ -438,15 +433,18 @@ def add_fit_parser(sub) -> None:
     p.set_defaults(func=cmd_fit)
 
 
-def scores_table(hw: Hardware) -> str:
-    """The fitted profile's recorded scores as the markdown table docs/reference.md shows."""
+def scores_table(hw: Hardware, markdown: bool = True) -> str:
+    """The fitted profile's recorded scores: the markdown table docs/reference.md shows, or
+    ``plan fit``'s text table."""
     def row(label, f):
         return [label, f"{f['runs']:,}", f"{f['mfu_ratio_median']:.2f}",
                 f"{f['mfu_error_median']:.0%} / {f['mfu_error_worst']:.0%}",
-                f"{f['rank_median']:.2f}", f"{f['pick_median']:.2f} / {f['pick_worst']:.2f}",
+                f"{f['band_p10']:.2f}-{f['band_p90']:.2f}x", f"{f['rank_median']:.2f}",
+                f"{f['pick_median']:.2f} / {f['pick_worst']:.2f}",
                 f"{f['crash_precision']:.2f} / {f['crash_recall']:.2f}", f"{f['false_crash']:.1%}"]
     rows = [row(f"the fitted rows ({hw.fitted['data']})", hw.fitted["training"])]
     rows += [row(f"held out: {f['holdout']}", f) for f in hw.fitted["holdout"]]
-    return markdown_table(["scored on", "runs", "MFU ratio (median)", "MFU error median / worst",
-                           "rank (median)", "pick median / worst", "crash precision / recall",
-                           "ran, predicted to crash"], rows)
+    header = ["scored on", "runs", "MFU ratio (median)", "MFU error median / worst",
+              "measured / predicted, 10th-90th percentile", "rank (median)",
+              "pick median / worst", "crash precision / recall", "ran, predicted to crash"]
+    return markdown_table(header, rows) if markdown else text_table(rows, header)

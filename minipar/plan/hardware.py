@@ -59,8 +59,8 @@ writes one for the machine it runs on. Units: bytes, seconds, FLOP/s; bandwidths
   only when its predicted bytes x exp(1.645 x memory_sigma) do, 95% confidence
   (``peak.capacity``); 0: the prediction taken as exact.
 * ``fitted``: what ``python -m minipar.plan fit`` fitted the profile to ({"data", "sha256",
-  "rows", "parameters": {name: [value, sigma]}, "holdout": {...}}); empty for a profile set
-  by hand, and every estimate on such a profile says so in a note.
+  "rows", "parameters": {name: [value, sigma]}, "training", "holdout": [scores]}); every
+  estimate notes the holdouts' error bar, or that the profile (empty: set by hand) is unfitted.
 * ``cores``: the CPU cores a node's devices share, each device a one-thread process
   (``laptop-cpu``, a calibrated file; ``"auto"``: this machine's usable cores). With more
   processes on a node than cores, each computes ``processes / cores`` times slower

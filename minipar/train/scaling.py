@@ -722,9 +722,10 @@ def _main(argv: list[str]) -> list[dict]:
         print(f"{args.mode} scaling of {describe(records[0])}, model {records[0]['model']}, "
               f"on {records[0]['machine']}; predicted on {records[0]['predicted']['hardware']}")
         print(table(records))
-        crowded = [r for r in records if r["predicted"].get("notes")]
+        print(f"predicted: {records[0]['predicted']['notes'][0]}")   # unfitted, or its error bar
+        crowded = [r for r in records if r["predicted"]["notes"][1:]]
         if crowded:         # one line: where the prediction time-slices the cores
-            print("predicted: " + "; ".join(f"N={r['processes']}: {r['predicted']['notes'][0]}"
+            print("predicted: " + "; ".join(f"N={r['processes']}: {r['predicted']['notes'][1]}"
                                             for r in crowded))
     return records
 
