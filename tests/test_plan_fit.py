@@ -362,6 +362,34 @@ def test_bad_runs_files_exit_2_with_one_line(tmp_path, capsys):
     two = tmp_path / "two.csv"
     two.write_text("\n".join(text[:3]) + "\n")
     _one_line_exit_2(_plan(capsys, "fit", str(two), "--hardware", "dgx-h100"), "too few")
+    for column, value in (("framework", "nanotorn"), ("recompute", "ful"), ("schedule", "1F1B"),
+                          ("tied", "yes"), ("flash", "true"), ("dtype", "bf16"), ("status", "OK")):
+        row = text[1].split(",")                      # a misspelling is refused, not a crash
+        row[header.index(column)] = value
+        bad.write_text("\n".join([text[0], ",".join(row)]) + "\n")
+        _one_line_exit_2(_plan(capsys, "fit", str(bad), "--hardware", "dgx-h100"), "line 2",
+                         f"{column} is one of", repr(value))
+    nodes = sorted({r.nodes for r in synthetic_runs()[:6]})
+    _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--holdout",
+                           f"nodes={nodes[0]},3"), "names no run with nodes 3")
+    grid = tmp_path / "grid.csv"                      # the Playbook's format: the line too
+    grid.write_text("model,nodes,gpus,dp,tp,pp,zero,mbs,grad_acc,gbs,mfu,tok_s_gpu,mem_gb\n"
+                    "1B,1,8,,1,1,0,1,32,256,nan,nan,nan\n")
+    _one_line_exit_2(_plan(capsys, "fit", str(grid), "--hardware", "dgx-h100"), "line 2", "dp")
+
+
+def test_a_run_is_priced_on_its_own_devices_per_node():
+    """Two nodes of 4 processes are not one node of 8: the fit prices each run with the
+    devices per node it ran with (its links and its share of the NICs), not the base's."""
+    from minipar.plan.fit import predictions
+    one = next(r for r in synthetic_runs(noise=0.0) if r.nodes == 1 and r.layout.dp == 8)
+    two = replace(one, nodes=2, gpus_per_node=4)
+    hw = load_hardware("dgx-h100")
+    same, split = predictions([one, two], hw)
+    assert split.tokens_per_s < same.tokens_per_s                  # dp crosses the network
+    narrow = estimate(SHAPE, replace(hw, gpus_per_node=4), two.layout, framework="nanotron",
+                      flash=True)
+    assert split.tokens_per_s == narrow.tokens_per_s
 
 
 def test_a_fit_that_does_not_converge_is_refused(monkeypatch):

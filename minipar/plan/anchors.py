@@ -76,9 +76,7 @@ def _value(column: str, text: str):
         return float(text)
     if column in FLAGS:
         return text == "1"
-    if column == "shard":
-        return tuple(int(x) for x in text.split("-"))
-    return text
+    return tuple(int(x) for x in text.split("-")) if column == "shard" else text
 
 
 def all_rows() -> list[dict]:

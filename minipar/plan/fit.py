@@ -85,6 +85,8 @@ MEMORY_PARAMETERS = (("runtime_bytes", 2.0**20, None, True), ("fragmentation", 0
 
 
 def _estimate(run: Run, hw: Hardware, check: bool = False):
+    if run.gpus_per_node != hw.gpus_per_node:      # priced on the run's links and NIC share
+        hw = replace(hw, gpus_per_node=run.gpus_per_node)
     return estimate(run.shape, hw, run.layout, framework=load_framework(run.framework),
                     flash=run.flash, dtype=run.dtype, check=check)
 

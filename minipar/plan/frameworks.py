@@ -72,9 +72,8 @@ class Framework:
     sources: tuple = ()
 
     def bucket_params(self, dp: int) -> float | None:
-        if self.grad_bucket is None:
-            return None
-        return max(self.grad_bucket, self.bucket_per_rank * dp)
+        return None if self.grad_bucket is None else max(self.grad_bucket,
+                                                         self.bucket_per_rank * dp)
 
     def specs(self, dp: int, pp: int, per_node: int | None) -> list[Shard]:
         """The (s_p, s_g, s_os) shardings this framework runs over ``dp`` ranks."""

@@ -112,9 +112,7 @@ def logit_bytes(dtype: str, framework=None) -> float:
 
 def gather_bytes(shape: ModelShape, tp: int, shard, dtype: str = "mixed") -> float:
     """With sharded parameters: two gathered layers and one layer's full gradient."""
-    if shard[0] == 1:
-        return 0.0
-    return 3 * tp_rank_params(shape, tp)["layer"] * ACTIVATION_BYTES[dtype]
+    return 3 * tp_rank_params(shape, tp)["layer"] * ACTIVATION_BYTES[dtype] if shard[0] > 1 else 0.0
 
 
 def temporary_bytes(shape: ModelShape, layout: Layout, flash: bool = False,

@@ -29,8 +29,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import PlanError
+from .frameworks import FRAMEWORKS
 from .layout import Layout
-from .shapes import ModelShape, training_flops
+from .shapes import RECOMPUTE_MODES, ModelShape, training_flops
 
 COLUMNS = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
            "seq_len", "tied", "bias", "dropout", "nodes", "gpus_per_node", "dp", "tp", "pp", "cp",
@@ -87,6 +88,13 @@ def _int(row: dict, key: str, where: str, default: int | None = None) -> int:
     return out
 
 
+def _one_of(row: dict, key: str, where: str, allowed, default: str = "") -> str:
+    value = row.get(key) or default
+    if value not in allowed:
+        raise PlanError(f"{where}: {key} is one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
 def _float(row: dict, key: str) -> float:
     try:
         return float(row.get(key))
@@ -115,16 +123,18 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
         status = "ok" if math.isfinite(tok) else "crashed"
     else:
         dims = (_int(row, k, where) for k in ("layers", "hidden", "heads", "vocab", "seq_len"))
+        tied, bias, dropout, sp, flash = (_one_of(row, k, where, ("0", "1")) == "1"
+                                          for k in ("tied", "bias", "dropout", "sp", "flash"))
         shape = ModelShape(row["model"], row["arch"], *dims, _int(row, "ffn_hidden", where, 0),
-                           tied_head=row["tied"] == "1", bias=row["bias"] == "1",
-                           kv_heads=_int(row, "kv_heads", where, 0), dropout=row["dropout"] == "1")
-        gpus_per_node, framework = _int(row, "gpus_per_node", where), row["framework"]
-        recompute, schedule = row["recompute"] or "none", row["schedule"] or "1f1b"
-        dp, cp = _int(row, "dp", where), _int(row, "cp", where, 1)
-        chunks = _int(row, "chunks", where, 1)
-        sp, flash, dtype = row["sp"] == "1", row["flash"] == "1", row["dtype"]
-        if dtype not in ("mixed", "fp32"):
-            raise PlanError(f"{where}: dtype must be mixed or fp32, got {dtype!r}")
+                           tied_head=tied, bias=bias, kv_heads=_int(row, "kv_heads", where, 0),
+                           dropout=dropout)
+        framework, recompute, schedule, dtype, status = (
+            _one_of(row, k, where, *allowed) for k, allowed in (
+                ("framework", [FRAMEWORKS]), ("recompute", [RECOMPUTE_MODES, "none"]),
+                ("schedule", [("1f1b", "gpipe"), "1f1b"]), ("dtype", [("mixed", "fp32")]),
+                ("status", [STATUSES])))
+        gpus_per_node, dp = _int(row, "gpus_per_node", where), _int(row, "dp", where)
+        cp, chunks = _int(row, "cp", where, 1), _int(row, "chunks", where, 1)
         try:
             shard = tuple(int(x) for x in row["shard"].split("-"))
         except ValueError:
@@ -132,9 +142,6 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
         if len(shard) != 3:
             raise PlanError(f"{where}: shard is P-G-OS sizes like 1-1-8, got {row['shard']!r}")
         tok, mem = _float(row, "tokens_per_s_gpu"), _float(row, "peak_mem_gib")
-        status = row["status"]
-        if status not in STATUSES:
-            raise PlanError(f"{where}: status is one of {', '.join(STATUSES)}, got {status!r}")
     if mem <= 0 or (status == "ok" and not 0 < tok < math.inf):     # NaN mem: not logged
         bad = f"peak_mem_gib > 0, got {mem}" if mem <= 0 else f"tokens_per_s_gpu > 0, got {tok}"
         raise PlanError(f"{where}: a run needs {bad}")
@@ -170,12 +177,12 @@ def read_runs(path: str | Path) -> tuple[list[Run], list[str]]:
                 raise PlanError(f"{path}: missing column(s) {', '.join(missing)}; a runs CSV "
                                 f"has {', '.join(COLUMNS)}")
             runs, left = [], 0
-            for i, row in enumerate(reader, 2):
-                if playbook and _int(row, "dp", path) * _int(row, "mbs", path) * _int(
-                        row, "grad_acc", path) != _int(row, "gbs", path):
+            for where, row in ((f"{path} line {i}", row) for i, row in enumerate(reader, 2)):
+                if playbook and _int(row, "dp", where) * _int(row, "mbs", where) * _int(
+                        row, "grad_acc", where) != _int(row, "gbs", where):
                     left += 1
                     continue
-                runs.append(_run(row, f"{path} line {i}", playbook))
+                runs.append(_run(row, where, playbook))
     except (OSError, UnicodeDecodeError) as e:
         raise PlanError(f"cannot read runs file {path}: {e}") from None
     if not runs:
@@ -232,9 +239,10 @@ def select(runs: list[Run], spec: str) -> list[Run]:
     key, _, values = spec.partition("=")
     if key not in ("model", "nodes") or not values:
         raise PlanError(f"holdout {spec!r}: say model=NAME or nodes=N (comma-separated values)")
-    wanted = set(values.split(","))
-    chosen = [r for r in runs if str(r.shape.name if key == "model" else r.nodes) in wanted]
-    if not chosen:
-        have = sorted({str(r.shape.name if key == "model" else r.nodes) for r in runs})
-        raise PlanError(f"holdout {spec!r} names no run; the file has {key} {', '.join(have)}")
-    return chosen
+    value = lambda r: str(r.shape.name if key == "model" else r.nodes)     # noqa: E731
+    wanted, have = set(values.split(",")), {value(r) for r in runs}
+    if not wanted <= have:
+        raise PlanError(f"holdout {spec!r} names no run with {key} "
+                        f"{', '.join(sorted(wanted - have))}; the file has {key} "
+                        f"{', '.join(sorted(have, key=lambda v: (len(v), v)))}")
+    return [r for r in runs if value(r) in wanted]

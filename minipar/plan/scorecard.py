@@ -80,9 +80,7 @@ def _predicted(row: dict, e) -> float:
         return 100 * e.hfu
     if row["metric"] == "tokens/s per GPU":
         return e.tokens_per_s / row["gpus"]
-    if row["metric"] == "memory (GiB)":
-        return reserved_gib(row, e)
-    return 100 * e.mfu
+    return reserved_gib(row, e) if row["metric"] == "memory (GiB)" else 100 * e.mfu
 
 
 def rows() -> list[dict]:

@@ -164,9 +164,7 @@ def table_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> 
         return None
     (n0, r0), (n1, r1), nodes = rows
     t0, t1 = _size_time(r0, nbytes), _size_time(r1, nbytes)
-    if t0 is None or t1 is None:
-        return None
-    return by_nodes([[n0, t0], [n1, t1]], nodes, t0)       # t0 when n0 == n1
+    return None if t0 is None or t1 is None else by_nodes([[n0, t0], [n1, t1]], nodes, t0)
 
 
 def _measured(op: str, size: int, stride: int, hw: Hardware) -> tuple[int, dict[int, list]]:
@@ -187,9 +185,7 @@ def _bracket(op: str, size: int, stride: int, hw: Hardware):
     nodes, by_nodes = _measured(op, size, stride, hw)
     n0 = max((n for n in by_nodes if n <= nodes), default=None)
     n1 = min((n for n in by_nodes if n >= nodes), default=None)
-    if n0 is None or n1 is None:
-        return None
-    return (n0, by_nodes[n0]), (n1, by_nodes[n1]), nodes
+    return None if n0 is None or n1 is None else ((n0, by_nodes[n0]), (n1, by_nodes[n1]), nodes)
 
 
 def coverage(op: str, size: int, stride: int, hw: Hardware,
