@@ -73,3 +73,18 @@ def test_amsp_time_counts_links_by_group_size():
     flat, node, wide = (amsp_cost(shape, HW, replace(lay, shard=s), fw, "tp,pp,dp", "mixed")
                         for s in ((1, 1, 1), (1, 1, 8), (1, 1, 16)))
     assert node < wide < flat
+
+
+def test_the_command_line_explains_the_pick_in_text_and_json(capsys):
+    """``search --objective amsp`` prints one line per group, and its ``--json`` carries the
+    same explanation."""
+    import json
+    from minipar.plan.__main__ import main
+    args = ["search", "--model", "llama-7b", "--gpus", "1024", "--hardware", "a800-ib", "--tp",
+            "1", "--pp", "1", "--objective", "amsp", "--top", "1"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    explained = json.loads(capsys.readouterr().out)[0]["explain"]
+    for group in ("P", "G", "OS"):
+        assert f"AMSP's partitioner, {group}=" in text and f"AMSP's partitioner, {group}=" in explained

@@ -372,6 +372,12 @@ def test_bad_runs_files_exit_2_with_one_line(tmp_path, capsys):
     nodes = sorted({r.nodes for r in synthetic_runs()[:6]})
     _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--holdout",
                            f"nodes={nodes[0]},3"), "names no run with nodes 3")
+    _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--kfold",
+                           "model"), "holding out model=syn leaves no run")   # one model
+    _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "-o",
+                           str(tmp_path / "no" / "such.json")), "-o", "does not exist")
+    _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--holdout",
+                           "nodes=1", "--kfold", "nodes"), "not allowed with")   # one or the other
     grid = tmp_path / "grid.csv"                      # the Playbook's format: the line too
     grid.write_text("model,nodes,gpus,dp,tp,pp,zero,mbs,grad_acc,gbs,mfu,tok_s_gpu,mem_gb\n"
                     "1B,1,8,,1,1,0,1,32,256,nan,nan,nan\n")
@@ -423,3 +429,12 @@ def test_the_reference_shows_the_profile_s_recorded_scores():
     from minipar.plan.fit import scores_table
     text = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
     assert scores_table(load_hardware("playbook-h100")) in text
+
+
+def test_a_fold_that_cannot_fit_stops_before_any_fit(tmp_path, capsys, monkeypatch):
+    import minipar.plan.fit as plan_fit
+    monkeypatch.setattr(plan_fit, "fit", lambda *a: pytest.fail("fitted before the folds were checked"))
+    good = tmp_path / "good.csv"
+    write_runs(good, synthetic_runs()[:6])
+    _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--kfold", "model"),
+                     "leaves no run")

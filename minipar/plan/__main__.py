@@ -62,8 +62,8 @@ def _add_costs(p) -> None:
     p.add_argument("--reserve", type=fraction, default=None,
                    help="fraction of device memory the allocator holds beyond live tensors, "
                         "(reserved - allocated) / reserved as 'python -m minipar.bench gpu' "
-                        "measures it; default: the framework profile's measured reserve, else "
-                        "the hardware's 'fragmentation'")
+                        "measures it; default: a fitted profile's 'fragmentation', else the "
+                        "framework's measured reserve, else the hardware's 'fragmentation'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="search every context-parallel degree up to this, ranked by step time "
                         "like the rest (default: cp only where memory forces it)")
     p.add_argument("--global-batch-tokens", type=count,
-                   help="default: the preset's (GPT-3's 3.1M tokens, LLaMA's 4.2M)")
+                   help="default: the preset's sequences a batch (at any --seq-len)")
     p.add_argument("--micro-batch", type=int_set("--micro-batch"), metavar="B",
                    help="micro-batch sizes allowed (one, a set or a range); default: 1 to 16, "
                         "each dividing the batch per replica")

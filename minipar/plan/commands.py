@@ -157,7 +157,6 @@ def cmd_search(args) -> None:
         results = moe_plan.rerank(results, shape, moe, args.ep, hw, args.top, order, args.dtype)
     why = explain(results[0], results[1] if len(results) > 1 else None)
     data = [e.to_json() for e in results]
-    data[0]["explain"] = why
     ranked = "predicted step time"
     if args.objective == "amsp":
         ranked = ("AMSP's data-parallel communication time, nothing hidden, each group on the "
@@ -165,6 +164,7 @@ def cmd_search(args) -> None:
         why += "".join(f"\n  AMSP's partitioner, {line}" for line in amsp_reasons(
             shape, hw, results[0], fw, order, args.dtype or hw.dtype, args.flash_attention,
             args.reserve))
+    data[0]["explain"] = why
     header = (f"{shape.name} on {args.gpus} x {args.hardware} with {args.framework}, global "
               f"batch {results[0].layout.global_batch} sequences; ranked by {ranked}, best first\n")
     if args.cp is None and args.max_cp is None and any(e.layout.cp > 1 for e in results):

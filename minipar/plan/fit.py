@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -348,12 +349,12 @@ def cross_validate(runs: list[Run], base: Hardware, holdout: str | None = None,
         key = (lambda r: r.shape.name) if kfold == "model" else (lambda r: r.nodes)
         folds = [(f"{kfold}={v}", [r for r in runs if key(r) == v])
                  for v in sorted({key(r) for r in runs})]
+    splits = [(name, held, [r for r in runs if all(r is not h for h in held)])
+              for name, held in folds]
+    if empty := [name for name, _, kept in splits if not any(r.ran for r in kept)]:
+        raise PlanError(f"holding out {empty[0]} leaves no run that ran to fit")   # before a fit
     out = []
-    for name, held in folds:
-        out_ids = {id(r) for r in held}
-        kept = [r for r in runs if id(r) not in out_ids]
-        if not any(r.ran for r in kept):
-            raise PlanError(f"holding out {name} leaves no run that ran to fit")
+    for name, held, kept in splits:
         hw, report = fit(kept, base)
         values = {k: v[0] for k, v in report["parameters"].items()}
         out.append({"holdout": name, **score(held, hw), "parameters": values,
@@ -374,10 +375,10 @@ def _value(v: float) -> str:
 def cmd_fit(args) -> None:
     runs, notes = read_runs(args.runs)
     base = load_hardware(args.hardware)
-    if args.holdout:
-        select(runs, args.holdout)           # a holdout that names no run stops before the fit
-    hw, report = fit(runs, base)
+    if args.output and not os.access(Path(args.output).resolve().parent, os.W_OK):
+        raise PlanError(f"-o {args.output}: its directory does not exist or is not writable")
     folds = cross_validate(runs, base, args.holdout, args.kfold) if args.holdout or args.kfold else []
+    hw, report = fit(runs, base)              # after the folds, so a bad one stops first
     fitted = {"data": Path(args.runs).name, "sha256": digest(args.runs), "rows": len(runs),
               "base": base.name, **report, "training": score(runs, hw), "holdout": folds,
               "twins": {f"{m}@{n}": list(v) for (m, n), v in twins(runs).items()}}
@@ -428,9 +429,10 @@ def add_fit_parser(sub) -> None:
                    help="the base profile: its datasheet peaks and bandwidths are kept")
     p.add_argument("-o", "--output", help="write the fitted profile here (JSON)")
     p.add_argument("--name", help="the fitted profile's name (default: BASE-fitted)")
-    p.add_argument("--holdout", help="score a fit without these runs on them: model=NAME or "
-                                     "nodes=N[,N...]")
-    p.add_argument("--kfold", choices=["model", "nodes"],
+    one = p.add_mutually_exclusive_group()
+    one.add_argument("--holdout", help="score a fit without these runs on them: model=NAME or "
+                                       "nodes=N[,N...]")
+    one.add_argument("--kfold", choices=["model", "nodes"],
                    help="cross-validate: hold out each model (or node count) in turn")
     p.set_defaults(func=cmd_fit)
 
