@@ -105,6 +105,7 @@ def test_bf16_on_cuda_measures_peak_memory():
     got = train.run_state(SHORT + ["--dtype", "bf16", "--backend", "nccl"], nproc=1)
     record = got["history"][-1]
     assert record["peak_memory_bytes"] >= record["model_state_bytes"]["total"]
+    assert record["peak_reserved_bytes"] >= record["peak_memory_bytes"]   # held >= live
     from minipar.train.mfu import peak_tflops
     listed = peak_tflops(torch.cuda.get_device_name(), "bf16") is not None
     assert (record["mfu"] is not None) == listed

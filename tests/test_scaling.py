@@ -161,9 +161,10 @@ def test_runs_csv_holds_every_point_and_plan_fit_reads_it(tmp_path):
 
 
 def _history(peak=None):
+    """Three steps; on a GPU the allocator held twice what was live (``peak``)."""
+    memory = {"peak_memory_bytes": peak, "peak_reserved_bytes": 2 * peak} if peak else {}
     return [dict(step=s, loss=1.0, step_time_s=0.1, comm_bytes={}, comm_seconds={},
-                 model_state_bytes=dict(total=0), **({"peak_memory_bytes": peak} if peak else {}))
-            for s in (1, 2, 3)]
+                 model_state_bytes=dict(total=0), **memory) for s in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("make_error, status", [
@@ -174,7 +175,8 @@ def _history(peak=None):
 ], ids=["oom", "crashed", "timeout", "refused"])
 def test_a_failed_point_is_a_row_too_and_the_sweep_still_stops(make_error, status, tmp_path,
                                                                monkeypatch):
-    """The points before it keep their rows (with the trainer's peak memory); the failed one
+    """The points before it keep their rows (with the trainer's peak reserved memory, what
+    runs out, not the allocated); the failed one
     is oom or crashed; a point the trainer refused as bad input measured nothing: no row."""
     error = make_error()
     outcomes = iter([_history(peak=2**29), error])
@@ -191,7 +193,7 @@ def test_a_failed_point_is_a_row_too_and_the_sweep_still_stops(make_error, statu
     runs, _ = read_runs(csv)
     failed = [(status, 2)] if status else []
     assert [(r.status, r.layout.dp) for r in runs] == [("ok", 1)] + failed
-    assert runs[0].peak_mem_gib == 0.5 and runs[0].tokens_per_s_gpu == pytest.approx(16 * 16 / 0.1)
+    assert runs[0].peak_mem_gib == 1.0 and runs[0].tokens_per_s_gpu == pytest.approx(16 * 16 / 0.1)
     if status:
         assert runs[1].tokens_per_s_gpu != runs[1].tokens_per_s_gpu   # NaN
 

@@ -52,7 +52,8 @@ shard spec of ``--zero``/``--shard``, micro-batch size, micro-batches as grad_ac
 schedule, chunks, sp: the layout the prediction uses), ``flash`` (minipar's attention is
 ``F.scaled_dot_product_attention``, a fused kernel, except the ring attention of cp > 1, which
 is not), framework ``minipar``, status ``ok`` with tokens/s per process and the trainer's
-measured peak memory (``peak_memory_bytes``, CUDA's max allocated: NaN on CPU). A point that
+measured peak memory (``peak_reserved_bytes``, CUDA's max reserved, what the caching allocator
+held and so what runs out: NaN on CPU). A point that
 fails still appends the rows of the points before it and its own, status ``oom`` when its
 output says it ran out of memory, else ``crashed`` (a timeout too), and the sweep then stops
 with status 1 as before. A row's dtype is the trainer's: fp32, or mixed for bf16 and fp16
@@ -311,12 +312,14 @@ def measure(point: Point, history: list[dict], warmup: int) -> dict:
     comm = [sum(h["comm_seconds"].values()) for h in timed if "comm_seconds" in h]
     comm_s = statistics.median(comm) if comm else None
     last = timed[-1]
-    peaks = [h["peak_memory_bytes"] for h in history if h.get("peak_memory_bytes")]
+    peaks, held = ([h[k] for h in history if h.get(k)]
+                   for k in ("peak_memory_bytes", "peak_reserved_bytes"))
     return dict(step_time_s=step, tokens_per_s=point.batch_size * point.seq_len / step,
                 comm_s=comm_s, compute_s=step - comm_s if comm_s is not None else None,
                 comm_bytes=sum(last["comm_bytes"].values()), comm_bytes_by_op=last["comm_bytes"],
                 model_state_bytes=last["model_state_bytes"]["total"], loss=last["loss"],
-                timed_steps=len(timed), peak_memory_bytes=max(peaks) if peaks else None)
+                timed_steps=len(timed), peak_memory_bytes=max(peaks) if peaks else None,
+                peak_reserved_bytes=max(held) if held else None)
 
 
 def predict(point: Point, model: str, hardware: str, chunks: int = 1, schedule: str = "1f1b",
@@ -365,7 +368,7 @@ def run_row(point: Point, measured: dict | None, cfg, launcher: str, tasks_per_n
     else:                            # local, inprocess: this machine's N processes
         nodes, per_node = 1, n
     ok = status == "ok"
-    peak = measured.get("peak_memory_bytes") if ok else None
+    peak = measured.get("peak_reserved_bytes") if ok else None     # what runs out: held
     return Run(shape=model_shape(cfg), layout=plan_layout(point, cfg.chunks, cfg.schedule, cfg.sp),
                nodes=nodes, gpus_per_node=per_node, framework="minipar",
                # model.CausalSelfAttention.core is F.scaled_dot_product_attention (fused); the

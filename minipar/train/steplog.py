@@ -15,7 +15,8 @@ or saves. With the default ``--log-every 1`` every step is one, as before.
   ``step_time_s`` (the mean wall time per step since the previous logging step: its own time
   when every step logs), ``tokens_per_s`` and ``model_state_bytes``; the logging step's record
   adds the rest (docs/reference.md, "Metrics line"): ``comm_seconds`` and ``grad_norm`` of that
-  step, MFU, and ``peak_memory_bytes`` over the interval.
+  step, MFU, and on CUDA ``peak_memory_bytes`` and ``peak_reserved_bytes`` (the most any rank
+  allocated, and held in the caching allocator) over the interval.
 """
 from __future__ import annotations
 
@@ -72,12 +73,15 @@ class StepLog:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = (time.perf_counter() - self.t0) / len(self.pending)
-        memory = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        cuda = self.device.type == "cuda"
+        memory = torch.cuda.max_memory_allocated(self.device) if cuda else 0
+        reserved = torch.cuda.max_memory_reserved(self.device) if cuda else 0
         on = comm.scalar_device()
         losses = torch.stack([t.to(on, torch.float64) for t in self.losses])
         state = engine.model_state_bytes()
         peaks = torch.tensor([state["params"], state["grads"], state["optimizer"],
-                              state["total"], step_time, memory], dtype=torch.float64, device=on)
+                              state["total"], step_time, memory, reserved], dtype=torch.float64,
+                             device=on)
         with comm.untracked():                 # metrics bookkeeping, not training traffic
             comm.all_reduce(losses, comm.WORLD)
             comm.all_reduce(peaks, comm.WORLD, op="max")
@@ -92,8 +96,8 @@ class StepLog:
         records[-1].update(
             comm_seconds=comm.stats.seconds_by_op(), comm_clock=comm.clock(),
             grad_norm=grad_norm(), **mfu.utilisation(self.flops, peaks[4], self.peak, self.world))
-        if self.device.type == "cuda":
-            records[-1]["peak_memory_bytes"] = int(peaks[5])
+        if cuda:            # allocated: live tensors; reserved: what the caching allocator held
+            records[-1].update(peak_memory_bytes=int(peaks[5]), peak_reserved_bytes=int(peaks[6]))
         return records
 
 
