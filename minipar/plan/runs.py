@@ -16,8 +16,8 @@ node, an ``srun`` allocation); ``read_runs`` also reads the Ultra-Scale Playbook
 (``minipar/hardware/runs/playbook-grid-1B-8B.csv``: its ``zero`` column, the shapes below)
 into the same rows. ``plan fit`` fits a hardware profile to them (``plan.fit``).
 
-A run's MFU is recomputed from its tokens/s with the planner's own FLOPs per token
-(``shapes.training_flops``) and the hardware's datasheet peak, so every source counts alike.
+The ``mfu`` column is informational (``write_runs`` leaves it empty): MFU is recomputed from
+tokens/s, FLOPs per token (``shapes.training_flops``) and the datasheet peak, alike for all.
 """
 from __future__ import annotations
 
