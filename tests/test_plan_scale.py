@@ -458,6 +458,13 @@ def test_megatron_interleaves_uneven_stages_as_megatron_lm_runs_them():
                  shard=(1, 1, 48))
     e = estimate(shape, hw, lay, framework=fw, flash=True)
     st = stages(shape, 4, "megatron", 4)
+    # the user reads the split off (Megatron-LM's --decoder-first/last-pipeline-num-layers)
+    assert e.stages == (24, 24, 24, 20) and e.to_json()["stages"] == [24, 24, 24, 20]
+    from minipar.plan.search import explain
+    assert "  layers per pipeline stage, first to last: 24 x 3, 20\n" in explain(e)
+    even = estimate(shape, hw, replace(lay, v=1, pp=2, dp=96, shard=(1, 1, 96)), framework=fw,
+                    flash=True)
+    assert even.stages == (46, 46) and "layers per pipeline stage" not in explain(even)
     per_mb = [stage_time(shape, hw, lay, x, fw.order, "mixed", True, fw)["per_mb"] for x in st]
     assert e.times["bubble"] == pytest.approx((sum(per_mb) - max(per_mb)) / 4)
     peaks = [stage_memory(shape, lay, x, True, "mixed", fw) for x in st]

@@ -65,8 +65,7 @@ class Estimate:
     memory: dict            # bytes per device: params, grads, optimizer, activations,
                             # temporary, total
     capacity: float         # usable bytes per device
-    times: dict             # seconds per step: compute, tp_comm, cp_comm, cp_exposed,
-                            # bubble, pp_comm, dp_comm, dp_exposed, step
+    times: dict             # seconds a step: STEP_PARTS, compute_* parts, cp_comm, dp_comm, step
     flops: dict             # per step, whole job: model, hardware
     tokens_per_s: float
     mfu: float
@@ -75,6 +74,7 @@ class Estimate:
     notes: list = field(default_factory=list)
     unvalidated: list = field(default_factory=list)   # collectives timed beyond measurement
     cp_bytes: int = 0       # bytes one rank sends round the cp ring per step (heaviest stage)
+    stages: tuple = ()      # layers on each pipeline stage, first to last (``stages``)
 
     @property
     def fits(self) -> bool:
@@ -107,7 +107,7 @@ class Estimate:
             "times": dict(self.times), "shares": self.shares(),
             "model": self.model, "hardware": self.hardware, "framework": self.framework,
             "unvalidated": list(self.unvalidated), "cp_bytes": self.cp_bytes,
-            "notes": list(self.notes)}
+            "notes": list(self.notes), "stages": list(self.stages)}
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
@@ -314,6 +314,7 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
         capacity=capacity(hw, fw, reserve), times=times,
         **rates(shape, hw, layout, times["step"], flops),
         unvalidated=unvalidated(shape, hw, layout, order, fw, dtype),
+        stages=tuple(st.layers for st in stage_list(shape, layout, fw)),
         cp_bytes=cp_comm_bytes(layout.micro_batch, shape.seq_len, shape.kv_hidden, layout.cp,
                                max(st.layers for st in stage_list(shape, layout, fw)),
                                layout.microbatches, layout.tp, ACTIVATION_BYTES[dtype],

@@ -91,7 +91,7 @@ def check(moe: MoE | None, ep: int = 1, dp: int | None = None) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Parameters and FLOPs
+# Parameters, FLOPs and memory
 # --------------------------------------------------------------------------------------
 def params(shape: ModelShape, moe: MoE) -> dict[str, int]:
     """Total and active (per token) parameters, and those of the experts."""
@@ -113,9 +113,6 @@ def training_flops(shape: ModelShape, moe: MoE, batch: int, recompute: str = "no
                                                                         recompute)
 
 
-# --------------------------------------------------------------------------------------
-# Memory
-# --------------------------------------------------------------------------------------
 def state_bytes(shape: ModelShape, moe: MoE, dp: int = 1, ep: int = 1, shard=None,
                 zero: int | None = None, tp: int = 1, pp: int = 1,
                 dtype: str = "mixed", cp: int = 1) -> dict[str, int]:
@@ -208,7 +205,7 @@ def all_to_all_time(nbytes: float, calls: int, ep: int, stride: int, hw) -> floa
 
 
 # --------------------------------------------------------------------------------------
-# One layout: the dense estimate, adjusted
+# One layout: the dense estimate, adjusted; the command line's hooks
 # --------------------------------------------------------------------------------------
 def edp_stride(lay, order: str, gpus_per_node: int, ep: int) -> int:
     """The distance between neighbours of an expert's replicas, as one evenly spaced group
@@ -295,9 +292,6 @@ def adjust(e, shape: ModelShape, moe: MoE, ep: int, hw, order: str = "tp,pp,dp",
                                **rates(shape, hw, lay, times["step"], flops))
 
 
-# --------------------------------------------------------------------------------------
-# The command line's hooks
-# --------------------------------------------------------------------------------------
 def from_args(args) -> MoE | None:
     moe = MoE(args.moe_experts, args.moe_top_k, args.moe_every) if args.moe_experts else None
     check(moe, args.ep)

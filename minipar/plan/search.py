@@ -49,6 +49,7 @@ import bisect
 import heapq
 import math
 from dataclasses import replace
+from itertools import groupby
 
 from .errors import PlanError, raise_if
 from .estimate import (Estimate, dp_collectives, dp_exposure, dp_profile, estimate,
@@ -506,6 +507,10 @@ def explain(best: Estimate, runner_up: Estimate | None = None, label: str = "bes
         lines.append("  unvalidated: " + "; ".join(best.unvalidated) + " (timed by the "
                      "alpha-beta model at the measured network efficiency, never faster "
                      "than the widest measured row)")
+    if len(set(best.stages)) > 1:   # uneven: what Megatron-LM's first/last-stage flags say
+        lines.append("  layers per pipeline stage, first to last: " + ", ".join(
+            f"{k} x {n}" if (n := len(list(g))) > 1 else str(k)
+            for k, g in groupby(best.stages)))
     lines += [f"  note: {n}" for n in best.notes]   # unfitted hardware, shared cores, MoE
     if runner_up is not None:
         deltas = {k: runner_up.times[k] - t[k] for k in _PARTS}
