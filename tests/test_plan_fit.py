@@ -308,7 +308,14 @@ def test_unfitted_presets_say_so_and_fitted_ones_quote_their_error_bar(capsys):
         f"hardware playbook-h100 is fitted to measured runs; measured / predicted tokens/s on "
         f"runs kept out of its fit, 10th-90th percentile: {bar}"]
     unheld = replace(profile, fitted={**profile.fitted, "holdout": []})
-    assert "percentile: none" in estimate(shape, unheld, lay).notes[0]
+    assert "percentile: none recorded" in estimate(shape, unheld, lay).notes[0]
+    older = dict(held, priced=3)                      # recorded before the band existed
+    del older["band_p10"], older["band_p90"]
+    allcrashed = dict(held, priced=0, band_p10=math.nan, band_p90=math.nan)
+    for holdouts in ([older], [allcrashed]):
+        note = estimate(shape, replace(profile, fitted={**profile.fitted, "holdout": holdouts}),
+                        lay).notes[0]
+        assert note.endswith("percentile: none recorded"), note
     for command in (["estimate", "--tp", "8", "--micro-batch", "1"], ["search", "--top", "2"]):
         for hardware, said in (("dgx-h100", True), ("playbook-h100", False)):   # what it prints
             r = _plan(capsys, *command, "--model", "llama3-8b", "--gpus", "64", "--hardware", hardware)
@@ -369,13 +376,18 @@ def test_bad_runs_files_exit_2_with_one_line(tmp_path, capsys):
         bad.write_text("\n".join([text[0], ",".join(row)]) + "\n")
         _one_line_exit_2(_plan(capsys, "fit", str(bad), "--hardware", "dgx-h100"), "line 2",
                          f"{column} is one of", repr(value))
+    row = text[1].split(",")                          # a blank flag is 0, as before
+    row[header.index("dropout")] = ""
+    bad.write_text("\n".join([text[0], ",".join(row)]) + "\n")
+    assert read_runs(bad)[0][0].shape.dropout is False
     nodes = sorted({r.nodes for r in synthetic_runs()[:6]})
     _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--holdout",
                            f"nodes={nodes[0]},3"), "names no run with nodes 3")
     _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--kfold",
-                           "model"), "holding out model=syn leaves no run")   # one model
-    _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "-o",
-                           str(tmp_path / "no" / "such.json")), "-o", "does not exist")
+                           "model"), "holding out model=syn leaves under 3 runs")   # one model
+    for target in (tmp_path / "no" / "such.json", tmp_path):   # a missing folder, a folder
+        _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "-o",
+                               str(target)), "-o", "a directory, or in a missing")
     _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--holdout",
                            "nodes=1", "--kfold", "nodes"), "not allowed with")   # one or the other
     grid = tmp_path / "grid.csv"                      # the Playbook's format: the line too
@@ -432,9 +444,12 @@ def test_the_reference_shows_the_profile_s_recorded_scores():
 
 
 def test_a_fold_that_cannot_fit_stops_before_any_fit(tmp_path, capsys, monkeypatch):
+    """Two runs on 1 node and twelve on 2 under --kfold nodes: holding out 2 nodes leaves two
+    runs, too few, and that is said before any fold (or the whole grid) is fitted."""
     import minipar.plan.fit as plan_fit
     monkeypatch.setattr(plan_fit, "fit", lambda *a: pytest.fail("fitted before the folds were checked"))
+    runs = synthetic_runs()
     good = tmp_path / "good.csv"
-    write_runs(good, synthetic_runs()[:6])
-    _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--kfold", "model"),
-                     "leaves no run")
+    write_runs(good, [r for r in runs if r.nodes == 1][:2] + [r for r in runs if r.nodes == 2][:12])
+    _one_line_exit_2(_plan(capsys, "fit", str(good), "--hardware", "dgx-h100", "--kfold", "nodes"),
+                     "holding out nodes=2 leaves under 3 runs")

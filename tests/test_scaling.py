@@ -210,6 +210,19 @@ def test_runs_refuses_what_a_row_cannot_say_before_any_point(tmp_path, monkeypat
     assert not os.path.exists(csv)
 
 
+def test_the_prediction_prices_a_point_on_the_nodes_its_row_says():
+    """Eight local processes are one node of eight (what ``run_row`` writes and ``plan fit``
+    prices), not two of laptop-cpu's four; under srun, nodes of --tasks-per-node ranks."""
+    assert scaling.node_shape(8, "local", 4) == (1, 8)
+    assert scaling.node_shape(8, "srun", 4) == (2, 4) and scaling.node_shape(2, "srun", 4) == (1, 2)
+    point = scaling.plan_points("weak", [8], NANO)[0]
+    one_node = scaling.predict(point, "nano", "laptop-cpu", per_node=8)
+    two_nodes = scaling.predict(point, "nano", "laptop-cpu", per_node=4)
+    assert one_node["step_time_s"] != two_nodes["step_time_s"]
+    assert two_nodes == scaling.predict(point, "nano", "laptop-cpu")      # the preset's 4
+    assert "8 processes share" in one_node["notes"][1]
+
+
 def test_srun_points_are_rows_of_whole_nodes(monkeypatch):
     point = scaling.plan_points("weak", [8], NANO + ["--tp", "2"])[0]
     cfg = scaling.trainer_config([*point.argv, "--nproc", "8", "--backend", "gloo"])

@@ -297,9 +297,9 @@ def estimate(shape: ModelShape, hardware: Hardware | str, layout: Layout,
     times["compute"] += times.pop("interference")
     times["step"] = sum(times[k] for k in STEP_PARTS)
     held = [f"{f['band_p10']:.2f}-{f['band_p90']:.2f}x on {f['priced']} runs of {f['holdout']}"
-            for f in (hw.fitted or {}).get("holdout", []) if "band_p10" in f]
+            for f in (hw.fitted or {}).get("holdout", []) if f.get("priced") and "band_p10" in f]
     notes = [f"hardware {hw.name} is fitted to measured runs; measured / predicted tokens/s on "
-             f"runs kept out of its fit, 10th-90th percentile: {'; '.join(held) or 'none'}"
+             f"runs kept out of its fit, 10th-90th percentile: {'; '.join(held) or 'none recorded'}"
              if hw.fitted else f"hardware {hw.name} is unfitted: efficiencies set by hand, not "
              f"fitted to measured runs (python -m minipar.plan fit RUNS.csv --hardware {hw.name})"]
     slower = hw.oversubscription(layout.gpus)

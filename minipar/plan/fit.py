@@ -351,8 +351,9 @@ def cross_validate(runs: list[Run], base: Hardware, holdout: str | None = None,
                  for v in sorted({key(r) for r in runs})]
     splits = [(name, held, [r for r in runs if all(r is not h for h in held)])
               for name, held in folds]
-    if empty := [name for name, _, kept in splits if not any(r.ran for r in kept)]:
-        raise PlanError(f"holding out {empty[0]} leaves no run that ran to fit")   # before a fit
+    priced = {id(r) for r, e in zip(runs, predictions(runs, base)) if r.ran and e is not None}
+    if few := [name for name, _, kept in splits if sum(id(r) in priced for r in kept) < 3]:
+        raise PlanError(f"holding out {few[0]} leaves under 3 runs that ran and can be priced")
     out = []
     for name, held, kept in splits:
         hw, report = fit(kept, base)
@@ -372,11 +373,17 @@ def _value(v: float) -> str:
     return f"{v:.3g}" if v is not None and math.isfinite(v) else "-"
 
 
+STATUS = {"fitted": "", "kept": "not moved by the runs: the base's value kept", "bound":
+          "on its bound (its error says nothing)", "undetermined": "its error undetermined (no "
+          "more runs than parameters)"}       # what ``_fit`` reports of each parameter
+
+
 def cmd_fit(args) -> None:
     runs, notes = read_runs(args.runs)
     base = load_hardware(args.hardware)
-    if args.output and not os.access(Path(args.output).resolve().parent, os.W_OK):
-        raise PlanError(f"-o {args.output}: its directory does not exist or is not writable")
+    target = Path(args.output or ".").resolve()
+    if args.output and (target.is_dir() or not os.access(target.parent, os.W_OK)):
+        raise PlanError(f"-o {args.output}: a directory, or in a missing or read-only one")
     folds = cross_validate(runs, base, args.holdout, args.kfold) if args.holdout or args.kfold else []
     hw, report = fit(runs, base)              # after the folds, so a bad one stops first
     fitted = {"data": Path(args.runs).name, "sha256": digest(args.runs), "rows": len(runs),
@@ -385,12 +392,8 @@ def cmd_fit(args) -> None:
     where = f"{fitted['data']} (sha256 {fitted['sha256'][:12]}..., {len(runs)} runs)"
     said: dict = {}          # by field: what the fit did to each of its parameters
     for name, (value, error, status) in report["parameters"].items():
-        said.setdefault(name.partition("@")[0], []).append(
-            {"fitted": f"{name} fitted to {where}: {value:.4g} +- {error or 0:.2g}",
-             "kept": f"{name} not moved by {where}: {base.name}'s value kept",
-             "undetermined": f"{name} fitted to {where}: {value:.4g}, its error "
-                             f"undetermined (no more runs than parameters)",
-             "bound": f"{name} fitted to {where}: {value:.4g}, on its bound"}[status])
+        how = f"{value:.4g}" + (f" +- {error:.2g}" if status == "fitted" else f", {STATUS[status]}")
+        said.setdefault(name.partition("@")[0], []).append(f"{name} fitted to {where}: {how}")
     sources = {**base.sources, **{key: "; ".join(texts) for key, texts in said.items()}}
     sources["memory_sigma"] = f"fitted to {where}: the memory residuals' robust sd"
     profile = replace(hw, name=args.name or f"{base.name}-fitted", fitted=fitted,
@@ -399,10 +402,8 @@ def cmd_fit(args) -> None:
     out = profile.to_dict()
     if args.output:
         Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
-    notes_of = {"kept": "not moved: base value kept", "undetermined": "undetermined: no more "
-                "runs than parameters", "bound": "on its bound: not determined", "fitted": ""}
-    rows = [[name, _value(v), _value(e), notes_of[status] or
-             ("poorly determined" if e > abs(v) else "")]
+    rows = [[name, _value(v), _value(e), STATUS[status] or ("poorly determined" if e > abs(v)
+                                                             else "")]
             for name, (v, e, status) in report["parameters"].items()]
     lines = [*notes, text_table(rows, ["parameter", "value", "std. error", ""]),
              f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "

@@ -153,9 +153,8 @@ def stage_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage=None) -> int
             per_rank["head"] + (per_rank["tied_copy"] if pp > 1 else 0) if stage.head else 0)
         return stage.layers * per_rank["layer"] + ends
     layers = shape.layers // pp * per_rank["layer"]
-    if pp == 1:
-        return layers + per_rank["embedding"] + per_rank["head"]
-    return layers + max(per_rank["embedding"], per_rank["head"] + per_rank["tied_copy"])
+    return layers + (per_rank["embedding"] + per_rank["head"] if pp == 1 else    # both ends here
+                     max(per_rank["embedding"], per_rank["head"] + per_rank["tied_copy"]))
 
 
 def activation_coefficients(shape: ModelShape,

@@ -123,7 +123,7 @@ def _run(row: dict, where: str, playbook: bool) -> Run:
         status = "ok" if math.isfinite(tok) else "crashed"
     else:
         dims = (_int(row, k, where) for k in ("layers", "hidden", "heads", "vocab", "seq_len"))
-        tied, bias, dropout, sp, flash = (_one_of(row, k, where, ("0", "1")) == "1"
+        tied, bias, dropout, sp, flash = (_one_of(row, k, where, ("0", "1"), "0") == "1"
                                           for k in ("tied", "bias", "dropout", "sp", "flash"))
         shape = ModelShape(row["model"], row["arch"], *dims, _int(row, "ffn_hidden", where, 0),
                            tied_head=tied, bias=bias, kv_heads=_int(row, "kv_heads", where, 0),

@@ -322,13 +322,24 @@ def measure(point: Point, history: list[dict], warmup: int) -> dict:
                 peak_reserved_bytes=max(held) if held else None)
 
 
+def node_shape(processes: int, launcher: str, tasks_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node) a point runs on: under srun ceil(N / K) nodes of K ranks (N <=
+    K: one node of N, ``command``); local and inprocess, this machine's N processes."""
+    if launcher == "srun":
+        return -(-processes // tasks_per_node), min(processes, tasks_per_node)
+    return 1, processes
+
+
 def predict(point: Point, model: str, hardware: str, chunks: int = 1, schedule: str = "1f1b",
-            sp: bool = False, dtype: str = "fp32") -> dict:
-    """The planner's step time and tokens/s for the layout that ``point`` runs."""
+            sp: bool = False, dtype: str = "fp32", per_node: int | None = None) -> dict:
+    """The planner's step time and tokens/s for the layout that ``point`` runs, on nodes of
+    ``per_node`` ranks (``node_shape``; None: the hardware's), as ``plan fit`` prices its row."""
     from .. import plan
     shape = plan.model_preset(model, seq_len=point.seq_len)
     layout = plan_layout(point, chunks, schedule, sp)
-    e = plan.estimate(shape, hardware, layout, check=False,
+    hw = plan.load_hardware(hardware)
+    e = plan.estimate(shape, replace(hw, gpus_per_node=per_node or hw.gpus_per_node), layout,
+                      check=False,
                       dtype="fp32" if dtype == "fp32" else "mixed")   # bf16, fp16: 2+2+12 bytes
     return dict(step_time_s=e.step_time, tokens_per_s=e.tokens_per_s,
                 comm_s=e.times["tp_comm"] + e.times["pp_comm"] + e.times["dp_exposed"],
@@ -363,10 +374,7 @@ def run_row(point: Point, measured: dict | None, cfg, launcher: str, tasks_per_n
     ``measured`` is its ``measure`` (None unless status is ok)."""
     from ..plan.runs import Run
     n = point.processes
-    if launcher == "srun":           # ``command``: ceil(N / K) nodes of K ranks (N <= K: one)
-        nodes, per_node = -(-n // tasks_per_node), min(n, tasks_per_node)
-    else:                            # local, inprocess: this machine's N processes
-        nodes, per_node = 1, n
+    nodes, per_node = node_shape(n, launcher, tasks_per_node)
     ok = status == "ok"
     peak = measured.get("peak_reserved_bytes") if ok else None     # what runs out: held
     return Run(shape=model_shape(cfg), layout=plan_layout(point, cfg.chunks, cfg.schedule, cfg.sp),
@@ -491,7 +499,8 @@ def sweep(mode: str, nproc_list: list[int] | str, trainer_argv: list[str] = (),
                           model=cfg.model, launcher=launcher, machine=machine(launcher),
                           measured=measure(point, history, warmup),
                           predicted=predict(point, cfg.model, hardware, cfg.chunks,
-                                            cfg.schedule, cfg.sp, cfg.dtype))
+                                            cfg.schedule, cfg.sp, cfg.dtype, node_shape(
+                                                point.processes, launcher, tasks_per_node)[1]))
             records.append(record)
             efficiencies(records, "measured")
             efficiencies(records, "predicted")
