@@ -311,10 +311,10 @@ def score(runs: list[Run], hw: Hardware) -> dict:
             "false_crash": crash["fp"] / max(1, crash["fp"] + crash["tn"])}
 
 
-def residuals_by(runs: list[Run], hw: Hardware, key) -> dict:
-    """Median predicted / measured tokens/s of the runs that ran, grouped by ``key(run)``."""
+def residuals_by(runs: list[Run], estimates: list, key) -> dict:
+    """Median predicted / measured tokens/s of the runs that ran (``estimates``) by ``key(run)``."""
     groups: dict = {}
-    for r, e in ((r, e) for r, e in zip(runs, predictions(runs, hw)) if r.ran and e is not None):
+    for r, e in ((r, e) for r, e in zip(runs, estimates) if r.ran and e is not None):
         groups.setdefault(key(r), []).append(e.tokens_per_s / r.tokens_per_s_gpu / r.layout.gpus)
     return {k: (len(v), float(np.median(v))) for k, v in sorted(groups.items())}
 
@@ -357,9 +357,8 @@ def cross_validate(runs: list[Run], base: Hardware, holdout: str | None = None,
     out = []
     for name, held, kept in splits:
         hw, report = fit(kept, base)
-        values = {k: v[0] for k, v in report["parameters"].items()}
-        out.append({"holdout": name, **score(held, hw), "parameters": values,
-                    "memory_sigma": hw.memory_sigma})
+        out.append({"holdout": name, **score(held, hw), "memory_sigma": hw.memory_sigma,
+                    "parameters": {k: v[0] for k, v in report["parameters"].items()}})
     return out
 
 
@@ -408,11 +407,12 @@ def cmd_fit(args) -> None:
     lines = [*notes, text_table(rows, ["parameter", "value", "std. error", ""]),
              f"log-residual sd: time {report['log_sigma_time']:.3f}, memory "
              f"{report['log_sigma_memory']:.3f}"]
+    estimates = predictions(runs, profile)
     for title, key in (("nodes", lambda r: r.nodes), ("tp", lambda r: r.layout.tp),
                        ("pp", lambda r: r.layout.pp), ("dp", lambda r: r.layout.dp),
                        ("measured peak / device memory", lambda r: peak_share(r, profile))):
         lines.append(f"predicted / measured tokens/s by {title}: " + ", ".join(
-            f"{k}: {v:.2f} ({n})" for k, (n, v) in residuals_by(runs, profile, key).items()))
+            f"{k}: {v:.2f} ({n})" for k, (n, v) in residuals_by(runs, estimates, key).items()))
     if twin := fitted["twins"]:
         spread = ", ".join(f"{c}: {math.exp(x):.2f} ({n})" for c, (n, x) in twin.items())
         lines.append("runs differing only in ZeRO stage 0-2 (priced near alike), measured "
