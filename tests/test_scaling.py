@@ -155,9 +155,38 @@ def test_runs_csv_holds_every_point_and_plan_fit_reads_it(tmp_path):
     fit = subprocess.run([sys.executable, "-m", "minipar.plan", "fit", str(csv), "--hardware",
                           "laptop-cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": ROOT})
-    assert fit.returncode == 0, fit.stderr
-    assert "parameter" in fit.stdout and "compute_efficiency" in fit.stdout, fit.stdout
-    assert "by measured peak / device memory: not logged: " in fit.stdout   # NaN on CPU
+    # three runs timed on a shared 2-core machine need not pin eleven parameters down: the fit
+    # reads them and either prints a profile or says in one line that it did not converge
+    # (that it prints one for such a sweep: the next test, on fixed timings)
+    if fit.returncode == 2:
+        assert len(fit.stderr.strip().splitlines()) == 1 and "did not converge" in fit.stderr
+    else:
+        assert fit.returncode == 0 and "compute_efficiency" in fit.stdout, fit.stderr
+
+
+def test_plan_fit_prints_a_profile_for_this_machine_s_sweep(tmp_path, capsys):
+    """The previous test's three rows, written by the sweep's own ``run_row`` but with fixed
+    timings (the laptop-cpu prediction off by 1.3, 0.8 and 1.1), fit to a profile: its values,
+    the residuals, and the peak memory CPU runs do not log."""
+    from minipar.plan.__main__ import main
+    from minipar.plan.runs import write_runs
+    rows = []
+    for (mode, n, extra), off in zip([("weak", 1, ["--zero", "1"]), ("weak", 2, ["--zero", "1"]),
+                                      ("strong", 2, ["--tp", "2", "--batch-size", "8",
+                                                     "--microbatches", "2", "--seq-len", "8"])],
+                                     (1.3, 0.8, 1.1)):
+        point = scaling.plan_points(mode, [n], NANO + extra)[0]
+        cfg = scaling.trainer_config([*point.argv, "--nproc", str(n), "--backend", "gloo"])
+        predicted = scaling.predict(point, cfg.model, "laptop-cpu", cfg.chunks, cfg.schedule,
+                                    cfg.sp, cfg.dtype, per_node=n)
+        measured = dict(tokens_per_s=predicted["tokens_per_s"] * off, peak_reserved_bytes=None)
+        rows.append(scaling.run_row(point, measured, cfg, "local", 4))
+    csv = tmp_path / "runs.csv"
+    write_runs(csv, rows)
+    assert main(["fit", str(csv), "--hardware", "laptop-cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "parameter" in out and "compute_efficiency" in out, out
+    assert "by measured peak / device memory: not logged: " in out   # NaN on CPU
 
 
 def _history(peak=None):
